@@ -1,0 +1,198 @@
+"""Checkpointer: a dict of named stateful parts saved and restored as one checkpoint.
+
+Parts are anything with `state_dict()` / `load_state_dict()`. `save` snapshots them and
+persists the snapshot through the commit protocol (`trainer.repo`); with `async_save` the
+persisting happens on a background thread while training continues, and the next save (or
+`close`) waits for it. `load` verifies every file's SHA-256 before deserializing, and only
+ever with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import random
+import threading
+import time
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from trainer.errors import CheckpointError
+from trainer.repo import CheckpointRepo, Manifest
+
+log = logging.getLogger("trainer.checkpoint")
+
+STATE_FILE = "state.pt"  # rank r of a multi-rank save writes state-rank{r}.pt beside it
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class RNGState:
+    """Python, NumPy, torch CPU and CUDA generators, in types the safe loader accepts."""
+
+    def state_dict(self) -> dict[str, Any]:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state = {
+            "python": random.getstate(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["gauss"]))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class JSONValues:
+    """A user's plain JSON-serializable values, restored into the same dict in place."""
+
+    def __init__(self, values: dict[str, Any]):
+        self.values = values
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"json": json.dumps(self.values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values.clear()
+        self.values.update(json.loads(state["json"]))
+
+
+def _snapshot(obj: Any) -> Any:
+    """Copy every tensor so that training can mutate the originals during a background save."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, _snapshot(v)) for k, v in obj.items()) if type(obj) is not dict \
+            else {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_snapshot(v) for v in obj)
+    return obj
+
+
+class Checkpointer:
+    def __init__(self, repo: CheckpointRepo, parts: dict[str, Stateful], attempt: int,
+                 keep_last: int = 3, keep_best: bool = True, async_save: bool = False):
+        self.repo = repo
+        self.parts = parts
+        self.attempt = attempt
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.async_save = async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_saved_step: int | None = None
+        self.on_commit = None  # callable(Manifest, stats dict), set by the loop
+
+    # -- save ---------------------------------------------------------------------------
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        """Snapshot the parts at `step` and commit them (in the background if async)."""
+        self.wait()
+        if self.last_saved_step == step:
+            return  # two triggers fired on one step: one checkpoint
+        t0 = time.perf_counter()
+        state = {name: part.state_dict() for name, part in self.parts.items()}
+        if self.async_save:
+            state = _snapshot(state)
+            snap_s = time.perf_counter() - t0
+            self._thread = threading.Thread(
+                target=self._persist_bg, args=(step, state, meta, t0, snap_s), daemon=False)
+            self._thread.start()
+        else:
+            self._persist(step, state, meta, t0, 0.0)
+        self.last_saved_step = step
+
+    def _persist_bg(self, *args) -> None:
+        try:
+            self._persist(*args)
+        except BaseException as e:  # surfaced by the next wait()
+            self._error = e
+
+    def _persist(self, step: int, state: dict, meta: dict, t0: float, snap_s: float) -> Manifest:
+        pending = self.repo.begin(step, self.attempt)
+        with self.repo.write_file(pending, STATE_FILE) as w:
+            torch.save(state, w)
+        manifest = self.repo.commit(pending, meta)
+        stats = {"save_seconds": round(time.perf_counter() - t0, 4),
+                 "blocking_seconds": round(snap_s, 4) if self.async_save else None}
+        deleted = self.repo.apply_retention(self.keep_last, self.keep_best, self.attempt)
+        if deleted:
+            log.info("retention removed %s", ", ".join(deleted))
+        if self.on_commit:
+            self.on_commit(manifest, stats)
+        return manifest
+
+    def wait(self) -> None:
+        """Block until a background save has finished; re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def close(self) -> None:
+        self.wait()
+
+    # -- load ---------------------------------------------------------------------------
+    def load(self, manifest: Manifest) -> None:
+        """Verify `manifest`'s files, then restore every part from them."""
+        state = load_verified_state(self.repo, manifest)
+        missing = set(self.parts) - set(state)
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {self.repo.uri(manifest.name)} has no state for "
+                f"{sorted(missing)}; it was written by a different task or trainer version"
+            )
+        for name, part in self.parts.items():
+            try:
+                part.load_state_dict(state[name])
+            except (RuntimeError, KeyError, ValueError, TypeError) as e:
+                raise CheckpointError(
+                    f"checkpoint {self.repo.uri(manifest.name)} does not fit part {name!r}: {e}. "
+                    "Resume with the config the run was started with, or --resume never."
+                ) from e
+
+
+def load_verified_state(repo: CheckpointRepo, manifest: Manifest) -> dict[str, Any]:
+    """The state dict in `manifest`'s checkpoint, after its SHA-256 verified."""
+    key = repo.key(manifest.name, STATE_FILE)
+    if STATE_FILE not in manifest.files:
+        raise CheckpointError(f"checkpoint {repo.uri(manifest.name)} lists no {STATE_FILE}")
+    try:
+        f = repo.store.open_read(key)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint file {repo.store.uri_for(key)} is missing") from e
+    with f:
+        repo.verify_file(manifest, STATE_FILE, iter(lambda: f.read(8 << 20), b""))
+        f.seek(0)
+        return safe_torch_load(f, repo.store.uri_for(key))
+
+
+def safe_torch_load(f, where: str) -> Any:
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{where} holds objects the safe loader refuses (it may carry code that would run "
+            f"on load); it was not loaded. Detail: {str(e).splitlines()[0]}"
+        ) from e
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{where} could not be deserialized: {e}") from e

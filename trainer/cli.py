@@ -1,0 +1,77 @@
+"""`python -m trainer --config FILE [--store URI] [--resume auto|never|URI]`.
+
+Exit codes: 0 done; 143 stopped by SIGTERM/SIGINT after a checkpoint was committed;
+2 bad config or input; 3 checkpoint could not be loaded; 4 diverged; 5 store unavailable
+after retries; 6 superseded by a newer attempt of the same run; 1 any other error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+
+from trainer.errors import EXIT_BAD_INPUT, EXIT_USER_ERROR, FAILURE_CLASSES, TrainerError
+
+log = logging.getLogger("trainer")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse exits 2 too; keep its one-line message
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"trainer: error: {message}\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _Parser(prog="python -m trainer", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="training config (JSON or YAML)")
+    p.add_argument("--store", default=None,
+                   help="checkpoint store: file:///abs/path, a path, or s3://bucket/prefix "
+                        "(default: $CKPT_STORE_URI, else ./checkpoints)")
+    p.add_argument("--resume", default=None,
+                   help="auto (default: newest valid checkpoint, else fresh), never, or the "
+                        "URI of one checkpoint (default: $CKPT_RESUME_FROM)")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = args.store or os.environ.get("CKPT_STORE_URI") or os.path.abspath("checkpoints")
+    resume = (args.resume or os.environ.get("CKPT_RESUME_FROM")
+              or os.environ.get("CHECKPOINT_PATH") or "auto")
+
+    # Imported here so that `--help` and argument errors answer without loading torch.
+    from trainer.config import load_config
+    from trainer.loop import train
+    from trainer.report import Reporter
+    from trainer.signals import StopRequest
+
+    stop = StopRequest()
+    stop.install(exit_with_parent=os.environ.get("CKPT_EXIT_WITH_PARENT") == "1")
+    reporter = Reporter()
+    error: BaseException | None = None
+    try:
+        cfg = load_config(args.config)
+        code = train(cfg, store, resume, reporter, stop)
+    except TrainerError as e:
+        error, code = e, e.exit_code
+        log.error("%s: %s", e.failure_class, e)
+    except Exception as e:
+        error, code = e, EXIT_USER_ERROR
+        log.error("error in training code:\n%s", traceback.format_exc())
+    if code != 0:
+        reporter.event("failed", exit_code=code, failure_class=FAILURE_CLASSES.get(code, "error"),
+                       error_type=type(error).__name__ if error else None,
+                       message=str(error) if error else None)
+    reporter.close(None)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

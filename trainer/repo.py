@@ -1,0 +1,341 @@
+"""The commit protocol: checkpoints of one training run inside a store.
+
+    <experiment>/<run>/checkpoints/step-000000120-a2/   payload file(s) + MANIFEST.json
+    <experiment>/<run>/checkpoints/latest.json          pointer, moved last
+
+A checkpoint exists once its MANIFEST.json exists (written last, create-once). It is the
+run's current checkpoint once latest.json names it; latest.json only moves by a
+conditional write against the version this writer last saw, so of two attempts that
+share a run only one can advance it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.errors import CheckpointError, CheckpointNotFoundError, PointerConflictError
+from trainer.storage import HashingWriter, ObjectStore, WrittenObject, validate_name
+
+log = logging.getLogger("trainer.checkpoint")
+
+MANIFEST = "MANIFEST.json"
+POINTER = "latest.json"
+HEARTBEAT = "heartbeat.json"
+FORMAT_VERSION = 1
+POINTER_HISTORY = 16
+_NAME_RE = re.compile(r"^step-(\d{9})-a(\d+)$")
+
+
+def checkpoint_name(step: int, attempt: int) -> str:
+    return f"step-{step:09d}-a{attempt}"
+
+
+def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
+    m = _NAME_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+@dataclass
+class Manifest:
+    name: str
+    step: int
+    attempt: int
+    files: dict[str, dict[str, Any]]
+    parent: str | None
+    created_at: float
+    meta: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        try:
+            raw = json.loads(data)
+            m = cls(**raw)
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"manifest {where} is unreadable ({e}); it is corrupt") from e
+        if m.format_version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"manifest {where} has format version {m.format_version}; this trainer reads "
+                f"version {FORMAT_VERSION}. Resume with a matching trainer version."
+            )
+        if not isinstance(m.files, dict) or not all(
+            isinstance(v, dict) and "sha256" in v and "size" in v for v in m.files.values()
+        ):
+            raise CheckpointError(f"manifest {where} lists files without size and sha256")
+        return m
+
+    @property
+    def total_size(self) -> int:
+        return sum(int(f["size"]) for f in self.files.values())
+
+    @property
+    def sha256(self) -> str:
+        """One digest for the whole checkpoint: the hash of its manifest's file list."""
+        body = json.dumps(self.files, sort_keys=True).encode()
+        return hashlib.sha256(body).hexdigest()
+
+
+@dataclass
+class Pending:
+    """A checkpoint being written: files land under a name no one else uses."""
+
+    name: str
+    step: int
+    attempt: int
+    written: dict[str, WrittenObject] = field(default_factory=dict)
+
+
+class CheckpointRepo:
+    def __init__(self, store: ObjectStore, experiment: str, run: str):
+        self.store = store
+        self.experiment = validate_name(experiment, "experiment name")
+        self.run = validate_name(run, "run name")
+        self.prefix = f"{experiment}/{run}"
+        self.ckpt_prefix = f"{self.prefix}/checkpoints"
+        self.pointer_key = f"{self.ckpt_prefix}/{POINTER}"
+        self._pointer_token: str | None = None
+        self._pointer: dict[str, Any] | None = None
+        self.owner = uuid.uuid4().hex[:12]
+
+    # -- naming -------------------------------------------------------------------------
+    def key(self, name: str, filename: str | None = None) -> str:
+        k = f"{self.ckpt_prefix}/{name}"
+        return f"{k}/{filename}" if filename else k
+
+    def uri(self, name: str) -> str:
+        return self.store.uri_for(self.key(name))
+
+    # -- pointer ------------------------------------------------------------------------
+    def read_pointer(self) -> dict[str, Any] | None:
+        """The pointer, or None if there is none. An unreadable pointer raises CheckpointError."""
+        data, token = self.store.read_versioned(self.pointer_key)
+        self._pointer_token = token
+        if data is None:
+            self._pointer = None
+            return None
+        try:
+            ptr = json.loads(data)
+            if not isinstance(ptr, dict) or "generation" not in ptr:
+                raise ValueError("not a pointer object")
+        except ValueError as e:
+            self._pointer = None
+            raise CheckpointError(
+                f"{self.store.uri_for(self.pointer_key)} is unreadable ({e})"
+            ) from e
+        self._pointer = ptr
+        return ptr
+
+    def _move_pointer(self, **changes: Any) -> dict[str, Any]:
+        old = self._pointer or {"generation": 0, "checkpoint": None, "history": []}
+        new = {**old, **changes, "generation": int(old.get("generation", 0)) + 1,
+               "owner": self.owner, "updated_at": time.time()}
+        data = json.dumps(new, indent=1, sort_keys=True).encode()
+        try:
+            self._pointer_token = self.store.write_if(self.pointer_key, data, self._pointer_token)
+        except PointerConflictError as e:
+            raise PointerConflictError(
+                f"another attempt took over run {self.prefix} ({e}); this attempt stops "
+                "writing so that two attempts never advance one run"
+            ) from e
+        self._pointer = new
+        return new
+
+    def claim(self, attempt: int) -> dict[str, Any]:
+        """Make this attempt the run's only writer: older attempts' next commit will fail."""
+        try:
+            self.read_pointer()
+        except CheckpointError:
+            # An unreadable pointer is replaced by a claim (its token still fences).
+            pass
+        return self._move_pointer(attempt=attempt)
+
+    def next_attempt(self) -> int:
+        try:
+            ptr = self.read_pointer()
+        except CheckpointError:
+            ptr = None
+        attempts = [int(ptr.get("attempt", 0))] if ptr else [0]
+        attempts += [p[1] for n in self.list_names() if (p := parse_checkpoint_name(n))]
+        return max(attempts) + 1
+
+    # -- writing ------------------------------------------------------------------------
+    def begin(self, step: int, attempt: int) -> Pending:
+        return Pending(checkpoint_name(step, attempt), step, attempt)
+
+    @contextmanager
+    def write_file(self, pending: Pending, filename: str) -> Iterator[HashingWriter]:
+        key = self.key(pending.name, filename)
+        with self.store.create(key) as w:
+            yield w
+        pending.written[filename] = WrittenObject(key, w.size, w.hexdigest())
+
+    def commit(self, pending: Pending, meta: dict[str, Any]) -> Manifest:
+        """Manifest last inside the checkpoint, then the pointer (conditional)."""
+        parent = (self._pointer or {}).get("checkpoint")
+        manifest = Manifest(
+            name=pending.name,
+            step=pending.step,
+            attempt=pending.attempt,
+            files={n: {"size": w.size, "sha256": w.sha256} for n, w in pending.written.items()},
+            parent=parent,
+            created_at=time.time(),
+            meta=meta,
+        )
+        self.store.put_new(self.key(pending.name, MANIFEST), manifest.to_json())
+        history = [parent] + list((self._pointer or {}).get("history", [])) if parent else []
+        best = (self._pointer or {}).get("best")
+        if meta.get("is_best"):
+            best = {"checkpoint": pending.name, "score": meta.get("best_score")}
+        self._move_pointer(checkpoint=pending.name, step=pending.step, attempt=pending.attempt,
+                           history=history[:POINTER_HISTORY], best=best)
+        return manifest
+
+    # -- discovery and verification -------------------------------------------------------
+    def list_names(self) -> list[str]:
+        """Names of checkpoint directories (committed or not), oldest first."""
+        names = set()
+        for key in self.store.list(self.ckpt_prefix):
+            rest = key[len(self.ckpt_prefix) + 1:]
+            if "/" in rest and parse_checkpoint_name(rest.split("/")[0]):
+                names.add(rest.split("/")[0])
+        return sorted(names, key=lambda n: parse_checkpoint_name(n))
+
+    def committed(self) -> list[str]:
+        """Checkpoints that have a manifest, oldest first."""
+        keys = set(self.store.list(self.ckpt_prefix))
+        return [n for n in self.list_names() if self.key(n, MANIFEST) in keys]
+
+    def read_manifest(self, name: str) -> Manifest:
+        key = self.key(name, MANIFEST)
+        try:
+            data = self.store.read_bytes(key)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(
+                f"checkpoint {self.uri(name)} does not exist (no {MANIFEST}); list the run's "
+                f"checkpoints or use --resume auto"
+            ) from e
+        m = Manifest.from_json(data, self.store.uri_for(key))
+        if m.name != name:
+            raise CheckpointError(f"manifest {self.store.uri_for(key)} names {m.name!r}, not {name!r}")
+        return m
+
+    def verify_file(self, manifest: Manifest, filename: str, data_iter) -> None:
+        want = manifest.files[filename]
+        sha = hashlib.sha256()
+        size = 0
+        for chunk in data_iter:
+            sha.update(chunk)
+            size += len(chunk)
+        uri = self.store.uri_for(self.key(manifest.name, filename))
+        if size != int(want["size"]):
+            raise CheckpointError(
+                f"checkpoint file {uri} is {size} bytes but its manifest says {want['size']} "
+                "(truncated or corrupt)"
+            )
+        if sha.hexdigest() != want["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file {uri} has SHA-256 {sha.hexdigest()} but its manifest says "
+                f"{want['sha256']} (corrupt)"
+            )
+
+    def verify(self, name: str) -> Manifest:
+        """Read the manifest and check every file's size and SHA-256; raise CheckpointError."""
+        m = self.read_manifest(name)
+        for filename in m.files:
+            try:
+                f = self.store.open_read(self.key(name, filename))
+            except FileNotFoundError as e:
+                raise CheckpointError(
+                    f"checkpoint file {self.store.uri_for(self.key(name, filename))} listed in "
+                    "its manifest is missing"
+                ) from e
+            with f:
+                self.verify_file(m, filename, iter(lambda f=f: f.read(8 << 20), b""))
+        return m
+
+    def candidates(self) -> list[str]:
+        """Checkpoints to try, newest first: the pointer's, then its history.
+
+        The pointer is authoritative: a manifest it never named (a save that lost the
+        pointer race, or was cut off before step 3) is not part of the run's history.
+        Only when the pointer itself is unreadable do we fall back to every manifest.
+        """
+        try:
+            ptr = self.read_pointer()
+        except CheckpointError as e:
+            log.error("CHECKPOINT FALLBACK: %s; scanning all committed checkpoints instead", e)
+            return list(reversed(self.committed()))
+        if not ptr or not ptr.get("checkpoint"):
+            return []
+        return [ptr["checkpoint"], *ptr.get("history", [])]
+
+    def find_latest_valid(self) -> tuple[Manifest | None, list[tuple[str, str]]]:
+        """Newest checkpoint that verifies, and the (name, reason) of each one skipped."""
+        skipped: list[tuple[str, str]] = []
+        for name in self.candidates():
+            try:
+                m = self.verify(name)
+            except (CheckpointError, CheckpointNotFoundError) as e:
+                skipped.append((name, str(e)))
+                log.error("CHECKPOINT FALLBACK: skipping %s: %s", self.uri(name), e)
+                continue
+            if skipped:
+                log.error(
+                    "CHECKPOINT FALLBACK: resuming from %s (step %d) because %d newer "
+                    "checkpoint(s) failed verification", self.uri(name), m.step, len(skipped)
+                )
+            return m, skipped
+        return None, skipped
+
+    # -- retention ----------------------------------------------------------------------
+    def apply_retention(self, keep_last: int, keep_best: bool, current_attempt: int) -> list[str]:
+        """Delete committed checkpoints beyond the last `keep_last` (plus the best one), and
+        partial ones left by older, dead attempts. Never the one the pointer names."""
+        ptr = self._pointer or {}
+        keep = {ptr.get("checkpoint")}
+        if keep_best and ptr.get("best"):
+            keep.add(ptr["best"].get("checkpoint"))
+        timeline = [n for n in [ptr.get("checkpoint"), *ptr.get("history", [])] if n]
+        keep.update(timeline[: max(keep_last, 1)])
+        committed = set(self.committed())
+        deleted = []
+        for name in self.list_names():
+            if name in keep:
+                continue
+            parsed = parse_checkpoint_name(name)
+            if name not in committed and (parsed is None or parsed[1] >= current_attempt):
+                continue  # possibly a save in flight
+            self._delete(name)
+            deleted.append(name)
+        return deleted
+
+    def _delete(self, name: str) -> None:
+        keys = self.store.list(self.key(name))
+        manifest = self.key(name, MANIFEST)
+        # Manifest first: from that moment the checkpoint no longer exists for readers.
+        if manifest in keys:
+            self.store.delete(manifest)
+        for k in keys:
+            if k != manifest:
+                self.store.delete(k)
+
+    # -- heartbeat ----------------------------------------------------------------------
+    def heartbeat(self, payload: dict[str, Any]) -> None:
+        body = json.dumps({**payload, "owner": self.owner, "time": time.time()}).encode()
+        self.store.write_overwrite(f"{self.prefix}/{HEARTBEAT}", body)
+
+    def read_heartbeat(self) -> dict[str, Any] | None:
+        data, _ = self.store.read_versioned(f"{self.prefix}/{HEARTBEAT}")
+        return json.loads(data) if data else None

@@ -1,0 +1,77 @@
+"""Stores: `file:///abs/path`, a plain path, or `s3://bucket/prefix`."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import unquote, urlparse
+
+from trainer.errors import ConfigError
+from trainer.storage.base import (
+    NAME_RULE,
+    HashingWriter,
+    ObjectStore,
+    WrittenObject,
+    validate_key,
+    validate_name,
+)
+
+__all__ = [
+    "NAME_RULE",
+    "HashingWriter",
+    "ObjectStore",
+    "WrittenObject",
+    "open_store",
+    "split_uri",
+    "validate_key",
+    "validate_name",
+]
+
+STORE_HELP = "use file:///absolute/path, a plain directory path, or s3://bucket/prefix"
+
+
+def open_store(uri: str) -> ObjectStore:
+    """The store that `uri` names; bad URIs raise ConfigError naming the URI."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise ConfigError(f"empty store URI: {STORE_HELP}")
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        from trainer.storage.s3 import S3Store
+
+        if not parsed.netloc:
+            raise ConfigError(f"store URI {uri!r} has no bucket: {STORE_HELP}")
+        prefix = parsed.path.strip("/")
+        if prefix:
+            validate_key(prefix)
+        return S3Store(parsed.netloc, prefix)
+    from trainer.storage.local import LocalStore
+
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"store URI {uri!r} names a host; {STORE_HELP}")
+        return LocalStore(unquote(parsed.path))
+    if parsed.scheme and len(parsed.scheme) > 1:  # 'c:' would be a drive letter
+        raise ConfigError(f"store URI {uri!r} has unsupported scheme {parsed.scheme!r}: {STORE_HELP}")
+    return LocalStore(os.path.abspath(os.path.expanduser(uri)))
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """Split an object URI into (store URI, key) at the last '/checkpoints/' segment.
+
+    Used for an explicit `--resume URI` that names a checkpoint directory or its manifest.
+    """
+    marker = "/checkpoints/"
+    idx = uri.rfind(marker)
+    if idx < 0:
+        raise ConfigError(
+            f"--resume {uri!r} does not name a checkpoint: expected "
+            "<store>/<experiment>/<run>/checkpoints/step-NNNNNNNNN-<attempt>[/MANIFEST.json]"
+        )
+    head = uri[:idx]
+    tail = uri[idx + len(marker):].strip("/")
+    # head = <store>/<experiment>/<run>
+    parts = head.rstrip("/").rsplit("/", 2)
+    if len(parts) != 3 or not tail:
+        raise ConfigError(f"--resume {uri!r} does not name a checkpoint under a store")
+    store_uri, experiment, run = parts
+    name = tail.split("/")[0]
+    return store_uri, f"{experiment}/{run}/checkpoints/{name}"

@@ -1,0 +1,132 @@
+"""Built-in task: a small MLP classifier on a synthetic dataset generated from a seed.
+
+Small enough to train in seconds on a CPU, yet it exercises everything a resume must get
+right: dropout (RNG), a shuffling sampler, AdamW, warm-up schedule, clipping, evaluation.
+
+task_args:
+  data_path     dataset file written by `write_dataset` (default: generate in memory)
+  data_seed, n_train, n_eval, features, classes   the generated dataset (defaults below)
+  hidden, dropout                                 the model
+  step_delay    seconds to sleep per step (makes a run long enough to interrupt in demos)
+  fail_at_step  raise an ordinary exception (a bug) before this step
+  crash_at_step kill this process with SIGKILL before this step, every attempt
+  nan_at_step   make the loss NaN at this step (divergence)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.errors import ConfigError
+from trainer.task import Task, TaskArgs
+
+ALLOWED = {"data_path", "data_seed", "n_train", "n_eval", "features", "classes", "hidden",
+           "dropout", "step_delay", "fail_at_step", "crash_at_step", "nan_at_step"}
+
+
+def make_dataset(data_seed: int = 1234, n_train: int = 2048, n_eval: int = 512,
+                 features: int = 32, classes: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(data_seed)
+    centers = torch.randn(classes, features, generator=g) * 0.3
+    n = n_train + n_eval
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = centers[y] + torch.randn(n, features, generator=g)
+    return {"x_train": x[:n_train].contiguous(), "y_train": y[:n_train].contiguous(),
+            "x_eval": x[n_train:].contiguous(), "y_eval": y[n_train:].contiguous()}
+
+
+def dataset_hash(data: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(data):
+        h.update(k.encode())
+        h.update(data[k].numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_dataset(path: str | Path, **kwargs: Any) -> str:
+    """Write the dataset to `path` atomically; return its content hash (the data version)."""
+    data = make_dataset(**kwargs)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(data, tmp)
+    os.replace(tmp, path)
+    return dataset_hash(data)
+
+
+def load_dataset(path: str | Path) -> dict[str, torch.Tensor]:
+    try:
+        data = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"task_args.data_path {path} does not exist; materialize the "
+                          "training_dataset first or drop data_path to generate data") from None
+    except Exception as e:
+        raise ConfigError(f"task_args.data_path {path} is not a dataset file: {e}") from None
+    return data
+
+
+class MLP(nn.Module):
+    def __init__(self, features: int, hidden: int, classes: int, dropout: float):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(features, hidden), nn.GELU(), nn.Dropout(dropout),
+            nn.Linear(hidden, hidden), nn.GELU(), nn.Dropout(dropout),
+            nn.Linear(hidden, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def build(t: TaskArgs) -> Task:
+    a = t.args
+    unknown = set(a) - ALLOWED
+    if unknown:
+        raise ConfigError(f"unknown task_args for the toy task: {', '.join(sorted(unknown))}. "
+                          f"Allowed: {', '.join(sorted(ALLOWED))}")
+    if a.get("data_path"):
+        data = load_dataset(a["data_path"])
+    else:
+        data = make_dataset(**{k: a[k] for k in ("data_seed", "n_train", "n_eval", "features",
+                                                 "classes") if k in a})
+    features = data["x_train"].shape[1]
+    classes = int(max(data["y_train"].max(), data["y_eval"].max())) + 1
+    torch.manual_seed(t.seed)
+    model = MLP(features, int(a.get("hidden", 64)), classes, float(a.get("dropout", 0.1)))
+    train = list(zip(data["x_train"], data["y_train"], strict=True))
+    loss_f = nn.CrossEntropyLoss()
+    nan_at = a.get("nan_at_step")
+
+    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        loss = loss_f(m(x), y)
+        return loss * float("nan") if state["step"] == nan_at else loss
+
+    @torch.no_grad()
+    def eval_fn(m: nn.Module) -> dict[str, float]:
+        logits = m(data["x_eval"])
+        return {"loss": float(loss_f(logits, data["y_eval"])),
+                "accuracy": float((logits.argmax(1) == data["y_eval"]).float().mean())}
+
+    state = {"step": 0}
+    delay = float(a.get("step_delay", 0.0))
+
+    def before_step(step: int) -> None:
+        state["step"] = step
+        if step == a.get("fail_at_step"):
+            raise RuntimeError(f"injected bug at step {step}")
+        if step == a.get("crash_at_step"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if delay:
+            time.sleep(delay)
+
+    return Task(model=model, train_data=train, loss_fn=loss_fn, eval_fn=eval_fn,
+                data_version=dataset_hash(data), before_step=before_step)
