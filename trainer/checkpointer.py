@@ -107,6 +107,7 @@ class Checkpointer:
         self.wait()
         if self.last_saved_step == step:
             return  # two triggers fired on one step: one checkpoint
+        log.debug("saving step %d", step)
         t0 = time.perf_counter()
         state = {name: part.state_dict() for name, part in self.parts.items()}
         if self.async_save:

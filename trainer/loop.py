@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainer.checkpointer import Checkpointer, JSONValues, RNGState
@@ -100,6 +102,10 @@ def train(cfg: TrainConfig, store_uri: str, resume: str = "auto",
     stop = stop or StopRequest()
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(cfg.deterministic)
+    # Every generator a task might draw from starts from the seed, so that a fresh run is
+    # reproducible and a resumed one can be compared with it.
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
     store = open_store(store_uri)
@@ -194,6 +200,7 @@ def train(cfg: TrainConfig, store_uri: str, resume: str = "auto",
             scheduler.step()
             loop.step = step
             loop.losses.append(loss.item())
+            log.debug("step %d done loss %r", step, loop.losses[-1])
             progress.update(step, loop.losses[-1], scheduler.get_last_lr()[0])
 
             reasons = []
