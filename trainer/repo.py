@@ -12,18 +12,22 @@ share a run only one can advance it.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
+import os
 import re
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 from trainer.errors import CheckpointError, CheckpointNotFoundError, PointerConflictError
 from trainer.storage import HashingWriter, ObjectStore, WrittenObject, validate_name
+from trainer.storage.base import CHUNK_SIZE, combine_chunks
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -42,6 +46,42 @@ def checkpoint_name(step: int, attempt: int) -> str:
 def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
     m = _NAME_RE.match(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def file_entry(w: WrittenObject) -> dict[str, Any]:
+    entry: dict[str, Any] = {"size": w.size, "sha256": w.sha256}
+    if w.chunks:
+        entry.update(chunk_size=CHUNK_SIZE, chunks=list(w.chunks))
+    return entry
+
+
+def _file_size(f: BinaryIO) -> int:
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    f.seek(0)
+    return size
+
+
+def _chunk_digests(f: BinaryIO, size: int, chunk_size: int) -> list[str]:
+    def one(i: int) -> str:
+        sha = hashlib.sha256()
+        pos, end = i * chunk_size, min(size, (i + 1) * chunk_size)
+        while pos < end:
+            block = os.pread(fd, min(8 << 20, end - pos), pos)
+            sha.update(block)
+            pos += len(block)
+        return sha.hexdigest()
+
+    n = (size + chunk_size - 1) // chunk_size
+    try:
+        fd = f.fileno()
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        fd = None
+    if fd is None:  # in-memory file: one pass, chunk by chunk
+        f.seek(0)
+        return [hashlib.sha256(f.read(chunk_size)).hexdigest() for _ in range(n)]
+    with ThreadPoolExecutor(max_workers=min(n, os.cpu_count() or 1)) as pool:
+        return list(pool.map(one, range(n)))
 
 
 @dataclass
@@ -179,7 +219,7 @@ class CheckpointRepo:
         key = self.key(pending.name, filename)
         with self.store.create(key) as w:
             yield w
-        pending.written[filename] = WrittenObject(key, w.size, w.hexdigest())
+        pending.written[filename] = w.result(key)
 
     def commit(self, pending: Pending, meta: dict[str, Any]) -> Manifest:
         """Manifest last inside the checkpoint, then the pointer (conditional)."""
@@ -188,7 +228,7 @@ class CheckpointRepo:
             name=pending.name,
             step=pending.step,
             attempt=pending.attempt,
-            files={n: {"size": w.size, "sha256": w.sha256} for n, w in pending.written.items()},
+            files={n: file_entry(w) for n, w in pending.written.items()},
             parent=parent,
             created_at=time.time(),
             meta=meta,
@@ -231,19 +271,38 @@ class CheckpointRepo:
             raise CheckpointError(f"manifest {self.store.uri_for(key)} names {m.name!r}, not {name!r}")
         return m
 
-    def verify_file(self, manifest: Manifest, filename: str, data_iter) -> None:
+    def verify_file(self, manifest: Manifest, filename: str, f: BinaryIO) -> None:
+        """Check size and SHA-256 of an open file against the manifest (CheckpointError).
+
+        Multi-chunk files are hashed chunk by chunk on all cores when the file has a
+        descriptor; the error names the first chunk that does not match.
+        """
         want = manifest.files[filename]
-        sha = hashlib.sha256()
-        size = 0
-        for chunk in data_iter:
-            sha.update(chunk)
-            size += len(chunk)
         uri = self.store.uri_for(self.key(manifest.name, filename))
+        size = _file_size(f)
         if size != int(want["size"]):
             raise CheckpointError(
                 f"checkpoint file {uri} is {size} bytes but its manifest says {want['size']} "
                 "(truncated or corrupt)"
             )
+        chunks = want.get("chunks") or []
+        if chunks:
+            if combine_chunks(chunks) != want["sha256"]:
+                raise CheckpointError(f"manifest of {uri} lists chunk digests that do not add "
+                                      "up to its SHA-256 (the manifest is corrupt)")
+            got = _chunk_digests(f, size, int(want.get("chunk_size", CHUNK_SIZE)))
+            for i, (g, w) in enumerate(zip(got, chunks, strict=True)):
+                if g != w:
+                    lo = i * int(want.get("chunk_size", CHUNK_SIZE))
+                    raise CheckpointError(
+                        f"checkpoint file {uri} does not match its manifest: chunk {i} "
+                        f"(bytes {lo}..) has SHA-256 {g}, manifest says {w} (corrupt)"
+                    )
+            return
+        sha = hashlib.sha256()
+        f.seek(0)
+        for block in iter(lambda: f.read(8 << 20), b""):
+            sha.update(block)
         if sha.hexdigest() != want["sha256"]:
             raise CheckpointError(
                 f"checkpoint file {uri} has SHA-256 {sha.hexdigest()} but its manifest says "
@@ -262,7 +321,7 @@ class CheckpointRepo:
                     "its manifest is missing"
                 ) from e
             with f:
-                self.verify_file(m, filename, iter(lambda f=f: f.read(8 << 20), b""))
+                self.verify_file(m, filename, f)
         return m
 
     def candidates(self) -> list[str]:

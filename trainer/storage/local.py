@@ -157,6 +157,9 @@ class LocalStore(ObjectStore):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._atomic_replace(path, data)
 
+    def local_path(self, key: str) -> str | None:
+        return str(self._path(key))
+
     def uri_for(self, key: str) -> str:
         return f"{self.uri}/{validate_key(key)}"
 
