@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m trainer", description=__doc__,
+    p = _Parser(prog="python -m trainer", description=__doc__, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="training config (JSON or YAML)")
     p.add_argument("--store", default=None,

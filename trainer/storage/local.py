@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from trainer.errors import AlreadyExistsError, PointerConflictError, StorageError
+from trainer.errors import AlreadyExistsError, ConfigError, PointerConflictError
 from trainer.storage.base import HashingWriter, ObjectStore, validate_key
 
 
@@ -34,12 +34,13 @@ class LocalStore(ObjectStore):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise StorageError(
+            # A local path that cannot be created will not heal by retrying: bad input.
+            raise ConfigError(
                 f"cannot use local store {self.root}: {e.strerror}. "
                 "Pass --store with a directory you can write to."
             ) from e
         if not os.access(self.root, os.W_OK):
-            raise StorageError(
+            raise ConfigError(
                 f"local store {self.root} is not writable; pass --store with a directory "
                 "you can write to."
             )

@@ -1,0 +1,208 @@
+"""Fixtures and helpers for the Dagster-layer tests (ckpt_assets).
+
+Every test gets its own store, DAGSTER_HOME and MLflow database under tmp_path; nothing is
+written into the repository's dagster_home/ or checkpoints/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+# `from tests.dagster_fixtures import *` brings in the fixtures only; import helpers by name.
+__all__ = ["dagster_home", "instance", "mlflow_uri", "store_uri"]
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+DAGSTER = str(Path(sys.executable).parent / "dagster")
+
+# Small and fast: 256 samples / batch 32 = 8 steps per epoch (a checkpoint at each epoch end
+# and every 10 steps), evals every 20 steps.
+BASE_CONFIG: dict[str, Any] = {
+    "max_steps": 40,
+    "eval_every": 20,
+    "batch_size": 32,
+    "checkpoint": {"every_steps": 10, "keep_last": 3, "heartbeat_seconds": 0.2},
+    "task_args": {"n_train": 256, "n_eval": 128, "hidden": 32},
+}
+
+
+def training_config(**overrides: Any) -> dict[str, Any]:
+    cfg = json.loads(json.dumps(BASE_CONFIG))
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    return cfg
+
+
+@pytest.fixture
+def dagster_home(tmp_path, monkeypatch) -> Path:
+    """A fresh DAGSTER_HOME holding a copy of the project's dagster_home/dagster.yaml."""
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def store_uri(tmp_path, monkeypatch) -> str:
+    uri = str(tmp_path / "store")
+    monkeypatch.setenv("CKPT_STORE_URI", uri)
+    return uri
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, monkeypatch) -> str:
+    (tmp_path / "mlflow").mkdir()
+    uri = f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+@pytest.fixture
+def instance() -> dg.DagsterInstance:
+    with dg.DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+def materialize_run(instance: dg.DagsterInstance, key: str, resources: dict,
+                    training: dict | None = None, experiment: str | None = None,
+                    selection: list | None = None, tags: dict | None = None,
+                    with_checks: bool = True) -> dg.ExecuteInJobResult:
+    """materialize() the training assets (and their checks) for partition `key`."""
+    from ckpt_assets.assets import TRAINING_ASSETS
+    from ckpt_assets.checks import TRAINING_CHECKS
+
+    if not instance.has_dynamic_partition("training_runs", key):
+        instance.add_dynamic_partitions("training_runs", [key])
+    op_config: dict[str, Any] = {}
+    if training is not None:
+        op_config["training"] = training
+    if experiment is not None:
+        op_config["experiment"] = experiment
+    run_config = {"ops": {"training_dataset": {"config": op_config}}} if op_config else None
+    assets = list(TRAINING_ASSETS) + (list(TRAINING_CHECKS) if with_checks else [])
+    return dg.materialize(assets, instance=instance, partition_key=key, resources=resources,
+                          run_config=run_config, selection=selection, tags=tags,
+                          raise_on_error=False)
+
+
+def materializations(result: dg.ExecuteInJobResult, asset: str) -> list[dict[str, Any]]:
+    """Metadata (plain values) of each ASSET_MATERIALIZATION of `asset` in a run, in order."""
+    out = []
+    for ev in result.all_events:
+        if ev.event_type_value == "ASSET_MATERIALIZATION" and ev.asset_key == dg.AssetKey(asset):
+            md = ev.step_materialization_data.materialization.metadata
+            out.append({k: v.value for k, v in md.items()})
+    return out
+
+
+def observations(result: dg.ExecuteInJobResult, asset: str) -> list[dict[str, Any]]:
+    out = []
+    for ev in result.all_events:
+        if ev.event_type_value == "ASSET_OBSERVATION" and ev.asset_key == dg.AssetKey(asset):
+            md = ev.event_specific_data.asset_observation.metadata
+            out.append({k: v.value for k, v in md.items()})
+    return out
+
+
+def step_failure_metadata(result: dg.ExecuteInJobResult, step: str = "model_checkpoint"):
+    """(description, metadata) of the step's dagster.Failure, as the resume sensor reads it."""
+    for ev in result.all_events:
+        if ev.event_type_value == "STEP_FAILURE" and ev.step_key == step:
+            ufd = ev.step_failure_data.user_failure_data
+            if ufd is None:
+                return None, None
+            return ufd.description, {k: v.value for k, v in ufd.metadata.items()}
+    raise AssertionError(f"no STEP_FAILURE for {step}")
+
+
+def check_results(result: dg.ExecuteInJobResult) -> dict[str, bool]:
+    return {ev.event_specific_data.check_name: ev.event_specific_data.passed
+            for ev in result.all_events if ev.event_type_value == "ASSET_CHECK_EVALUATION"}
+
+
+def read_heartbeat_pid(store_dir: Path, experiment: str, run: str) -> int | None:
+    try:
+        return int(json.loads((store_dir / experiment / run / "heartbeat.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def pointer_step(store_dir: Path, experiment: str, run: str) -> int | None:
+    try:
+        return json.loads((store_dir / experiment / run / "checkpoints" / "latest.json")
+                          .read_text()).get("step")
+    except (OSError, ValueError):
+        return None
+
+
+class TrainerKiller(threading.Thread):
+    """Once the run's latest.json reaches `at_step`, send `sig` to the trainer (pid from its
+    heartbeat file): a real signal to the real process, from outside, like a preemption."""
+
+    def __init__(self, store_dir: Path, experiment: str, run: str, at_step: int,
+                 sig: int = signal.SIGKILL, timeout: float = 120):
+        super().__init__(daemon=True)
+        self.args_ = (store_dir, experiment, run)
+        self.at_step, self.sig, self.timeout = at_step, sig, timeout
+        self.killed_pid: int | None = None
+        self.step_seen: int | None = None
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            step = pointer_step(*self.args_)
+            pid = read_heartbeat_pid(*self.args_)
+            if step is not None and step >= self.at_step and pid:
+                try:
+                    os.kill(pid, self.sig)
+                    self.killed_pid, self.step_seen = pid, step
+                except ProcessLookupError:
+                    pass
+                return
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python -m ckpt_assets ...` from the repository root, as a user would run it."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([PYTHON, "-m", "ckpt_assets", *args], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def dagster_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([DAGSTER, *args], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,168 @@
+"""The commit protocol on the local store, in-process (fast)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer.checkpointer import Checkpointer, load_verified_state
+from trainer.errors import (
+    AlreadyExistsError,
+    CheckpointError,
+    InvalidNameError,
+    PointerConflictError,
+)
+from trainer.repo import MANIFEST, CheckpointRepo
+from trainer.storage import open_store
+
+
+@pytest.fixture
+def store(tmp_path):
+    return open_store(str(tmp_path / "store"))
+
+
+def _ck(store, attempt=1, keep_last=2, run="r"):
+    repo = CheckpointRepo(store, "exp", run)
+    model = torch.nn.Linear(4, 2)
+    repo.claim(attempt)
+    return repo, model, Checkpointer(repo, {"model": model}, attempt, keep_last=keep_last,
+                                     keep_best=False)
+
+
+def test_a_committed_object_is_never_overwritten(store):
+    store.put_new("a/b.bin", b"one")
+    with pytest.raises(AlreadyExistsError, match="refusing to overwrite"):
+        store.put_new("a/b.bin", b"two")
+    assert store.read_bytes("a/b.bin") == b"one"
+
+
+def test_a_write_that_fails_midway_leaves_nothing_visible(store):
+    with pytest.raises(RuntimeError), store.create("a/c.bin") as w:
+        w.write(b"x" * 1000)
+        raise RuntimeError("crash")
+    assert not store.exists("a/c.bin")
+    assert store.list("a") == []
+
+
+def test_a_stale_pointer_update_is_refused(store):
+    tok = store.write_if("p/latest.json", b"1", None)
+    store.write_if("p/latest.json", b"2", tok)
+    with pytest.raises(PointerConflictError):
+        store.write_if("p/latest.json", b"3", tok)
+    with pytest.raises(PointerConflictError):
+        store.write_if("p/latest.json", b"3", None)
+    assert store.read_bytes("p/latest.json") == b"2"
+
+
+@pytest.mark.parametrize("key", ["../x", "a/../../x", "/abs", "a//b", "a/./b", ""])
+def test_keys_that_could_escape_the_store_are_refused(store, key):
+    with pytest.raises(InvalidNameError):
+        store.put_new(key, b"x")
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", "UPPER", "-lead", "x" * 65, "a..b", ""])
+def test_run_names_that_break_the_rule_are_refused_with_the_rule(store, name):
+    with pytest.raises(InvalidNameError, match="lowercase letters, digits"):
+        CheckpointRepo(store, "exp", name)
+
+
+def test_the_pointer_moves_only_after_the_manifest_exists(store):
+    repo, model, ck = _ck(store)
+    ck.save(1, {})
+    ptr = repo.read_pointer()
+    assert ptr["checkpoint"] == "step-000000001-a1"
+    assert store.exists(repo.key(ptr["checkpoint"], MANIFEST))
+
+
+def test_a_checkpoint_without_manifest_does_not_exist(store):
+    repo, model, ck = _ck(store)
+    ck.save(1, {})
+    pending = repo.begin(2, 1)
+    with repo.write_file(pending, "state.pt") as w:
+        w.write(b"half a checkpoint")
+    # killed here: no manifest, pointer not moved
+    assert repo.committed() == ["step-000000001-a1"]
+    manifest, skipped = repo.find_latest_valid()
+    assert manifest.step == 1 and skipped == []
+
+
+def test_a_second_attempt_claiming_the_run_stops_the_first_from_advancing_it(store):
+    repo1, model, ck1 = _ck(store, attempt=1)
+    ck1.save(1, {})
+    repo2, _, ck2 = _ck(store, attempt=2)
+    with pytest.raises(PointerConflictError, match="another attempt took over"):
+        ck1.save(2, {})
+    assert repo2.read_pointer()["checkpoint"] == "step-000000001-a1"
+    ck2.save(2, {})
+    assert repo2.read_pointer()["checkpoint"] == "step-000000002-a2"
+
+
+def test_retention_keeps_the_last_k_and_never_what_the_pointer_names(store):
+    repo, model, ck = _ck(store, keep_last=2)
+    for step in range(1, 6):
+        ck.save(step, {})
+    assert repo.committed() == ["step-000000004-a1", "step-000000005-a1"]
+    assert repo.read_pointer()["checkpoint"] == "step-000000005-a1"
+
+
+def test_retention_keeps_the_best_checkpoint_beyond_the_last_k(store):
+    repo = CheckpointRepo(store, "exp", "r")
+    repo.claim(1)
+    ck = Checkpointer(repo, {"model": torch.nn.Linear(2, 2)}, 1, keep_last=1, keep_best=True)
+    ck.save(1, {"is_best": True, "best_score": 0.5})
+    for step in (2, 3, 4):
+        ck.save(step, {"is_best": False})
+    assert repo.committed() == ["step-000000001-a1", "step-000000004-a1"]
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_valid_one(store, tmp_path, caplog):
+    repo, model, ck = _ck(store, keep_last=3)
+    ck.save(1, {})
+    ck.save(2, {})
+    path = tmp_path / "store" / repo.key("step-000000002-a1", "state.pt")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    manifest, skipped = repo.find_latest_valid()
+    assert manifest.step == 1
+    assert skipped[0][0] == "step-000000002-a1" and "SHA-256" in skipped[0][1]
+    assert "CHECKPOINT FALLBACK" in caplog.text
+
+
+def test_an_unreadable_pointer_falls_back_to_scanning_manifests(store, tmp_path):
+    repo, model, ck = _ck(store)
+    ck.save(1, {})
+    ck.save(2, {})
+    (tmp_path / "store" / repo.pointer_key).write_text("{not json")
+    manifest, _ = repo.find_latest_valid()
+    assert manifest.step == 2
+
+
+def test_a_multi_chunk_file_verifies_and_a_flipped_bit_names_its_chunk(tmp_path, monkeypatch):
+    import trainer.repo as repo_mod
+    import trainer.storage.base as base
+
+    monkeypatch.setattr(base, "CHUNK_SIZE", 4096)
+    monkeypatch.setattr(repo_mod, "CHUNK_SIZE", 4096)
+    store = open_store(str(tmp_path / "s"))
+    repo = CheckpointRepo(store, "exp", "r")
+    repo.claim(1)
+    model = torch.nn.Linear(64, 64)
+    pending = repo.begin(1, 1)
+    with repo.write_file(pending, "state.pt") as w:
+        w.chunk_size = 4096
+        torch.save({"model": model.state_dict()}, w)
+    m = repo.commit(pending, {})
+    m.files["state.pt"]["chunk_size"] = 4096
+    entry = json.loads(store.read_bytes(repo.key(m.name, MANIFEST)))["files"]["state.pt"]
+    assert len(entry["chunks"]) > 2
+    state = load_verified_state(repo, m)
+    assert torch.equal(state["model"]["weight"], model.weight)
+    path = tmp_path / "s" / repo.key(m.name, "state.pt")
+    data = bytearray(path.read_bytes())
+    data[4096 * 2 + 10] ^= 0x80
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="chunk 2"):
+        repo.verify_file(m, "state.pt", open(path, "rb"))

@@ -1,0 +1,25 @@
+"""SIGKILL inside the save window never leaves a run without a verified checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.trainer_proc import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_thirty_sigkills_inside_saves_each_resume_from_a_verified_checkpoint_losing_no_commit():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "soak_crash_during_save.py"),
+         "--trials", "30", "--seed", "7", "--json"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode in (0, 1), out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["trials"] == 30
+    assert result["failures"] == 0, result["details"]
+    assert result["final_step"] and result["final_step"] > 0
