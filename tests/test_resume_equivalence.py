@@ -71,3 +71,24 @@ def test_interrupted_run_on_s3_resumes_bitwise_identical(tmp_path, uninterrupted
     chain = [(13, signal.SIGKILL), (52, signal.SIGTERM)]
     got = _interrupted_run(tmp_path, uri, lambda: final_state_s3(uri), chain)
     assert_bitwise_equal(uninterrupted, got)
+
+
+def test_a_user_task_with_its_own_stateful_parts_and_values_resumes_bitwise(tmp_path):
+    import torch
+
+    args = {"task": "trainer.tasks.regression:build", "task_args": {"n": 512}}
+    base = write_config(tmp_path / "base.json", run="user", **args)
+    res = run_trainer(base, str(tmp_path / "a"))
+    assert res.returncode == 0, res.log
+    slow = write_config(tmp_path / "slow.json", run="user", task="trainer.tasks.regression:build",
+                        task_args={"n": 512})
+    res = run_trainer(slow, str(tmp_path / "b"), interrupt_at=37, sig=signal.SIGKILL)
+    assert res.returncode == -signal.SIGKILL
+    res = run_trainer(base, str(tmp_path / "b"))
+    assert res.returncode == 0 and "resumed from" in res.log
+    a = final_state(tmp_path / "a", run="user")
+    b = final_state(tmp_path / "b", run="user")
+    assert_bitwise_equal(training_state(a), training_state(b))
+    assert a["curriculum"] == b["curriculum"] and a["curriculum"]["level"] < 0.5
+    assert a["task_values"] == b["task_values"]
+    assert torch.is_tensor(a["loop"]["losses"])
