@@ -19,7 +19,7 @@ the sensors (`ckpt_assets.sensors`) gather the facts and act on the decision.
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 RESUMABLE = {"preempted", "killed", "storage"}
 NEVER = {
@@ -57,9 +57,19 @@ class Failure:
 class PolicyConfig:
     max_preemptions: int = 50
     max_transient: int = 3
-    crash_loop_budget: int = 2  # failures in a row at one checkpoint step before we stop
-    backoff_base_s: float = 5.0
+    crash_loop_budget: int = 2  # failures in a row without the checkpoint step advancing
+    backoff_base_s: float = 10.0  # the first transient failure resumes at once, then 10s, 20s..
     backoff_max_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a chain of attempts has used up so far; carried on each resume run's tags."""
+
+    preemptions: int = 0
+    transient: int = 0
+    stuck: int = 0  # failures in a row whose attempt did not move the checkpoint step
+    resumed_from_step: int | None = None  # checkpoint step the failed attempt started from
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ class Decision:
     kind: str
     reason: str
     delay_s: float = 0.0
-    counts: dict[str, int] = field(default_factory=dict)
+    budget: Budget = Budget()  # to carry on the resume run
 
 
 def classify(f: Failure) -> str:
@@ -92,41 +102,39 @@ def classify(f: Failure) -> str:
     return "unknown"
 
 
-def decide(failure: Failure, earlier: list[Failure], cfg: PolicyConfig = PolicyConfig()) -> Decision:
-    """Resume `failure`? `earlier` are the run's previous failures, oldest first."""
+def decide(failure: Failure, used: Budget = Budget(), cfg: PolicyConfig = PolicyConfig()) -> Decision:
+    """Resume `failure`, given what its chain of attempts has `used` so far?"""
     kind = classify(failure)
-    chain = [*earlier, failure]
-    kinds = [classify(f) for f in chain]
-    counts = {"preemptions": kinds.count("preempted"),
-              "transient": sum(k in ("killed", "storage") for k in kinds),
-              "failures": len(chain)}
+    step = failure.last_committed_step
+    advanced = step != used.resumed_from_step or (step is None and used.resumed_from_step is None
+                                                  and used.stuck == 0 and used.transient == 0)
+    budget = Budget(
+        preemptions=used.preemptions + (kind == "preempted"),
+        transient=used.transient + (kind in ("killed", "storage")),
+        # A preemption is the machine's fault, not the run's: it neither adds to nor resets
+        # the count of failures in a row at one step.
+        stuck=used.stuck if kind == "preempted" else (0 if advanced else used.stuck + 1),
+        resumed_from_step=step,
+    )
     if kind not in RESUMABLE:
         return Decision(False, kind, f"not resumed: {NEVER.get(kind, NEVER['unknown'])}",
-                        counts=counts)
-
-    # Crash loop: the same step, failure after failure. Preemptions stopping before the
-    # first checkpoint are not a loop (the machine, not the run, is at fault).
-    stuck = 0
-    for f, k in zip(reversed(chain), reversed(kinds), strict=True):
-        if k == "preempted" or f.last_committed_step != failure.last_committed_step:
-            break
-        stuck += 1
-    counts["same_step"] = stuck
-    if kind != "preempted" and stuck > cfg.crash_loop_budget:
+                        budget=budget)
+    if budget.stuck >= cfg.crash_loop_budget:
         return Decision(False, "crash_loop",
-                        f"not resumed: crash loop, {stuck} failures in a row without the "
-                        f"checkpoint advancing past step {failure.last_committed_step}; fix the "
-                        "cause, then launch the run again", counts=counts)
+                        f"not resumed: crash loop, {budget.stuck + 1} failures in a row without "
+                        f"the checkpoint advancing past step {step}; fix the cause, then launch "
+                        "the run again", budget=budget)
     if kind == "preempted":
-        if counts["preemptions"] > cfg.max_preemptions:
-            return Decision(False, "preempted", f"not resumed: preempted {counts['preemptions']} "
-                            f"times, over the budget of {cfg.max_preemptions}", counts=counts)
-        return Decision(True, kind, f"resumed: preemption #{counts['preemptions']} (budget "
-                        f"{cfg.max_preemptions})", counts=counts)
-    if counts["transient"] > cfg.max_transient:
-        return Decision(False, kind, f"not resumed: {counts['transient']} {kind} failures, over "
-                        f"the budget of {cfg.max_transient}", counts=counts)
-    delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (counts["transient"] - 1))
-    return Decision(True, kind, f"resumed after {delay:.0f}s: {kind} failure "
-                    f"#{counts['transient']} (budget {cfg.max_transient})", delay_s=delay,
-                    counts=counts)
+        if budget.preemptions > cfg.max_preemptions:
+            return Decision(False, kind, f"not resumed: preempted {budget.preemptions} times, "
+                            f"over the budget of {cfg.max_preemptions}", budget=budget)
+        return Decision(True, kind, f"resumed at once: preemption #{budget.preemptions} "
+                        f"(budget {cfg.max_preemptions})", budget=budget)
+    if budget.transient > cfg.max_transient:
+        return Decision(False, kind, f"not resumed: {budget.transient} transient failures, over "
+                        f"the budget of {cfg.max_transient}", budget=budget)
+    n = budget.transient
+    delay = 0.0 if n == 1 else min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (n - 2))
+    when = "at once" if delay == 0 else f"after {delay:.0f}s"
+    return Decision(True, kind, f"resumed {when}: {kind} failure #{n} (budget "
+                    f"{cfg.max_transient})", delay_s=delay, budget=budget)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_assets.policy import Failure, PolicyConfig, classify, decide
+from ckpt_assets.policy import Budget, Failure, PolicyConfig, classify, decide
 
 
 def f(**kw) -> Failure:
@@ -32,37 +32,50 @@ def test_each_way_a_run_dies_is_classified_as_the_policy_table_says(kw, kind):
 
 @pytest.mark.parametrize("code", [1, 2, 3, 4, 6])
 def test_bugs_bad_input_corruption_divergence_and_superseded_runs_are_never_resumed(code):
-    d = decide(f(exit_code=code), [])
+    d = decide(f(exit_code=code))
     assert not d.resume and d.reason.startswith("not resumed")
 
 
 def test_preemption_is_resumed_at_once_many_times_within_its_budget():
-    cfg = PolicyConfig(max_preemptions=5)
-    earlier = [f(exit_code=143, last_committed_step=s) for s in (10, 10, 10, 10)]
-    d = decide(f(exit_code=143, last_committed_step=10), earlier, cfg)
-    assert d.resume and d.delay_s == 0
-    assert not decide(f(exit_code=143), [*earlier, f(exit_code=143)], cfg).resume
+    cfg = PolicyConfig(max_preemptions=3)
+    used = Budget()
+    for step in (10, 20, 30):
+        d = decide(f(exit_code=143, last_committed_step=step), used, cfg)
+        assert d.resume and d.delay_s == 0 and d.kind == "preempted"
+        used = d.budget
+    assert not decide(f(exit_code=143, last_committed_step=40), used, cfg).resume
 
 
-def test_transient_failures_back_off_exponentially_and_stop_at_their_budget():
-    cfg = PolicyConfig(max_transient=3, backoff_base_s=5)
-    a = decide(f(exit_code=-9, last_committed_step=10), [], cfg)
-    b = decide(f(exit_code=5, failure_class="storage_unavailable", last_committed_step=20),
-               [f(exit_code=-9, last_committed_step=10)], cfg)
-    assert a.resume and a.delay_s == 5 and b.resume and b.delay_s == 10
-    chain = [f(exit_code=-9, last_committed_step=s) for s in (10, 20, 30)]
-    assert not decide(f(exit_code=-9, last_committed_step=40), chain, cfg).resume
+def test_transient_failures_resume_at_once_then_back_off_and_stop_at_their_budget():
+    cfg = PolicyConfig(max_transient=3, backoff_base_s=10)
+    delays, used = [], Budget()
+    for step in (10, 20, 30):
+        d = decide(f(exit_code=-9, last_committed_step=step), used, cfg)
+        assert d.resume
+        delays.append(d.delay_s)
+        used = d.budget
+    assert delays == [0, 10, 20]
+    assert not decide(f(exit_code=5, failure_class="storage_unavailable",
+                        last_committed_step=40), used, cfg).resume
 
 
 def test_a_run_failing_again_without_advancing_its_step_stops_as_a_crash_loop():
     cfg = PolicyConfig(crash_loop_budget=2, max_transient=10)
-    same = [f(exit_code=-9, last_committed_step=40), f(exit_code=-9, last_committed_step=40)]
-    assert decide(f(exit_code=-9, last_committed_step=40), same[:1], cfg).resume
-    d = decide(f(exit_code=-9, last_committed_step=40), same, cfg)
-    assert not d.resume and d.kind == "crash_loop" and "step 40" in d.reason
+    d1 = decide(f(exit_code=-9, last_committed_step=40), Budget(), cfg)  # got to 40: progress
+    d2 = decide(f(exit_code=-9, last_committed_step=40), d1.budget, cfg)  # stuck once
+    d3 = decide(f(exit_code=-9, last_committed_step=40), d2.budget, cfg)  # stuck twice
+    assert d1.resume and d2.resume
+    assert not d3.resume and d3.kind == "crash_loop" and "step 40" in d3.reason
 
 
 def test_progress_between_failures_resets_the_crash_loop_count():
-    cfg = PolicyConfig(crash_loop_budget=1, max_transient=10)
-    chain = [f(exit_code=-9, last_committed_step=10), f(exit_code=-9, last_committed_step=20)]
-    assert decide(f(exit_code=-9, last_committed_step=30), chain, cfg).resume
+    cfg = PolicyConfig(crash_loop_budget=2, max_transient=10)
+    d = decide(f(exit_code=-9, last_committed_step=40), Budget(stuck=1, resumed_from_step=40), cfg)
+    assert not d.resume
+    d = decide(f(exit_code=-9, last_committed_step=50), Budget(stuck=1, resumed_from_step=40), cfg)
+    assert d.resume and d.budget.stuck == 0
+
+
+def test_preemptions_neither_count_as_nor_reset_a_crash_loop():
+    d = decide(f(exit_code=143, last_committed_step=40), Budget(stuck=1, resumed_from_step=40))
+    assert d.resume and d.budget.stuck == 1
