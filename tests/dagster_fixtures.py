@@ -21,7 +21,7 @@ import dagster as dg
 import pytest
 
 # `from tests.dagster_fixtures import *` brings in the fixtures only; import helpers by name.
-__all__ = ["dagster_home", "instance", "mlflow_uri", "store_uri"]
+__all__ = ["dagster_home", "instance", "mlflow_uri", "shared_mlflow_db", "store_uri"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -65,12 +65,17 @@ def store_uri(tmp_path, monkeypatch) -> str:
     return uri
 
 
+@pytest.fixture(scope="session")
+def shared_mlflow_db(tmp_path_factory) -> str:
+    """One MLflow database for the session: creating one costs seconds (schema migrations).
+    Tests that assert on MLflow's contents make their own (see test_mlflow_lineage)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
 @pytest.fixture
-def mlflow_uri(tmp_path, monkeypatch) -> str:
-    (tmp_path / "mlflow").mkdir()
-    uri = f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
+def mlflow_uri(shared_mlflow_db, monkeypatch) -> str:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", shared_mlflow_db)
+    return shared_mlflow_db
 
 
 @pytest.fixture
@@ -162,11 +167,11 @@ class TrainerKiller(threading.Thread):
         self.at_step, self.sig, self.timeout = at_step, sig, timeout
         self.killed_pid: int | None = None
         self.step_seen: int | None = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         deadline = time.monotonic() + self.timeout
-        while not self._stop.is_set() and time.monotonic() < deadline:
+        while not self._halt.is_set() and time.monotonic() < deadline:
             step = pointer_step(*self.args_)
             pid = read_heartbeat_pid(*self.args_)
             if step is not None and step >= self.at_step and pid:
@@ -178,8 +183,8 @@ class TrainerKiller(threading.Thread):
                 return
             time.sleep(0.01)
 
-    def stop(self) -> None:
-        self._stop.set()
+    def cancel(self) -> None:
+        self._halt.set()
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:

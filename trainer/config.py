@@ -37,7 +37,7 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_best: bool = True
     async_save: bool = False
-    heartbeat_seconds: float = 5.0
+    heartbeat_seconds: float | None = 5.0  # 0: every step; null: never
 
 
 @dataclass

@@ -225,7 +225,7 @@ def train(cfg: TrainConfig, store_uri: str, resume: str = "auto",
                 save("best" if "best" in reasons else reasons[0])
                 last_save_t = time.monotonic()
             now = time.monotonic()
-            if c.heartbeat_seconds and now - last_beat >= c.heartbeat_seconds:
+            if c.heartbeat_seconds is not None and now - last_beat >= c.heartbeat_seconds:
                 last_beat = now
                 repo.heartbeat({"step": step, "attempt": attempt, "pid": os.getpid()})
                 reporter.event("progress", step=step, loss=loop.losses[-1])

@@ -1,0 +1,5 @@
+import sys
+
+from ckpt_assets.cli import main
+
+sys.exit(main())

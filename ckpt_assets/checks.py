@@ -1,0 +1,121 @@
+"""Asset checks of a training run (they run in train_job after their asset).
+
+* `latest_checkpoint_verifies`: the checkpoint latest.json names exists and every file
+  matches its manifest's size and SHA-256.
+* `latest_checkpoint_loss_is_finite`: that checkpoint's training loss is a finite number.
+* `final_model_meets_eval_loss_threshold`: the stored final model's held-out loss is at
+  most `max_eval_loss` (check config; default: chance level, ln(number of classes)).
+"""
+
+
+import math
+
+import dagster as dg
+from pydantic import Field
+
+from ckpt_assets.assets import final_model, model_checkpoint
+from ckpt_assets.io_managers import StoredObjectError, VersionedRepo
+from ckpt_assets.partitions import read_registration, validate_partition_key
+from ckpt_assets.resources import CheckpointStore
+from trainer.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from trainer.repo import CheckpointRepo
+
+
+def _run_repo(context, checkpoint_store: CheckpointStore):
+    """(partition key, store, registration) or an AssetCheckResult explaining why not."""
+    try:
+        key = validate_partition_key(context.partition_key)
+    except Exception as e:  # not a partitioned run, or a bad key
+        return dg.AssetCheckResult(passed=False, description=f"no usable partition key: {e}")
+    try:
+        store = checkpoint_store.open()
+        reg = read_registration(store, key)
+    except (StorageError, CheckpointError) as e:
+        return dg.AssetCheckResult(passed=False, description=str(e))
+    if reg is None:
+        return dg.AssetCheckResult(passed=False, description=f"training run {key!r} is not registered")
+    return key, store, reg
+
+
+@dg.asset_check(asset=model_checkpoint, description="The checkpoint latest.json names verifies "
+                "(every file's size and SHA-256 match its manifest).")
+def latest_checkpoint_verifies(context: dg.AssetCheckExecutionContext,
+                               checkpoint_store: CheckpointStore) -> dg.AssetCheckResult:
+    got = _run_repo(context, checkpoint_store)
+    if isinstance(got, dg.AssetCheckResult):
+        return got
+    key, store, reg = got
+    repo = CheckpointRepo(store, reg.experiment, key)
+    try:
+        ptr = repo.read_pointer()
+        if not ptr or not ptr.get("checkpoint"):
+            return dg.AssetCheckResult(passed=False, description="no committed checkpoint yet")
+        m = repo.verify(ptr["checkpoint"])
+    except (CheckpointError, CheckpointNotFoundError, StorageError) as e:
+        return dg.AssetCheckResult(passed=False, description=str(e),
+                                   metadata={"error": dg.MetadataValue.text(str(e))})
+    return dg.AssetCheckResult(passed=True, metadata={
+        "checkpoint_uri": dg.MetadataValue.text(repo.uri(m.name)), "step": m.step,
+        "sha256": m.sha256, "size": m.total_size})
+
+
+@dg.asset_check(asset=model_checkpoint, description="The latest checkpoint's training loss is finite.")
+def latest_checkpoint_loss_is_finite(context: dg.AssetCheckExecutionContext,
+                                     checkpoint_store: CheckpointStore) -> dg.AssetCheckResult:
+    got = _run_repo(context, checkpoint_store)
+    if isinstance(got, dg.AssetCheckResult):
+        return got
+    key, store, reg = got
+    repo = CheckpointRepo(store, reg.experiment, key)
+    try:
+        ptr = repo.read_pointer()
+        if not ptr or not ptr.get("checkpoint"):
+            return dg.AssetCheckResult(passed=False, description="no committed checkpoint yet")
+        m = repo.read_manifest(ptr["checkpoint"])
+    except (CheckpointError, CheckpointNotFoundError, StorageError) as e:
+        return dg.AssetCheckResult(passed=False, description=str(e))
+    loss = m.meta.get("loss")
+    ok = isinstance(loss, int | float) and math.isfinite(loss)
+    return dg.AssetCheckResult(passed=ok, metadata={
+        "loss": dg.MetadataValue.text(str(loss)) if not ok else float(loss), "step": m.step,
+        "checkpoint_uri": dg.MetadataValue.text(repo.uri(m.name))})
+
+
+class EvalLossThreshold(dg.Config):
+    max_eval_loss: float | None = Field(
+        default=None, description="Largest acceptable held-out loss; default: chance level "
+                                  "ln(number of classes)")
+
+
+@dg.asset_check(asset=final_model, description="The final model's held-out loss is at most "
+                "max_eval_loss (default: chance level, ln(number of classes)).")
+def final_model_meets_eval_loss_threshold(context: dg.AssetCheckExecutionContext,
+                                          config: EvalLossThreshold,
+                                          checkpoint_store: CheckpointStore) -> dg.AssetCheckResult:
+    got = _run_repo(context, checkpoint_store)
+    if isinstance(got, dg.AssetCheckResult):
+        return got
+    key, store, reg = got
+    repo = VersionedRepo(store, reg.experiment, key, "models")
+    try:
+        value, m = repo.load_current()
+    except (StoredObjectError, StorageError) as e:
+        return dg.AssetCheckResult(passed=False, description=str(e))
+    loss = (value.get("eval") or {}).get("loss")
+    threshold = config.max_eval_loss
+    if threshold is None:
+        n = value.get("num_classes")
+        threshold = math.log(n) if n and n > 1 else None
+    if threshold is None:
+        return dg.AssetCheckResult(passed=False, description="no max_eval_loss configured and "
+                                   "the number of classes is unknown")
+    ok = isinstance(loss, float) and math.isfinite(loss) and loss <= threshold
+    return dg.AssetCheckResult(passed=ok, metadata={
+        "eval_loss": loss if isinstance(loss, float) and math.isfinite(loss)
+        else dg.MetadataValue.text(str(loss)),
+        "max_eval_loss": float(threshold), "model_uri": dg.MetadataValue.text(repo.uri(m.name)),
+        "step": int(value.get("step") or 0)})
+
+
+TRAINING_CHECKS = [latest_checkpoint_verifies, latest_checkpoint_loss_is_finite,
+                   final_model_meets_eval_loss_threshold]

@@ -1,0 +1,273 @@
+"""`python -m ckpt_assets` / `ckpt-assets`: register, launch and inspect training runs.
+
+    register NAME --config FILE [--experiment E]   record the run's config, add the partition
+    launch   NAME [--config FILE] [--experiment E] register if needed, queue a train_job run
+    list     [--json]                              runs: state, attempts, latest step/checkpoint
+    lineage  NAME [--json]                         attempts, checkpoints (parent links), model
+
+Common options: --store URI (default $CKPT_STORE_URI, else ./checkpoints under the repo;
+the same default as the code location's CheckpointStore). The Dagster instance is
+$DAGSTER_HOME (default: dagster_home/ under the repository root).
+
+Exit codes (the trainer's): 0 ok; 2 bad input (name, config, arguments, an unusable
+local store path; nothing was written); 5 store unavailable (S3 endpoint, bucket or
+credentials; nothing was written); 1 anything else (e.g. the launch failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_STORAGE = 0, 1, 2, 5
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_BAD_INPUT):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"ckpt-assets: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m ckpt_assets", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", default=None, help="checkpoint store URI")
+    common = argparse.ArgumentParser(add_help=False)  # --store after the command works too
+    common.add_argument("--store", default=argparse.SUPPRESS, help="checkpoint store URI")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("register", parents=[common], help="record a run's training config and add its partition")
+    r.add_argument("name", help="training run name = partition key")
+    r.add_argument("--config", required=True, help="training config file (JSON or YAML)")
+    r.add_argument("--experiment", default=None)
+
+    la = sub.add_parser("launch", parents=[common], help="register if needed, then queue a train_job run")
+    la.add_argument("name")
+    la.add_argument("--config", default=None, help="training config (needed the first time)")
+    la.add_argument("--experiment", default=None)
+    la.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra run tag (repeatable)")
+    la.add_argument("--force", action="store_true",
+                    help="queue even if the run already has a queued or running Dagster run")
+
+    li = sub.add_parser("list", parents=[common], help="training runs with state, attempts and latest checkpoint")
+    li.add_argument("--json", action="store_true")
+
+    lg = sub.add_parser("lineage", parents=[common], help="attempts, checkpoints and final model of one run")
+    lg.add_argument("name")
+    lg.add_argument("--json", action="store_true")
+    return p
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def _instance():
+    if not os.environ.get("DAGSTER_HOME"):
+        home = _repo_root() / "dagster_home"
+        os.environ["DAGSTER_HOME"] = str(home)
+        print(f"note: DAGSTER_HOME is not set; using {home}", file=sys.stderr)
+    import dagster as dg
+
+    try:
+        return dg.DagsterInstance.get()
+    except Exception as e:
+        raise CliError(f"cannot open the Dagster instance at DAGSTER_HOME="
+                       f"{os.environ['DAGSTER_HOME']}: {e}", EXIT_ERROR) from e
+
+
+def _store(uri: str | None):
+    from ckpt_assets.resources import default_store_uri
+    from trainer.storage import open_store
+
+    return open_store(uri or default_store_uri())
+
+
+def _read_config(path: str) -> dict:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise CliError(f"config file {p} does not exist") from None
+    except OSError as e:
+        raise CliError(f"config file {p} cannot be read: {e.strerror}") from None
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            raw = yaml.safe_load(text)
+        else:
+            raw = json.loads(text)
+    except Exception as e:
+        kind = "YAML" if p.suffix in (".yaml", ".yml") else "JSON"
+        raise CliError(f"config file {p} is not valid {kind}: {e}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise CliError(f"config file {p} must hold a mapping, not {type(raw).__name__}")
+    return raw
+
+
+def cmd_register(args) -> int:
+    from ckpt_assets.partitions import register_training_run, validate_partition_key
+
+    validate_partition_key(args.name)
+    raw = _read_config(args.config)
+    store = _store(args.store)
+    # Validate before touching the instance, so that bad input creates nothing anywhere.
+    from ckpt_assets.partitions import normalize_training_config
+
+    normalize_training_config(raw, args.name, args.experiment)
+    instance = _instance()
+    reg = register_training_run(store, args.name, raw, args.experiment, instance=instance)
+    what = "registered" if reg.created else "already registered (same config)"
+    print(f"{what}: training run {reg.run} in experiment {reg.experiment}; config {reg.config_uri}")
+    return EXIT_OK
+
+
+def _active_runs(instance, name: str):
+    import dagster as dg
+
+    from ckpt_assets.partitions import PARTITION_TAG
+
+    active = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
+              dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED,
+              dg.DagsterRunStatus.CANCELING]
+    return instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: name}, statuses=active))
+
+
+def cmd_launch(args) -> int:
+    from ckpt_assets.partitions import (
+        PARTITION_TAG,
+        PARTITIONS_NAME,
+        read_registration,
+        register_training_run,
+        validate_partition_key,
+    )
+
+    validate_partition_key(args.name)
+    tags = {}
+    for t in args.tag:
+        k, sep, v = t.partition("=")
+        if not sep or not k:
+            raise CliError(f"--tag {t!r}: expected KEY=VALUE")
+        tags[k] = v
+    raw = _read_config(args.config) if args.config else None
+    store = _store(args.store)
+    if raw is not None:
+        from ckpt_assets.partitions import normalize_training_config
+
+        normalize_training_config(raw, args.name, args.experiment)
+    instance = _instance()
+    if raw is not None:
+        reg = register_training_run(store, args.name, raw, args.experiment, instance=instance)
+    else:
+        reg = read_registration(store, args.name)
+        if reg is None:
+            raise CliError(f"training run {args.name!r} is not registered in {store.uri}; "
+                           "pass --config FILE the first time")
+        if not instance.has_dynamic_partition(PARTITIONS_NAME, args.name):
+            instance.add_dynamic_partitions(PARTITIONS_NAME, [args.name])
+    active = _active_runs(instance, args.name)
+    if active and not args.force:
+        ids = ", ".join(f"{r.run_id} ({r.status.value})" for r in active)
+        raise CliError(f"training run {args.name!r} already has an active Dagster run: {ids}; "
+                       "it resumes by itself, or pass --force to queue another")
+    run_id = str(uuid.uuid4())
+    tags = {PARTITION_TAG: args.name, "ckpt/submitted_by": "ckpt-assets-cli", **tags}
+    env = dict(os.environ)
+    if args.store:
+        env["CKPT_STORE_URI"] = store.uri
+    root = _repo_root()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    dagster_bin = Path(sys.executable).parent / "dagster"
+    cmd = [str(dagster_bin) if dagster_bin.exists() else "dagster", "job", "launch",
+           "-w", str(root / "workspace.yaml"), "-j", "train_job",
+           "--tags", json.dumps(tags), "--run-id", run_id]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise CliError(f"dagster job launch failed (exit {proc.returncode}):\n{tail}", EXIT_ERROR)
+    run = instance.get_run_by_id(run_id)
+    status = run.status.value if run else "UNKNOWN"
+    print(f"launched train_job for training run {reg.run} (experiment {reg.experiment}): "
+          f"Dagster run {run_id} {status}")
+    if status == "QUEUED":
+        print("the run waits in the queue until a dagster-daemon (or `dagster dev`) dequeues it")
+    return EXIT_OK
+
+
+def cmd_list(args) -> int:
+    from ckpt_assets.lineage import run_summary
+    from ckpt_assets.partitions import PARTITIONS_NAME
+
+    store = _store(args.store)
+    instance = _instance()
+    rows = [run_summary(instance, store, key)
+            for key in sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    if not rows:
+        print("no training runs (register one: python -m ckpt_assets register NAME --config FILE)")
+        return EXIT_OK
+    header = ("RUN", "EXPERIMENT", "STATE", "ATTEMPTS", "STEP", "LATEST CHECKPOINT")
+    table = [header] + [(r["run"], r["experiment"] or "-", r["state"], str(r["attempts"]),
+                         f"{r['latest_step'] if r['latest_step'] is not None else '-'}"
+                         f"/{r['max_steps'] or '?'}", r["latest_checkpoint"] or "-")
+                        for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    return EXIT_OK
+
+
+def cmd_lineage(args) -> int:
+    from ckpt_assets.lineage import format_lineage, lineage_report
+    from ckpt_assets.partitions import validate_partition_key
+
+    validate_partition_key(args.name)
+    store = _store(args.store)
+    instance = _instance()
+    try:
+        rep = lineage_report(instance, store, args.name)
+    except KeyError:
+        raise CliError(f"training run {args.name!r} is not registered in {store.uri}") from None
+    print(json.dumps(rep, indent=1) if args.json else format_lineage(rep))
+    return EXIT_OK
+
+
+COMMANDS = {"register": cmd_register, "launch": cmd_launch, "list": cmd_list,
+            "lineage": cmd_lineage}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from trainer.errors import ConfigError, StorageError, TrainerError
+
+    try:
+        return COMMANDS[args.command](args)
+    except CliError as e:
+        print(f"ckpt-assets: error: {e}", file=sys.stderr)
+        return e.code
+    except (ConfigError, StorageError, TrainerError) as e:
+        # The trainer's own classification: ConfigError -> 2, StorageError -> 5.
+        print(f"ckpt-assets: error: {e}", file=sys.stderr)
+        code = getattr(e, "exit_code", EXIT_ERROR)
+        return code if code in (EXIT_BAD_INPUT, EXIT_STORAGE) else EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

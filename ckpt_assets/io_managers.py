@@ -1,0 +1,242 @@
+"""CheckpointIOManager: asset outputs stored with the trainer's own commit protocol.
+
+    <store>/<experiment>/<run>/assets/<asset>/v-000001/value.pt|value.json + MANIFEST.json
+    <store>/<experiment>/<run>/assets/<asset>/latest.json        pointer, moved last
+    <store>/<experiment>/<run>/models/v-000001/model.pt + MANIFEST.json   (final_model)
+
+Each output is a new version: its payload is written create-once, then MANIFEST.json
+(size + SHA-256 of every file) is written create-once, then latest.json moves by a
+conditional write. That is `trainer.repo.CheckpointRepo` with another naming scheme, so
+there is exactly one commit protocol in the project. Nothing is overwritten in place: a
+kill before the manifest leaves an invisible orphan, a kill before the pointer leaves the
+previous version current.
+
+Loading verifies the bytes against the manifest before deserializing anything (JSON for
+small structured values, `torch.load(weights_only=True)` for tensors) and refuses a
+corrupt object with an error that names the file. An input from `model_checkpoint` is the
+verified state dict of the run's newest valid checkpoint (the trainer's walk-back applies),
+with a `__checkpoint__` entry describing which checkpoint it is.
+
+Where an asset is stored is set by its definition metadata: `ckpt/store_dir` (default
+`assets/<asset>`), `ckpt/filename` (default `value`) and `ckpt/load` (`checkpoint_state` for
+model_checkpoint).
+"""
+
+
+import io
+import json
+import re
+from typing import Any
+
+import dagster as dg
+import torch
+
+from ckpt_assets.partitions import read_registration, validate_partition_key
+from ckpt_assets.resources import CheckpointStore
+from trainer.checkpointer import load_verified_state, safe_torch_load
+from trainer.errors import AlreadyExistsError, CheckpointError, CheckpointNotFoundError
+from trainer.repo import MANIFEST, CheckpointRepo, Manifest, Pending
+from trainer.storage import ObjectStore, validate_key
+
+CHECKPOINT_KEY = "__checkpoint__"
+_VERSION_RE = re.compile(r"^v-(\d{6,})$")
+
+
+class StoredObjectError(CheckpointError):
+    """A stored asset value is missing, corrupt or unreadable; it was not loaded."""
+
+
+class VersionedRepo(CheckpointRepo):
+    """The checkpoint commit protocol for asset values: versions `v-NNNNNN` under `subdir`."""
+
+    def __init__(self, store: ObjectStore, experiment: str, run: str, subdir: str):
+        super().__init__(store, experiment, run)
+        validate_key(subdir)
+        self.ckpt_prefix = f"{self.prefix}/{subdir}"
+        self.pointer_key = f"{self.ckpt_prefix}/latest.json"
+
+    @staticmethod
+    def version_name(version: int) -> str:
+        return f"v-{version:06d}"
+
+    def list_names(self) -> list[str]:
+        names = set()
+        for key in self.store.list(self.ckpt_prefix):
+            head = key[len(self.ckpt_prefix) + 1:].split("/")[0]
+            if _VERSION_RE.match(head):
+                names.add(head)
+        return sorted(names, key=lambda n: int(n[2:]))
+
+    def begin(self, step: int, attempt: int) -> Pending:  # step = version number here
+        return Pending(self.version_name(step), step, attempt)
+
+    def next_version(self) -> int:
+        names = self.list_names()
+        return int(names[-1][2:]) + 1 if names else 1
+
+    def put(self, filename: str, payload: bytes, meta: dict[str, Any],
+            retries: int = 5) -> Manifest:
+        """Commit `payload` as a new version; a lost race for a version name takes the next."""
+        self.read_pointer()
+        for _ in range(retries):
+            pending = self.begin(self.next_version(), 0)
+            try:
+                with self.write_file(pending, filename) as w:
+                    w.write(payload)
+            except AlreadyExistsError:
+                continue
+            return self.commit(pending, meta)
+        raise StoredObjectError(f"could not find a free version name under "
+                                f"{self.store.uri_for(self.ckpt_prefix)} after {retries} tries")
+
+    def current(self) -> str | None:
+        ptr = self.read_pointer()
+        return ptr.get("checkpoint") if ptr else None
+
+    def load_current(self) -> tuple[Any, Manifest]:
+        """Verify, then deserialize, the version latest.json names."""
+        where = self.store.uri_for(self.ckpt_prefix)
+        try:
+            name = self.current()
+        except CheckpointError as e:
+            raise StoredObjectError(f"cannot load from {where}: {e}") from e
+        if name is None:
+            raise StoredObjectError(
+                f"nothing is stored at {where} (no committed version); materialize the asset "
+                "for this partition first")
+        try:
+            m = self.read_manifest(name)
+            filename, fmt = m.meta.get("filename"), m.meta.get("format")
+            if filename not in m.files or fmt not in ("json", "torch"):
+                raise CheckpointError(f"manifest {self.store.uri_for(self.key(name, MANIFEST))} "
+                                      "does not describe a stored asset value")
+            key = self.key(name, filename)
+            try:
+                data = self.store.read_bytes(key)
+            except FileNotFoundError as e:
+                raise CheckpointError(f"file {self.store.uri_for(key)} listed in its manifest "
+                                      "is missing") from e
+            self.verify_file(m, filename, io.BytesIO(data))
+        except (CheckpointError, CheckpointNotFoundError) as e:
+            raise StoredObjectError(
+                f"refusing to load version {name} from {where}: {e}. Nothing was deserialized; "
+                "re-materialize the asset for this partition") from e
+        if fmt == "json":
+            return json.loads(data), m
+        return safe_torch_load(io.BytesIO(data), self.store.uri_for(key)), m
+
+
+def _contains_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_contains_tensor(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_contains_tensor(v) for v in obj)
+    return False
+
+
+def serialize(obj: Any) -> tuple[str, bytes]:
+    """('json', bytes) for plain structured values, ('torch', bytes) for anything with tensors."""
+    if not _contains_tensor(obj):
+        try:
+            return "json", json.dumps(obj, indent=1, sort_keys=True).encode()
+        except (TypeError, ValueError):
+            pass
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return "torch", buf.getvalue()
+
+
+def store_dir(asset_key: dg.AssetKey, definition_metadata: dict[str, Any] | None) -> str:
+    md = definition_metadata or {}
+    return str(md.get("ckpt/store_dir") or f"assets/{'.'.join(asset_key.path)}")
+
+
+def experiment_of(store: ObjectStore, run: str) -> str:
+    reg = read_registration(store, run)
+    if reg is None:
+        raise StoredObjectError(
+            f"training run {run!r} is not registered in store {store.uri}; register it "
+            "(python -m ckpt_assets register) or launch its first run with a training config")
+    return reg.experiment
+
+
+def _partition(context) -> str:
+    key = context.partition_key if context.has_partition_key else None
+    if key is None:
+        raise StoredObjectError("CheckpointIOManager stores partitioned assets only "
+                                "(partitions: training_runs)")
+    return validate_partition_key(key)
+
+
+def load_checkpoint_state(store: ObjectStore, experiment: str, run: str,
+                          log=None) -> dict[str, Any]:
+    """The verified state dict of the run's newest valid checkpoint, plus `__checkpoint__`."""
+    repo = CheckpointRepo(store, experiment, run)
+    manifest, skipped = repo.find_latest_valid()
+    for name, reason in skipped:
+        if log:
+            log.warning(f"CHECKPOINT FALLBACK: {repo.uri(name)} skipped: {reason}")
+    if manifest is None:
+        raise StoredObjectError(
+            f"training run {experiment}/{run} has no valid checkpoint in {store.uri}"
+            + (f" ({len(skipped)} failed verification)" if skipped else "")
+            + "; materialize model_checkpoint first")
+    state = load_verified_state(repo, manifest)
+    state[CHECKPOINT_KEY] = {
+        "name": manifest.name, "uri": repo.uri(manifest.name), "step": manifest.step,
+        "attempt": manifest.attempt, "sha256": manifest.sha256, "size": manifest.total_size,
+        "parent": manifest.parent, "loss": manifest.meta.get("loss"),
+        "metrics": manifest.meta.get("metrics") or {},
+        "lineage": manifest.meta.get("lineage") or {},
+        "skipped": [{"checkpoint": n, "reason": r} for n, r in skipped],
+    }
+    return state
+
+
+class CheckpointIOManager(dg.ConfigurableIOManager):
+    """Create-once, manifest-verified storage of asset values in the checkpoint store."""
+
+    store: dg.ResourceDependency[CheckpointStore]
+
+    def _repo(self, asset_key: dg.AssetKey, run: str, definition_metadata) -> VersionedRepo:
+        store = self.store.open()
+        return VersionedRepo(store, experiment_of(store, run), run,
+                             store_dir(asset_key, definition_metadata))
+
+    def handle_output(self, context: dg.OutputContext, obj: Any) -> None:
+        if obj is None:
+            return
+        run = _partition(context)
+        md = dict(context.definition_metadata or {})
+        repo = self._repo(context.asset_key, run, md)
+        fmt, payload = serialize(obj)
+        filename = f"{md.get('ckpt/filename') or 'value'}.{'json' if fmt == 'json' else 'pt'}"
+        meta = {"asset": context.asset_key.to_user_string(), "partition": run,
+                "format": fmt, "filename": filename,
+                "dagster_run_id": context.run_id}
+        m = repo.put(filename, payload, meta)
+        context.add_output_metadata({
+            "stored_uri": dg.MetadataValue.text(repo.uri(m.name)),
+            "stored_version": m.step,
+            "stored_sha256": m.files[filename]["sha256"],
+            "stored_size": m.files[filename]["size"],
+        })
+        context.log.info(f"stored {context.asset_key.to_user_string()}[{run}] as "
+                         f"{repo.uri(m.name)} ({len(payload)} bytes, {fmt})")
+
+    def load_input(self, context: dg.InputContext) -> Any:
+        run = context.asset_partition_key
+        validate_partition_key(run)
+        upstream = context.upstream_output
+        md = dict(upstream.definition_metadata or {}) if upstream else {}
+        store = self.store.open()
+        if md.get("ckpt/load") == "checkpoint_state":
+            return load_checkpoint_state(store, experiment_of(store, run), run, context.log)
+        repo = VersionedRepo(store, experiment_of(store, run), run,
+                             store_dir(context.asset_key, md))
+        value, m = repo.load_current()
+        context.log.info(f"loaded {context.asset_key.to_user_string()}[{run}] from "
+                         f"{repo.uri(m.name)} (SHA-256 verified)")
+        return value

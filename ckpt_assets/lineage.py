@@ -1,0 +1,331 @@
+"""Lineage: MLflow tracking of a training run across attempts, and the lineage report.
+
+MLflow: ONE MLflow run per training run, found by the tag `training_run=<partition key>`
+in the MLflow experiment and created if missing; every attempt continues it. Metrics are
+logged with step = the global training step, and only for committed checkpoints (the
+trainer reports a checkpoint after latest.json moved), so a resumed attempt continues the
+same step axis. A step at or below the last one already logged is never logged again
+(that happens only when a resume walked back past a corrupt checkpoint), so each metric's
+history is strictly increasing in step.
+
+MLflow is a view of the run, not its source of truth (the store and the Dagster event log
+are): any MLflow error is logged as a warning and training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import dagster as dg
+
+from ckpt_assets.partitions import PARTITION_TAG, read_registration
+from trainer.errors import CheckpointError
+from trainer.repo import CheckpointRepo
+from trainer.storage import ObjectStore
+
+TRAINING_RUN_TAG = "training_run"
+
+# Run tags written by ckpt_assets (and read by the resume sensor).
+TAG_ATTEMPT = "ckpt/attempt"
+TAG_ROOT_RUN_ID = "ckpt/root_run_id"
+TAG_PARENT_RUN_ID = "ckpt/parent_run_id"
+TAG_RESUME_FROM = "ckpt/resume_from"
+
+
+class MlflowTracker:
+    """The MLflow run of one training run. Every method is best-effort (warns, never raises)."""
+
+    def __init__(self, resource, experiment: str, training_run: str, log=None):
+        self.resource = resource
+        self.experiment = experiment
+        self.training_run = training_run
+        self.log = log
+        self.client = None
+        self.run_id: str | None = None
+        self.last_step: dict[str, int] = {}
+        self._pending_eval: list[dict[str, Any]] = []
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _warn(self, what: str, e: BaseException) -> None:
+        msg = f"MLflow: {what} failed ({type(e).__name__}: {e}); training is not affected"
+        if self.log:
+            self.log.warning(msg)
+
+    def start(self, tags: dict[str, str] | None = None) -> str | None:
+        """Find or create the MLflow run; mark it RUNNING; set `tags`. Returns its id."""
+        if not self.resource.enabled:
+            return None
+        try:
+            self.client = self.resource.client()
+            self.run_id = find_or_create_run(self.client, self.resource, self.experiment,
+                                             self.training_run)
+            self.client.update_run(self.run_id, status="RUNNING")
+            for k, v in (tags or {}).items():
+                if v is not None:
+                    self.client.set_tag(self.run_id, k, str(v))
+            for key in ("loss", "eval_loss", "eval_accuracy"):
+                hist = self.client.get_metric_history(self.run_id, key)
+                if hist:
+                    self.last_step[key] = max(m.step for m in hist)
+        except Exception as e:
+            self._warn("opening the run", e)
+            self.run_id = None
+        return self.run_id
+
+    def _log(self, key: str, value: Any, step: int) -> None:
+        if value is None or not isinstance(value, int | float) or not math.isfinite(value):
+            return
+        if step <= self.last_step.get(key, -1):
+            return
+        self.client.log_metric(self.run_id, key, float(value), step=int(step),
+                               timestamp=int(time.time() * 1000))
+        self.last_step[key] = int(step)
+
+    # -- events from the trainer ------------------------------------------------------------
+    def on_eval(self, msg: dict[str, Any]) -> None:
+        self._pending_eval.append(msg)
+
+    def on_checkpoint(self, msg: dict[str, Any]) -> None:
+        """A committed checkpoint: its loss, and the evals up to its step, become history."""
+        if self.run_id is None:
+            return
+        step = int(msg["step"])
+        try:
+            for ev in [e for e in self._pending_eval if int(e["step"]) <= step]:
+                self._log("eval_loss", ev.get("loss"), int(ev["step"]))
+                self._log("eval_accuracy", ev.get("accuracy"), int(ev["step"]))
+            self._pending_eval = [e for e in self._pending_eval if int(e["step"]) > step]
+            self._log("loss", msg.get("loss"), step)
+            self.client.set_tag(self.run_id, "last_checkpoint", msg.get("uri", ""))
+            self.client.set_tag(self.run_id, "last_committed_step", str(step))
+        except Exception as e:
+            self._warn(f"logging checkpoint step {step}", e)
+
+    def backfill(self, repo: CheckpointRepo) -> int:
+        """Log the loss of committed checkpoints that no attempt reported (e.g. the one a
+        trainer committed on SIGTERM after its orchestrator was killed). Returns how many."""
+        if self.run_id is None:
+            return 0
+        n = 0
+        try:
+            ptr = repo.read_pointer()
+            names = [x for x in [*(ptr or {}).get("history", [])[::-1],
+                                 (ptr or {}).get("checkpoint")] if x]
+            for name in names:
+                try:
+                    m = repo.read_manifest(name)
+                except Exception:  # removed by retention, or unreadable: nothing to log
+                    continue
+                if m.step > self.last_step.get("loss", -1):
+                    self._log("loss", m.meta.get("loss"), m.step)
+                    n += 1
+        except Exception as e:
+            self._warn("back-filling committed checkpoints", e)
+        return n
+
+    def finish(self, status: str) -> None:
+        """FINISHED / FAILED / KILLED; a later attempt sets it back to RUNNING."""
+        if self.run_id is None:
+            return
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as e:
+            self._warn(f"marking the run {status}", e)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if self.run_id is None:
+            return
+        try:
+            for k, v in tags.items():
+                if v is not None:
+                    self.client.set_tag(self.run_id, k, str(v))
+        except Exception as e:
+            self._warn("setting tags", e)
+
+    def log_final_model(self, weights_path: str, metrics: dict[str, float], step: int,
+                        description: str) -> str | None:
+        """Log the exported weights + final metrics; register a model version if enabled."""
+        if self.run_id is None:
+            return None
+        version = None
+        try:
+            for k, v in metrics.items():
+                if isinstance(v, int | float) and math.isfinite(v):
+                    self.client.log_metric(self.run_id, f"final_{k}", float(v), step=int(step))
+            self.client.log_artifact(self.run_id, weights_path, artifact_path="model")
+            if self.resource.register_model:
+                name = f"{self.experiment}.{self.training_run}"
+                try:
+                    self.client.get_registered_model(name)
+                except Exception:
+                    self.client.create_registered_model(name)
+                run = self.client.get_run(self.run_id)
+                mv = self.client.create_model_version(
+                    name, source=f"{run.info.artifact_uri}/model", run_id=self.run_id,
+                    description=description)
+                version = f"{name}/{mv.version}"
+        except Exception as e:
+            self._warn("logging the final model", e)
+        return version
+
+
+def find_or_create_run(client, resource, experiment: str, training_run: str) -> str:
+    """The MLflow run tagged `training_run=<key>` in the experiment (oldest if several)."""
+    name = resource.experiment_name or experiment
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            exp_id = client.create_experiment(
+                name, artifact_location=resource.resolved_artifact_location())
+        except Exception:  # created concurrently
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            exp_id = exp.experiment_id
+    else:
+        exp_id = exp.experiment_id
+
+    def search():
+        return client.search_runs(
+            [exp_id], filter_string=f"tags.{TRAINING_RUN_TAG} = '{training_run}'",
+            order_by=["attributes.start_time ASC"], max_results=10)
+
+    runs = search()
+    if runs:
+        return runs[0].info.run_id
+    created = client.create_run(exp_id, run_name=training_run,
+                                tags={TRAINING_RUN_TAG: training_run,
+                                      "ckpt.experiment": experiment})
+    runs = search()
+    if runs and runs[0].info.run_id != created.info.run_id:
+        client.delete_run(created.info.run_id)  # lost a creation race: keep the oldest
+        return runs[0].info.run_id
+    return created.info.run_id
+
+
+def metric_history(resource, experiment: str, training_run: str,
+                   key: str = "loss") -> list[tuple[int, float]]:
+    """(step, value) of one metric of the training run's MLflow run (for tests and the CLI)."""
+    client = resource.client()
+    run_id = find_or_create_run(client, resource, experiment, training_run)
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+
+# -- lineage report ---------------------------------------------------------------------------
+
+def dagster_runs_of(instance: dg.DagsterInstance, run_key: str) -> list[dg.DagsterRun]:
+    """Dagster runs of one training run (partition), oldest first."""
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: run_key}))
+    return list(reversed(runs))
+
+
+def checkpoint_timeline(repo: CheckpointRepo) -> list[dict[str, Any]]:
+    """Committed checkpoints of the run with their parent links, oldest first."""
+    out = []
+    for name in repo.committed():
+        try:
+            m = repo.read_manifest(name)
+        except CheckpointError as e:
+            out.append({"name": name, "error": str(e)})
+            continue
+        lin = m.meta.get("lineage") or {}
+        out.append({"name": name, "uri": repo.uri(name), "step": m.step, "attempt": m.attempt,
+                    "parent": m.parent, "sha256": m.sha256, "size": m.total_size,
+                    "loss": m.meta.get("loss"), "dagster_run_id": lin.get("dagster_run_id"),
+                    "resumed_from_step": lin.get("resumed_from_step"),
+                    "code_version": lin.get("code_version"),
+                    "data_version": lin.get("data_version")})
+    return out
+
+
+def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
+    """State of one training run from the instance (runs) and the store (checkpoints)."""
+    reg = read_registration(store, run_key)
+    runs = dagster_runs_of(instance, run_key)
+    latest = runs[-1] if runs else None
+    out: dict[str, Any] = {
+        "run": run_key, "experiment": reg.experiment if reg else None,
+        "registered": reg is not None,
+        "state": latest.status.value if latest else "NOT_LAUNCHED",
+        "dagster_runs": len(runs), "attempts": 0, "latest_step": None,
+        "latest_checkpoint": None, "max_steps": reg.config.get("max_steps") if reg else None,
+    }
+    if reg is None:
+        return out
+    repo = CheckpointRepo(store, reg.experiment, run_key)
+    try:
+        ptr = repo.read_pointer()
+    except CheckpointError as e:
+        out["error"] = str(e)
+        ptr = None
+    if ptr:
+        out["attempts"] = int(ptr.get("attempt") or 0)
+        if ptr.get("checkpoint"):
+            out["latest_step"] = ptr.get("step")
+            out["latest_checkpoint"] = repo.uri(ptr["checkpoint"])
+    return out
+
+
+def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
+    """Attempts (Dagster runs), checkpoints with parent links, and the final model."""
+    from ckpt_assets.io_managers import VersionedRepo
+
+    reg = read_registration(store, run_key)
+    if reg is None:
+        raise KeyError(run_key)
+    attempts = []
+    for r in dagster_runs_of(instance, run_key):
+        attempts.append({"dagster_run_id": r.run_id, "status": r.status.value,
+                         "attempt": r.tags.get(TAG_ATTEMPT),
+                         "root_run_id": r.tags.get(TAG_ROOT_RUN_ID, r.run_id),
+                         "parent_run_id": r.tags.get(TAG_PARENT_RUN_ID),
+                         "job": r.job_name})
+    # The attempt number a run's trainer actually used is in its checkpoints' lineage.
+    repo = CheckpointRepo(store, reg.experiment, run_key)
+    checkpoints = checkpoint_timeline(repo)
+    by_run = {c.get("dagster_run_id"): c.get("attempt") for c in checkpoints}
+    for a in attempts:
+        if a["attempt"] is None and a["dagster_run_id"] in by_run:
+            a["attempt"] = by_run[a["dagster_run_id"]]
+    try:
+        ptr = repo.read_pointer()
+    except CheckpointError:
+        ptr = None
+    final = None
+    models = VersionedRepo(store, reg.experiment, run_key, "models")
+    try:
+        name = models.current()
+        if name:
+            m = models.read_manifest(name)
+            final = {"uri": models.uri(name), "version": m.step,
+                     "sha256": m.files[m.meta["filename"]]["sha256"],
+                     "dagster_run_id": m.meta.get("dagster_run_id")}
+    except CheckpointError as e:
+        final = {"error": str(e)}
+    return {"run": run_key, "experiment": reg.experiment, "config_uri": reg.config_uri,
+            "attempts": attempts, "checkpoints": checkpoints,
+            "latest_checkpoint": ptr.get("checkpoint") if ptr else None,
+            "final_model": final}
+
+
+def format_lineage(rep: dict[str, Any]) -> str:
+    lines = [f"training run {rep['run']} (experiment {rep['experiment']})",
+             f"  config: {rep['config_uri']}", "  attempts:"]
+    for a in rep["attempts"]:
+        lines.append(f"    attempt {a['attempt'] or '?'}: dagster run {a['dagster_run_id']} "
+                     f"{a['status']} (root {a['root_run_id']})")
+    lines.append("  checkpoints (oldest first):")
+    for c in rep["checkpoints"]:
+        if "error" in c:
+            lines.append(f"    {c['name']}: UNREADABLE: {c['error']}")
+            continue
+        mark = " <- latest" if c["name"] == rep["latest_checkpoint"] else ""
+        loss = f"{c['loss']:.4f}" if isinstance(c.get("loss"), float) else c.get("loss")
+        lines.append(f"    {c['name']} step {c['step']} attempt {c['attempt']} loss {loss} "
+                     f"parent {c['parent'] or '-'}{mark}")
+    fm = rep["final_model"]
+    lines.append(f"  final model: {json.dumps(fm) if fm and 'error' in fm else (fm or {}).get('uri', 'none')}")
+    return "\n".join(lines)

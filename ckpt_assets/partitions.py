@@ -1,0 +1,261 @@
+"""The `training_runs` dynamic partitions and the registration of a training run.
+
+One partition key is one training run; the key is the run name of the trainer config.
+
+Registering a run records its training config ONCE, in the checkpoint store:
+
+    <store>/<experiment>/<run>/config.json    the normalized training config (create-once)
+    <store>/REGISTRY/<run>.json               run -> experiment, config SHA-256 (create-once)
+
+and then adds the dynamic partition. Every attempt of the run reads the registered config,
+so a resumed attempt can never train with a different config than the first one.
+
+Order matters: everything that can be refused (the name, the config, the store) is checked
+before anything is written, so bad input leaves no half-registered run behind. The two
+writes are create-once; a registration cut off between them is completed by registering
+again with the same config, and a different config is refused with a clear message.
+
+`REGISTRY` is upper case on purpose: experiment names are lower case
+(`trainer.storage.NAME_RULE`), so the index can never collide with an experiment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import dagster as dg
+
+from trainer.config import config_from_dict
+from trainer.errors import AlreadyExistsError, ConfigError
+from trainer.storage import NAME_RULE, ObjectStore, validate_name
+
+if TYPE_CHECKING:
+    from dagster import DagsterInstance
+
+PARTITIONS_NAME = "training_runs"
+PARTITION_TAG = "dagster/partition"
+REGISTRY_PREFIX = "REGISTRY"
+CONFIG_FILE = "config.json"
+
+training_runs = dg.DynamicPartitionsDefinition(name=PARTITIONS_NAME)
+
+__all__ = [
+    "NAME_RULE",
+    "PARTITIONS_NAME",
+    "Registration",
+    "RegistrationConflict",
+    "add_partition",
+    "canonical_json",
+    "config_key",
+    "normalize_training_config",
+    "read_registration",
+    "register_training_run",
+    "registry_key",
+    "training_runs",
+    "validate_partition_key",
+]
+
+
+class RegistrationConflict(ConfigError):
+    """The run is registered already, with another config or in another experiment."""
+
+
+def validate_partition_key(key: str) -> str:
+    """A partition key becomes a path segment in the store: same rule as run names."""
+    return validate_name(key, "training run name (partition key)")
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
+def registry_key(run: str) -> str:
+    return f"{REGISTRY_PREFIX}/{validate_partition_key(run)}.json"
+
+
+def config_key(experiment: str, run: str) -> str:
+    return f"{validate_name(experiment, 'experiment name')}/{validate_partition_key(run)}/{CONFIG_FILE}"
+
+
+def normalize_training_config(raw: dict[str, Any] | None, run: str,
+                              experiment: str | None = None) -> dict[str, Any]:
+    """Validate `raw` exactly as the trainer would and return the full normalized config.
+
+    The run name is forced to the partition key; `experiment` (if given) overrides the
+    config's. Raises ConfigError (bad input) with the trainer's own message.
+    """
+    validate_partition_key(run)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"training config must be a mapping, got {type(raw).__name__}")
+    raw = dict(raw)
+    if raw.get("run") not in (None, run):
+        raise ConfigError(
+            f"the training config names run {raw['run']!r} but the training run (partition "
+            f"key) is {run!r}; drop 'run' from the config or make them match"
+        )
+    raw["run"] = run
+    if experiment:
+        if raw.get("experiment") not in (None, experiment):
+            raise ConfigError(
+                f"the training config names experiment {raw['experiment']!r} but "
+                f"--experiment/experiment is {experiment!r}; make them match"
+            )
+        raw["experiment"] = experiment
+    cfg = config_from_dict(raw)
+    _check_task(cfg.task, cfg.task_args)
+    return json.loads(json.dumps(cfg.to_dict()))
+
+
+def _check_task(spec: str, task_args: dict[str, Any]) -> None:
+    """Refuse what the trainer's task would refuse at start-up (import, unknown args)."""
+    from trainer.task import resolve_task
+
+    fn = resolve_task(spec)
+    module = inspect.getmodule(fn)
+    allowed = getattr(module, "ALLOWED", None)
+    if isinstance(allowed, set | frozenset):
+        unknown = sorted(set(task_args) - set(allowed))
+        if unknown:
+            raise ConfigError(
+                f"unknown task_args for task {spec!r}: {', '.join(unknown)}. "
+                f"Allowed: {', '.join(sorted(allowed))}"
+            )
+
+
+@dataclass(frozen=True)
+class Registration:
+    run: str
+    experiment: str
+    config: dict[str, Any]
+    config_uri: str
+    config_sha256: str
+    created: bool = field(default=False, compare=False)  # True if this call wrote it
+
+
+def _read_json(store: ObjectStore, key: str) -> dict[str, Any] | None:
+    try:
+        data = store.read_bytes(key)
+    except FileNotFoundError:
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError as e:
+        raise ConfigError(f"{store.uri_for(key)} is not valid JSON ({e}); it is corrupt") from e
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{store.uri_for(key)} does not hold a JSON object; it is corrupt")
+    return obj
+
+
+def read_registration(store: ObjectStore, run: str) -> Registration | None:
+    """The registered config of `run`, verified against its registry entry; None if unregistered."""
+    entry = _read_json(store, registry_key(run))
+    if entry is None:
+        return None
+    experiment = entry.get("experiment")
+    key = config_key(experiment, run)
+    try:
+        data = store.read_bytes(key)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"training run {run!r} is registered in experiment {experiment!r} but "
+            f"{store.uri_for(key)} is missing; the store was modified by hand"
+        ) from None
+    sha = hashlib.sha256(data).hexdigest()
+    if sha != entry.get("config_sha256"):
+        raise ConfigError(
+            f"{store.uri_for(key)} has SHA-256 {sha} but the registry entry "
+            f"{store.uri_for(registry_key(run))} says {entry.get('config_sha256')}; the "
+            "registered config is corrupt"
+        )
+    return Registration(run, experiment, json.loads(data), store.uri_for(key), sha)
+
+
+def register_training_run(store: ObjectStore, run: str, raw_config: dict[str, Any] | None,
+                          experiment: str | None = None,
+                          instance: DagsterInstance | None = None) -> Registration:
+    """Record `raw_config` as the config of training run `run` (create-once), then add the
+    partition to `instance` (if given).
+
+    Re-registering with the same (normalized) config is a no-op; a different config, or
+    another experiment, raises RegistrationConflict. Nothing is written on bad input.
+    """
+    config = normalize_training_config(raw_config, run, experiment)
+    experiment = config["experiment"]
+    store.check_reachable()  # StorageError before anything is written
+
+    existing = read_registration(store, run)
+    if existing is not None:
+        _compare(existing, config)
+        if instance is not None:
+            add_partition(instance, run)
+        return existing
+
+    body = canonical_json(config)
+    sha = hashlib.sha256(body).hexdigest()
+    ckey = config_key(experiment, run)
+    try:
+        store.put_new(ckey, body)
+    except AlreadyExistsError:
+        # A registration cut off after config.json: the same config completes it.
+        old = store.read_bytes(ckey)
+        if old != body:
+            _compare(Registration(run, experiment, json.loads(old), store.uri_for(ckey),
+                                  hashlib.sha256(old).hexdigest()), config)
+    entry = {"run": run, "experiment": experiment, "config_key": ckey, "config_sha256": sha,
+             "registered_at": time.time()}
+    try:
+        store.put_new(registry_key(run), canonical_json(entry))
+    except AlreadyExistsError:
+        # Another registration won the race: it is the one that counts.
+        winner = read_registration(store, run)
+        assert winner is not None
+        _compare(winner, config)
+        if instance is not None:
+            add_partition(instance, run)
+        return winner
+    if instance is not None:
+        add_partition(instance, run)
+    return Registration(run, experiment, config, store.uri_for(ckey), sha, created=True)
+
+
+def _compare(existing: Registration, config: dict[str, Any]) -> None:
+    if existing.experiment != config["experiment"]:
+        raise RegistrationConflict(
+            f"training run {existing.run!r} is already registered in experiment "
+            f"{existing.experiment!r}, not {config['experiment']!r}; partition keys are unique "
+            "across experiments, so pick another run name"
+        )
+    if existing.config != config:
+        diff = _diff(existing.config, config)
+        raise RegistrationConflict(
+            f"training run {existing.run!r} is already registered with a different config "
+            f"({existing.config_uri}); differences: {diff}. A run's config never changes: "
+            "register a new run name for a new config, or launch without a config"
+        )
+
+
+def _diff(a: Any, b: Any, path: str = "") -> str:
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, p: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{p}.{k}" if p else k)
+        elif x != y:
+            out.append(f"{p}: registered {x!r}, given {y!r}")
+
+    walk(a, b, path)
+    return "; ".join(out[:5]) + (f"; and {len(out) - 5} more" if len(out) > 5 else "")
+
+
+def add_partition(instance: DagsterInstance, run: str) -> None:
+    validate_partition_key(run)
+    if not instance.has_dynamic_partition(PARTITIONS_NAME, run):
+        instance.add_dynamic_partitions(PARTITIONS_NAME, [run])

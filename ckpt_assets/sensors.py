@@ -1,0 +1,283 @@
+"""Auto-resume: the failure sensors and the periodic reconciler.
+
+`resume_failed_training` (failed runs) and `resume_terminated_training` (runs terminated
+from Dagster, which end CANCELED, not FAILED) see each ended training run once, read its
+structured failure (exit code, failure class, last committed step; see `assets.fail`),
+apply the failure policy (`ckpt_assets.policy`) and launch at most one resume.
+`reconcile_training_runs` sweeps periodically for what they cannot see: failures from
+before they were enabled or whose tick errored, delayed (backed-off) resumes that are due,
+and runs stuck in STARTED whose trainer stopped heartbeating.
+
+Exactly once: a decision is written onto the failed run's tags before anything is
+launched; a resume's run_key is derived from the failed run's id; only the newest run of
+a partition is ever acted on (a resume, once created, is newer); and the run queue admits
+one active run per partition.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+
+import dagster as dg
+
+from ckpt_assets.assets import MODEL_CHECKPOINT_KEY
+from ckpt_assets.jobs import train_job
+from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM, TAG_ROOT_RUN_ID
+from ckpt_assets.partitions import PARTITION_TAG, read_registration
+from ckpt_assets.policy import Budget, Decision, Failure, PolicyConfig, decide
+from ckpt_assets.resources import CheckpointStore
+from trainer.repo import CheckpointRepo
+
+TAG_DECISION = "ckpt/decision"  # on a failed run: "resume" | "stop"
+TAG_DECISION_REASON = "ckpt/decision_reason"
+TAG_DECIDED_AT = "ckpt/decided_at"  # epoch seconds
+TAG_RESUME_DELAY = "ckpt/resume_delay_s"  # back-off: the reconciler launches it when due
+TAG_NEXT_BUDGET = "ckpt/next_budget"  # on a failed run: the budget its resume will carry
+TAG_BUDGET = "ckpt/budget"  # on a resume run: JSON Budget carried from attempt to attempt
+TAG_FAILURE_KIND = "ckpt/failure_kind"
+TAG_NO_RESUME = "ckpt/no_resume"  # set by `ckpt-assets stop`: a termination that is meant
+RESUME_KEY_PREFIX = "resume-"
+
+# Reconciler: a resume the failure sensor decided and did not launch within this long was
+# lost (its tick errored); heartbeats older than this mean the trainer is gone.
+LAUNCH_GRACE_S = float(os.environ.get("CKPT_RECONCILE_GRACE_S", "45"))
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("CKPT_HEARTBEAT_TIMEOUT_S", "120"))
+LOOKBACK_RUNS = 200
+
+
+def policy_config() -> PolicyConfig:
+    env = os.environ.get
+    return PolicyConfig(
+        max_preemptions=int(env("CKPT_MAX_PREEMPTIONS", "50")),
+        max_transient=int(env("CKPT_MAX_TRANSIENT_FAILURES", "3")),
+        crash_loop_budget=int(env("CKPT_CRASH_LOOP_BUDGET", "2")),
+        backoff_base_s=float(env("CKPT_BACKOFF_BASE_S", "10")),
+        backoff_max_s=float(env("CKPT_BACKOFF_MAX_S", "300")),
+    )
+
+
+def is_training_run(run: dg.DagsterRun) -> bool:
+    if PARTITION_TAG not in run.tags:
+        return False
+    if run.job_name == train_job.name:
+        return True
+    return bool(run.asset_selection and MODEL_CHECKPOINT_KEY in run.asset_selection)
+
+
+def newest_run_of(instance: dg.DagsterInstance, partition: str) -> dg.DagsterRun | None:
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}), limit=1)
+    return runs[0] if runs else None
+
+
+def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun,
+               store: CheckpointStore | None) -> Failure:
+    """What the event log (and, for a lost worker, the store) says about how `run` ended."""
+    md: dict = {}
+    for rec in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_FAILURE):
+        data = rec.dagster_event.step_failure_data
+        ufd = data.user_failure_data if data else None
+        if ufd and "exit_code" in ufd.metadata:
+            md = {k: v.value for k, v in ufd.metadata.items()}
+    attempt = md.get("attempt") or int(run.tags.get(TAG_ATTEMPT, "1") or 1)
+    step = md.get("last_committed_step")
+    if not md and store is not None:
+        step = committed_step(store, run.tags[PARTITION_TAG])
+    return Failure(
+        run_id=run.run_id, partition=run.tags[PARTITION_TAG], attempt=int(attempt),
+        exit_code=md.get("exit_code"), failure_class=md.get("failure_class"),
+        last_committed_step=step, worker_lost=not md and run.status == dg.DagsterRunStatus.FAILURE,
+        canceled=run.status == dg.DagsterRunStatus.CANCELED,
+    )
+
+
+def _repo(store: CheckpointStore, partition: str) -> CheckpointRepo | None:
+    s = store.open()
+    reg = read_registration(s, partition)
+    return CheckpointRepo(s, reg.experiment, partition) if reg else None
+
+
+def committed_step(store: CheckpointStore, partition: str) -> int | None:
+    try:
+        repo = _repo(store, partition)
+        ptr = repo.read_pointer() if repo else None
+    except Exception:  # an unreadable store must not stop the decision; the step is a hint
+        return None
+    return ptr.get("step") if ptr and ptr.get("checkpoint") else None
+
+
+def budget_of(run: dg.DagsterRun, tag: str = TAG_BUDGET) -> Budget:
+    try:
+        return Budget(**json.loads(run.tags.get(tag, "{}")))
+    except (TypeError, ValueError):
+        return Budget()
+
+
+def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
+           decision: Decision) -> None:
+    """Write the decision where people and the reconciler look: the failed run's tags, and
+    an observation on the training run's partition."""
+    tags = {TAG_DECISION: "resume" if decision.resume else "stop",
+            TAG_DECISION_REASON: decision.reason[:400], TAG_FAILURE_KIND: decision.kind,
+            TAG_DECIDED_AT: f"{time.time():.1f}", TAG_RESUME_DELAY: f"{decision.delay_s:.0f}",
+            TAG_NEXT_BUDGET: json.dumps(asdict(decision.budget))}
+    instance.add_run_tags(run.run_id, tags)
+    instance.report_runless_asset_event(dg.AssetObservation(
+        asset_key=MODEL_CHECKPOINT_KEY, partition=failure.partition,
+        description=f"run {run.run_id[:8]} attempt {failure.attempt}: {decision.reason}",
+        metadata={"event": "resume_decision", "failed_run_id": run.run_id,
+                  "decision": tags[TAG_DECISION], "reason": decision.reason,
+                  "failure_kind": decision.kind, "exit_code": failure.exit_code,
+                  "failure_class": failure.failure_class,
+                  "last_committed_step": failure.last_committed_step,
+                  "attempt": failure.attempt, "delay_s": decision.delay_s,
+                  "budget": dg.MetadataValue.json(asdict(decision.budget))}))
+
+
+def resume_request(run: dg.DagsterRun, failure: Failure,
+                   store: CheckpointStore | None) -> dg.RunRequest:
+    resume_from = ""
+    if store is not None and failure.last_committed_step is not None:
+        try:
+            repo = _repo(store, failure.partition)
+            ptr = repo.read_pointer() if repo else None
+            resume_from = repo.uri(ptr["checkpoint"]) if ptr and ptr.get("checkpoint") else ""
+        except Exception:
+            resume_from = ""
+    return dg.RunRequest(
+        run_key=f"{RESUME_KEY_PREFIX}{run.run_id}",
+        partition_key=failure.partition,
+        job_name=train_job.name,
+        tags={TAG_PARENT_RUN_ID: run.run_id,
+              TAG_ROOT_RUN_ID: run.tags.get(TAG_ROOT_RUN_ID, run.run_id),
+              TAG_ATTEMPT: str(failure.attempt + 1),
+              TAG_RESUME_FROM: resume_from or "latest",
+              TAG_BUDGET: run.tags.get(TAG_NEXT_BUDGET, "{}"),
+              "ckpt/resume_reason": run.tags.get(TAG_DECISION_REASON, "")},
+    )
+
+
+def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: CheckpointStore | None,
+             sweep: bool) -> dg.RunRequest | None:
+    """Decide about one ended training run (once) and return its resume if it is due now.
+
+    The failure sensors (sweep=False) launch immediate resumes; the reconciler (sweep=True)
+    launches backed-off ones when due, and immediate ones the sensors did not launch in time.
+    """
+    if not is_training_run(run):
+        return None
+    newest = newest_run_of(instance, run.tags[PARTITION_TAG])
+    if newest is None or newest.run_id != run.run_id:
+        return None  # a newer run of this partition exists (e.g. the resume): moot
+    if TAG_DECISION not in run.tags:
+        failure = failure_of(instance, run, store)
+        if run.tags.get(TAG_NO_RESUME) == "true":
+            decision = Decision(False, "stopped_by_user", "not resumed: stopped on request")
+        else:
+            decision = decide(failure, budget_of(run), policy_config())
+        record(instance, run, failure, decision)
+        run = instance.get_run_by_id(run.run_id)
+    if run.tags.get(TAG_DECISION) != "resume":
+        return None
+    decided_at = float(run.tags.get(TAG_DECIDED_AT, "0"))
+    delay = float(run.tags.get(TAG_RESUME_DELAY, "0"))
+    now = time.time()
+    if now < decided_at + delay:
+        return None
+    if not sweep and delay > 0:
+        return None
+    if sweep and delay == 0 and now < decided_at + LAUNCH_GRACE_S:
+        return None  # the failure sensor's launch may still be on its way
+    return resume_request(run, failure_of(instance, run, store), store)
+
+
+def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
+    run = context.dagster_run
+    req = consider(context.instance, run, store, sweep=False)
+    if req is None:
+        run = context.instance.get_run_by_id(run.run_id)
+        return dg.SkipReason(f"run {run.run_id[:8]}: {run.tags.get(TAG_DECISION_REASON, 'not a training run')}")
+    context.log.info(f"resuming {req.partition_key}: {req.tags['ckpt/resume_reason']}")
+    return req
+
+
+@dg.run_failure_sensor(
+    name="resume_failed_training",
+    request_job=train_job,
+    minimum_interval_seconds=5,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Resumes failed training runs that the failure policy deems worth it.",
+)
+def resume_failed_training(context: dg.RunFailureSensorContext, checkpoint_store: CheckpointStore):
+    return _on_ended(context, checkpoint_store)
+
+
+@dg.run_status_sensor(
+    name="resume_terminated_training",
+    run_status=dg.DagsterRunStatus.CANCELED,
+    request_job=train_job,
+    minimum_interval_seconds=5,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Resumes training runs terminated from Dagster (a preemption notice), unless "
+                "stopped with `ckpt-assets stop`.",
+)
+def resume_terminated_training(context: dg.RunStatusSensorContext,
+                               checkpoint_store: CheckpointStore):
+    return _on_ended(context, checkpoint_store)
+
+
+def heartbeat_age(store: CheckpointStore, partition: str) -> float | None:
+    try:
+        repo = _repo(store, partition)
+        beat = repo.read_heartbeat() if repo else None
+    except Exception:
+        return None
+    return time.time() - float(beat["time"]) if beat and "time" in beat else None
+
+
+@dg.sensor(
+    name="reconcile_training_runs",
+    job=train_job,
+    minimum_interval_seconds=15,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Finds what the failure sensors missed: earlier failures, errored ticks, due "
+                "back-offs, and runs whose trainer stopped heartbeating.",
+)
+def reconcile_training_runs(context: dg.SensorEvaluationContext,
+                            checkpoint_store: CheckpointStore):
+    instance = context.instance
+    now = time.time()
+    requests, notes = [], []
+    # Runs stuck in STARTED whose trainer is gone: mark them failed; the next sweep (or the
+    # failure sensor) resumes them by the same policy.
+    for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]),
+                                 limit=LOOKBACK_RUNS):
+        if not is_training_run(run):
+            continue
+        started = instance.get_run_record_by_id(run.run_id).start_time or now
+        age = heartbeat_age(checkpoint_store, run.tags[PARTITION_TAG])
+        if now - started > HEARTBEAT_TIMEOUT_S and (age is None or age > HEARTBEAT_TIMEOUT_S):
+            msg = (f"trainer heartbeat lost ({'none' if age is None else f'{age:.0f}s old'}, "
+                   f"timeout {HEARTBEAT_TIMEOUT_S:.0f}s): marking the run failed")
+            instance.report_run_failed(run, msg)
+            notes.append(f"{run.run_id[:8]}: {msg}")
+    ended = instance.get_runs(filters=dg.RunsFilter(
+        statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]), limit=LOOKBACK_RUNS)
+    for run in ended:
+        if TAG_DECISION not in run.tags:
+            end = instance.get_run_record_by_id(run.run_id).end_time or now
+            if now - end < LAUNCH_GRACE_S:
+                continue  # the failure sensors have not had their turn yet
+        req = consider(instance, run, checkpoint_store, sweep=True)
+        if req is not None:
+            requests.append(req)
+            notes.append(f"{run.run_id[:8]}: launching resume of {req.partition_key}")
+    if not requests:
+        return dg.SkipReason("; ".join(notes) or "nothing to reconcile")
+    context.log.info("; ".join(notes))
+    return requests
+
+
+SENSORS = [resume_failed_training, resume_terminated_training, reconcile_training_runs]

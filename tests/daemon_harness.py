@@ -1,0 +1,186 @@
+"""A real dagster-daemon on a temporary instance, and the faults a cluster injects.
+
+Used by the end-to-end auto-resume tests and by benchmarks/bench_resume_latency.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+ACTIVE = ("STARTING", "STARTED", "CANCELING")
+
+
+def training_config(run: str, **overrides) -> dict:
+    cfg = {"run": run, "max_steps": 60, "eval_every": 20, "batch_size": 32,
+           "checkpoint": {"every_steps": 10, "keep_last": 3, "heartbeat_seconds": 0},
+           "task_args": {"n_train": 512, "n_eval": 128, "hidden": 32, "step_delay": 0.1}}
+    for k, v in overrides.items():
+        cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
+    return cfg
+
+
+@dataclass
+class Daemon:
+    home: Path
+    store: str
+    env: dict
+    proc: subprocess.Popen
+    log_path: Path
+    max_active: dict = field(default_factory=lambda: defaultdict(int))
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def instance(self):
+        from dagster import DagsterInstance
+        from dagster._core.instance.ref import InstanceRef
+
+        if not hasattr(self, "_instance"):
+            self._instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(self.home)))
+        return self._instance
+
+    # -- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    def start(cls, workdir: Path, store: str, extra_env: dict | None = None) -> Daemon:
+        home = workdir / "dagster_home"
+        home.mkdir(parents=True)
+        shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+        env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
+               "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
+               "PYTHONPATH": str(ROOT), "CKPT_RECONCILE_GRACE_S": "20",
+               "CKPT_BACKOFF_BASE_S": "2", **(extra_env or {})}
+        log_path = workdir / "daemon.log"
+        # Create the SQLite storage once, here: processes that create it concurrently race
+        # on its schema version table.
+        from dagster import DagsterInstance
+        from dagster._core.instance.ref import InstanceRef
+
+        instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
+        instance.get_runs(limit=1)
+        proc = subprocess.Popen([str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+                                cwd=ROOT, env=env, start_new_session=True,
+                                stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+        d = cls(home, store, env, proc, log_path)
+        d._instance = instance
+        threading.Thread(target=d._watch_active, daemon=True).start()
+        return d
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        # Runs launched by the daemon live in their own sessions: end any left over.
+        for run in self.instance.get_runs():
+            if run.status.value in ACTIVE:
+                hb = self.heartbeat(run.tags.get("dagster/partition", ""))
+                if hb and hb.get("pid"):
+                    _kill(int(hb["pid"]), signal.SIGKILL)
+
+    def _watch_active(self) -> None:
+        while not self._stop.is_set():
+            try:
+                counts: dict[str, int] = defaultdict(int)
+                for run in self.instance.get_runs(limit=100):
+                    if run.status.value in ACTIVE:
+                        counts[run.tags.get("dagster/partition", "")] += 1
+                for k, n in counts.items():
+                    self.max_active[k] = max(self.max_active[k], n)
+            except Exception:
+                pass
+            time.sleep(0.2)
+
+    # -- actions --------------------------------------------------------------------------
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ckpt_assets", *args], cwd=ROOT, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def launch(self, run: str, config: dict, workdir: Path) -> None:
+        path = workdir / f"{run}.json"
+        path.write_text(json.dumps(config))
+        res = self.cli("launch", run, "--config", str(path))
+        assert res.returncode == 0, res.stdout + res.stderr
+
+    def dagster(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "dagster"), *args], cwd=ROOT, env=self.env,
+                              capture_output=True, text=True, timeout=120)
+
+    # -- observation ----------------------------------------------------------------------
+    def runs(self, partition: str) -> list:
+        from dagster import RunsFilter
+
+        return list(reversed(self.instance.get_runs(
+            filters=RunsFilter(tags={"dagster/partition": partition}))))  # oldest first
+
+    def heartbeat(self, run: str, experiment: str = "default") -> dict | None:
+        from trainer.repo import CheckpointRepo
+        from trainer.storage import open_store
+
+        try:
+            return CheckpointRepo(open_store(self.store), experiment, run).read_heartbeat()
+        except Exception:
+            return None
+
+    def wait_for_step(self, run: str, step: int, attempt: int, timeout: float = 240) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hb = self.heartbeat(run)
+            if hb and hb.get("attempt") == attempt and hb.get("step", 0) >= step:
+                return hb
+            time.sleep(0.05)
+        raise AssertionError(f"{run}: attempt {attempt} never reached step {step}; "
+                             f"runs: {[(r.run_id[:8], r.status.value) for r in self.runs(run)]}\n"
+                             + self.log_tail())
+
+    def wait_until(self, pred, what: str, timeout: float = 300, every: float = 0.5):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = pred()
+            if got:
+                return got
+            time.sleep(every)
+        raise AssertionError(f"timed out waiting for {what}\n" + self.log_tail())
+
+    def wait_done(self, run: str, timeout: float = 400) -> object:
+        """Wait until the newest run of the partition succeeded and nothing is queued."""
+        def done():
+            runs = self.runs(run)
+            if runs and runs[-1].status.value == "SUCCESS":
+                return runs[-1]
+            return None
+        return self.wait_until(done, f"{run} to finish successfully", timeout)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def trainer_parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill(pid: int, sig: int) -> None:
+    _kill(pid, sig)

@@ -1,0 +1,154 @@
+"""Kill a training run the ways a cluster does; a real dagster-daemon resumes it, exactly once.
+
+One daemon (with the code server it spawns) serves the module, on a temporary instance made
+from the project's own dagster_home/dagster.yaml; each test trains its own partition.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_harness import Daemon, kill, trainer_parent, training_config
+from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    work = tmp_path_factory.mktemp("e2e")
+    d = Daemon.start(work, str(work / "store"))
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Final training state of the same config, trained by the plain CLI without faults."""
+    work = tmp_path_factory.mktemp("baseline")
+    cfg = training_config("base")
+    cfg["task_args"].pop("step_delay")
+    (work / "cfg.json").write_text(json.dumps(cfg))
+    res = run_trainer(work / "cfg.json", str(work / "store"))
+    assert res.returncode == 0, res.log
+    return training_state(final_state(work / "store", run="base"))
+
+
+def _resumes_of(daemon: Daemon, run_id: str) -> list:
+    return [r for r in daemon.instance.get_runs() if r.tags.get("ckpt/parent_run_id") == run_id]
+
+
+def _check_resumed_once_and_identical(daemon, name, uninterrupted, failed_runs: int):
+    final = daemon.wait_done(name)
+    runs = daemon.runs(name)
+    assert len(runs) == failed_runs + 1, [(r.run_id[:8], r.status.value) for r in runs]
+    for failed in runs[:-1]:
+        assert len(_resumes_of(daemon, failed.run_id)) == 1
+        assert failed.tags.get("ckpt/decision") == "resume"
+    assert final.tags["ckpt/parent_run_id"] == runs[-2].run_id
+    assert final.tags["ckpt/root_run_id"] == runs[0].run_id
+    assert final.tags["ckpt/attempt"] == str(failed_runs + 1)
+    assert daemon.max_active[name] == 1
+    got = training_state(final_state(Path(daemon.store), run=name))
+    assert_bitwise_equal(uninterrupted, got)
+
+
+def test_sigkill_of_the_trainer_is_resumed_once_and_ends_bitwise_identical(
+        daemon, tmp_path, uninterrupted):
+    daemon.launch("kill-trainer", training_config("kill-trainer"), tmp_path)
+    hb = daemon.wait_for_step("kill-trainer", 15, attempt=1)
+    kill(hb["pid"], signal.SIGKILL)
+    _check_resumed_once_and_identical(daemon, "kill-trainer", uninterrupted, failed_runs=1)
+    failed = daemon.runs("kill-trainer")[0]
+    assert failed.tags["ckpt/failure_kind"] == "killed"
+
+
+def test_sigterm_of_the_trainer_is_a_preemption_resumed_from_the_step_it_committed(
+        daemon, tmp_path, uninterrupted):
+    daemon.launch("term-trainer", training_config("term-trainer"), tmp_path)
+    hb = daemon.wait_for_step("term-trainer", 23, attempt=1)
+    kill(hb["pid"], signal.SIGTERM)
+    _check_resumed_once_and_identical(daemon, "term-trainer", uninterrupted, failed_runs=1)
+    failed = daemon.runs("term-trainer")[0]
+    assert failed.tags["ckpt/failure_kind"] == "preempted"
+
+
+def test_sigkill_of_the_run_worker_stops_its_trainer_and_is_resumed_once(
+        daemon, tmp_path, uninterrupted):
+    daemon.launch("kill-worker", training_config("kill-worker"), tmp_path)
+    hb = daemon.wait_for_step("kill-worker", 15, attempt=1)
+    worker = trainer_parent(hb["pid"])
+    kill(worker, signal.SIGKILL)
+    _check_resumed_once_and_identical(daemon, "kill-worker", uninterrupted, failed_runs=1)
+    # The orphaned trainer did not train on: it stopped when its parent died.
+    with pytest.raises(FileNotFoundError):
+        Path(f"/proc/{hb['pid']}/stat").read_text()
+
+
+def test_terminating_the_run_from_dagster_is_a_preemption_that_resumes(
+        daemon, tmp_path, uninterrupted):
+    daemon.launch("terminate", training_config("terminate"), tmp_path)
+    daemon.wait_for_step("terminate", 15, attempt=1)
+    run = daemon.runs("terminate")[0]
+    assert daemon.instance.run_launcher.terminate(run.run_id)
+    _check_resumed_once_and_identical(daemon, "terminate", uninterrupted, failed_runs=1)
+    first = daemon.runs("terminate")[0]
+    assert first.status.value == "CANCELED"
+    assert first.tags["ckpt/failure_kind"] == "preempted"
+
+
+def _decisions(daemon, name) -> list[dict]:
+    from dagster import AssetKey, DagsterEventType, EventRecordsFilter
+
+    recs = daemon.instance.get_event_records(EventRecordsFilter(
+        event_type=DagsterEventType.ASSET_OBSERVATION, asset_key=AssetKey("model_checkpoint"),
+        asset_partitions=[name]))
+    out = []
+    for r in recs:
+        md = r.event_log_entry.asset_observation.metadata
+        if md.get("event") and md["event"].value == "resume_decision":
+            out.append({k: v.value for k, v in md.items()})
+    return out
+
+
+def test_a_bug_in_training_code_is_not_resumed_and_the_partition_says_why(daemon, tmp_path):
+    cfg = training_config("bug", task_args={"fail_at_step": 12})
+    daemon.launch("bug", cfg, tmp_path)
+    run = daemon.wait_until(
+        lambda: next((r for r in daemon.runs("bug") if "ckpt/decision" in r.tags), None),
+        "a decision on the failed run")
+    assert run.tags["ckpt/decision"] == "stop"
+    assert run.tags["ckpt/failure_kind"] == "bug"
+    decisions = daemon.wait_until(lambda: _decisions(daemon, "bug"), "the decision record")
+    assert decisions[0]["decision"] == "stop" and "exception in the training code" in \
+        decisions[0]["reason"]
+    # Give the sensors and one reconciler sweep their chance to (wrongly) resume.
+    import time
+
+    time.sleep(30)
+    assert len(daemon.runs("bug")) == 1
+
+
+def test_a_run_that_crashes_at_the_same_step_every_time_stops_at_the_crash_loop_budget(
+        daemon, tmp_path):
+    cfg = training_config("crash-loop", task_args={"crash_at_step": 25})
+    daemon.launch("crash-loop", cfg, tmp_path)
+
+    def stopped():
+        runs = daemon.runs("crash-loop")
+        return runs if runs and runs[-1].tags.get("ckpt/decision") == "stop" else None
+
+    runs = daemon.wait_until(stopped, "the crash loop to be stopped", timeout=400)
+    assert runs[-1].tags["ckpt/failure_kind"] == "crash_loop"
+    # Attempt 1 reached step 20 (progress), attempts 2 and 3 died at 25 without committing
+    # anything new: the budget of 2 failures in a row stops it there.
+    assert len(runs) == 3, [(r.run_id[:8], r.tags.get("ckpt/decision")) for r in runs]
+    import time
+
+    time.sleep(25)
+    assert len(daemon.runs("crash-loop")) == 3
+    assert daemon.max_active["crash-loop"] == 1

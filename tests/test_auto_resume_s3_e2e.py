@@ -1,0 +1,73 @@
+"""Three failures of one run on an S3 store: two handled by failure-sensor ticks, one by a
+reconciler sweep while the failure sensor is off (as for failures from before it was on)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+
+import boto3
+import pytest
+
+from tests.daemon_harness import Daemon, kill, training_config
+from tests.s3_state import final_state_s3
+from tests.trainer_proc import assert_bitwise_equal, run_trainer, training_state
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once_each(
+        moto_server, tmp_path):
+    bucket = f"e2e-{uuid.uuid4().hex[:8]}"
+    aws = {"AWS_ENDPOINT_URL": moto_server, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key="testing"
+                 ).create_bucket(Bucket=bucket)
+    store = f"s3://{bucket}/ckpts"
+
+    cfg = training_config("s3run")
+    base = json.loads(json.dumps(cfg))
+    base["task_args"].pop("step_delay")
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    res = run_trainer(tmp_path / "base.json", str(tmp_path / "base-store"))
+    assert res.returncode == 0, res.log
+    from tests.trainer_proc import final_state
+
+    uninterrupted = training_state(final_state(tmp_path / "base-store", run="s3run"))
+
+    daemon = Daemon.start(tmp_path / "d", store, extra_env=aws)
+    try:
+        daemon.launch("s3run", cfg, tmp_path)
+        hb = daemon.wait_for_step("s3run", 12, attempt=1)
+        kill(hb["pid"], signal.SIGKILL)  # 1: failure sensor
+        hb = daemon.wait_for_step("s3run", 25, attempt=2)
+
+        stopped = daemon.dagster("sensor", "stop", "resume_failed_training", "-w", "workspace.yaml")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        kill(hb["pid"], signal.SIGKILL)  # 2: only the reconciler can see this one
+        hb = daemon.wait_for_step("s3run", 38, attempt=3, timeout=300)
+        started = daemon.dagster("sensor", "start", "resume_failed_training", "-w", "workspace.yaml")
+        assert started.returncode == 0, started.stdout + started.stderr
+        time.sleep(6)  # the re-enabled sensor's first tick only sets its cursor
+
+        kill(hb["pid"], signal.SIGTERM)  # 3: failure sensor again (a preemption)
+        final = daemon.wait_done("s3run")
+        runs = daemon.runs("s3run")
+        assert len(runs) == 4, [(r.run_id[:8], r.status.value) for r in runs]
+        for failed, child in zip(runs, runs[1:], strict=False):
+            assert child.tags["ckpt/parent_run_id"] == failed.run_id
+            resumes = [r for r in daemon.instance.get_runs()
+                       if r.tags.get("ckpt/parent_run_id") == failed.run_id]
+            assert len(resumes) == 1
+        assert [r.tags.get("ckpt/failure_kind") for r in runs[:3]] == ["killed", "killed",
+                                                                       "preempted"]
+        assert [r.tags.get("dagster/sensor_name") for r in runs[1:]] == [
+            "resume_failed_training", "reconcile_training_runs", "resume_failed_training"]
+        assert final.tags["ckpt/attempt"] == "4"
+        assert daemon.max_active["s3run"] == 1
+        assert_bitwise_equal(uninterrupted, training_state(final_state_s3(store, run="s3run")))
+    finally:
+        daemon.stop()

@@ -1,0 +1,200 @@
+"""The Dagster CLI and `python -m ckpt_assets` as CI and users run them: from the repo root,
+as subprocesses, against a temporary DAGSTER_HOME holding a copy of dagster_home/dagster.yaml."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from tests.dagster_fixtures import *  # noqa: F403
+from tests.dagster_fixtures import (
+    DAGSTER,
+    ROOT,
+    cli,
+    dagster_cli,
+    pid_alive,
+    pointer_step,
+    read_heartbeat_pid,
+    training_config,
+)
+from trainer.repo import CheckpointRepo
+from trainer.storage import open_store
+
+SELECT = "training_dataset,model_checkpoint,final_model"
+
+
+def _write_config(tmp_path: Path, **overrides) -> Path:
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(training_config(**overrides)))
+    return path
+
+
+def _wait(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_dagster_definitions_validate_accepts_the_workspace_from_the_repo_root(dagster_home):
+    proc = dagster_cli("definitions", "validate", "-w", "workspace.yaml", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "All code locations passed validation" in proc.stdout + proc.stderr
+
+
+def test_the_code_location_has_the_contract_names_of_the_design():
+    from ckpt_assets.definitions import defs
+
+    repo = defs.get_repository_def()
+    job = defs.resolve_job_def("train_job")
+    assert {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()} == {
+        "training_dataset", "model_checkpoint", "final_model"}
+    assert job.executor_def.name == "in_process"
+    assert job.tags["dagster/max_retries"] == "0"
+    assert job.partitions_def.name == "training_runs"
+    for key in ("training_dataset", "model_checkpoint", "final_model"):
+        assert repo.assets_defs_by_key[dg.AssetKey(key)].code_versions_by_key[
+            dg.AssetKey(key)]
+
+
+def test_the_cli_entry_point_answers_bad_input_with_one_line_and_exit_code_2(
+        tmp_path, dagster_home, store_uri):
+    proc = cli("register", "Bad/Name", "--config", str(_write_config(tmp_path)))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "lowercase letters" in proc.stderr
+    proc = cli("launch", "not-registered")
+    assert proc.returncode == 2 and "pass --config FILE the first time" in proc.stderr
+    proc = cli("register")
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.slow
+def test_dagster_asset_materialize_trains_a_partition_registered_with_the_cli(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    reg = cli("register", "cli-run", "--config", str(_write_config(tmp_path)))
+    assert reg.returncode == 0, reg.stderr
+    proc = dagster_cli("asset", "materialize", "--select", SELECT, "--partition", "cli-run",
+                       "-m", "ckpt_assets.definitions")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    listed = cli("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    (row,) = json.loads(listed.stdout)
+    assert row["state"] == "SUCCESS" and row["latest_step"] == 40 and row["attempts"] == 1
+    instance = dg.DagsterInstance.get()
+    for key in ("training_dataset", "model_checkpoint", "final_model"):
+        recs = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=["cli-run"]),
+            limit=1).records
+        assert recs, f"{key} was not materialized for cli-run"
+
+
+@pytest.mark.slow
+def test_cli_launch_queues_one_train_job_run_per_partition_that_the_daemon_runs(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    proc = cli("launch", "queued-run", "--config", str(_write_config(tmp_path)),
+               "--tag", "team=ml")
+    assert proc.returncode == 0, proc.stderr
+    instance = dg.DagsterInstance.get()
+    (run,) = instance.get_runs()
+    assert run.job_name == "train_job" and run.status == dg.DagsterRunStatus.QUEUED
+    assert run.tags["dagster/partition"] == "queued-run" and run.tags["team"] == "ml"
+    again = cli("launch", "queued-run")
+    assert again.returncode == 2 and "already has an active Dagster run" in again.stderr
+    assert len(instance.get_runs()) == 1
+
+    log = open(tmp_path / "daemon.log", "wb")
+    daemon = subprocess.Popen([str(Path(DAGSTER).parent / "dagster-daemon"), "run", "-w",
+                               "workspace.yaml"], cwd=ROOT, env={**os.environ,
+                               "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        done = _wait(lambda: instance.get_run_by_id(run.run_id).is_finished, 180,
+                     "the daemon to run the queued run", interval=0.5)
+        assert done
+        assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS, \
+            (tmp_path / "daemon.log").read_text()[-3000:]
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+        log.close()
+    listed = json.loads(cli("list", "--json").stdout)
+    assert listed[0]["state"] == "SUCCESS" and listed[0]["latest_step"] == 40
+
+
+def _start_materialize(tmp_path, name: str, **overrides) -> subprocess.Popen:
+    from ckpt_assets.cli import main as cli_main
+
+    assert cli_main(["register", name, "--config", str(_write_config(tmp_path, **overrides))]) == 0
+    return subprocess.Popen(
+        [DAGSTER, "asset", "materialize", "--select", SELECT, "--partition", name,
+         "-m", "ckpt_assets.definitions"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=open(tmp_path / "materialize.log", "wb"), stderr=subprocess.STDOUT)
+
+
+SLOW_RUN = {"max_steps": 2000, "task_args": {"step_delay": 0.02}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_run_stops_the_trainer_which_commits_before_it_exits(
+        tmp_path, dagster_home, store_uri, mlflow_uri, sig):
+    store = Path(store_uri)
+    proc = _start_materialize(tmp_path, "stopped", **SLOW_RUN)
+    try:
+        _wait(lambda: (pointer_step(store, "default", "stopped") or 0) >= 10, 120,
+              "a committed checkpoint")
+        trainer_pid = read_heartbeat_pid(store, "default", "stopped")
+        proc.send_signal(sig)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    _wait(lambda: not pid_alive(trainer_pid), 30, "the trainer to exit")
+    repo = CheckpointRepo(open_store(store_uri), "default", "stopped")
+    m = repo.read_manifest(repo.read_pointer()["checkpoint"])
+    assert m.meta["reason"] == "preempted"  # the trainer's SIGTERM path committed this one
+    instance = dg.DagsterInstance.get()
+    (run,) = instance.get_runs()
+    ended = [e.dagster_event.asset_observation_data.asset_observation.metadata
+             for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION)]
+    assert [md["exit_code"].value for md in ended] == [143]
+    assert ended[0]["failure_class"].value == "preempted"
+    assert ended[0]["last_committed_step"].value == m.step
+    assert run.status in (dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_process_takes_its_trainer_down_after_a_final_commit(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    store = Path(store_uri)
+    proc = _start_materialize(tmp_path, "orphan", **SLOW_RUN)
+    try:
+        _wait(lambda: (pointer_step(store, "default", "orphan") or 0) >= 10, 120,
+              "a committed checkpoint")
+        trainer_pid = read_heartbeat_pid(store, "default", "orphan")
+        proc.kill()  # SIGKILL: no handler runs in the orchestrator
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # PR_SET_PDEATHSIG delivers SIGTERM to the trainer; it commits and exits 143.
+    _wait(lambda: not pid_alive(trainer_pid), 30, "the orphaned trainer to exit")
+    repo = CheckpointRepo(open_store(store_uri), "default", "orphan")
+    m = repo.read_manifest(repo.read_pointer()["checkpoint"])
+    assert m.meta["reason"] == "preempted" and m.step < 2000
