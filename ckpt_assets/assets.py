@@ -131,10 +131,18 @@ def resolve_registration(context, checkpoint_store: CheckpointStore,
                          config: TrainingRunConfig) -> Registration:
     """Register the run's config if this launch carries one; else read the registered one."""
     run = partition_key(context)
+    training, experiment = config.training, config.experiment
+    if training is None:
+        # The training config may have been given to any of the run's training ops.
+        for op in (context.run.run_config or {}).get("ops", {}).values():
+            other = (op or {}).get("config") or {}
+            if other.get("training") is not None:
+                training, experiment = other["training"], experiment or other.get("experiment")
+                break
     try:
         store = checkpoint_store.open()
-        if config.training is not None:
-            reg = register_training_run(store, run, config.training, config.experiment)
+        if training is not None:
+            reg = register_training_run(store, run, training, experiment)
             if reg.created:
                 context.log.info(f"registered training run {run!r}: {reg.config_uri}")
         else:
@@ -145,9 +153,9 @@ def resolve_registration(context, checkpoint_store: CheckpointStore,
                     "its first run with ops.training_dataset.config.training set to the "
                     "training config, or run: python -m ckpt_assets register "
                     f"{run} --config FILE")
-            if config.experiment and config.experiment != reg.experiment:
+            if experiment and experiment != reg.experiment:
                 raise ConfigError(f"training run {run!r} is registered in experiment "
-                                  f"{reg.experiment!r}, not {config.experiment!r}")
+                                  f"{reg.experiment!r}, not {experiment!r}")
     except ConfigError as e:
         raise fail(str(e), exit_code=2, failure_class="bad_input", run=run) from e
     except StorageError as e:
@@ -489,7 +497,16 @@ def _run_trainer(context, cmd, env, trainer: TrainerResource, att: _Attempt,
         reader = threading.Thread(target=pump, name="trainer-output", daemon=True)
         reader.start()
         try:
-            after_start()
+            # MLflow's start-up (schema migrations on a new database) runs on its own thread,
+            # so that an interrupt (which Dagster raises in the main thread) never lands
+            # inside it; the main thread only waits, and waiting is safe to interrupt.
+            opener = threading.Thread(target=after_start, name="mlflow-open", daemon=True)
+            opener.start()
+            while opener.is_alive():
+                opener.join(0.1)
+                if proc.poll() is not None:
+                    opener.join(30)
+                    break
             while True:
                 rc = proc.poll()
                 msgs = session.get_custom_messages()

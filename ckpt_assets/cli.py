@@ -4,6 +4,7 @@
     launch   NAME [--config FILE] [--experiment E] register if needed, queue a train_job run
     list     [--json]                              runs: state, attempts, latest step/checkpoint
     lineage  NAME [--json]                         attempts, checkpoints (parent links), model
+    stop     NAME                                  terminate its active run; do not resume it
 
 Common options: --store URI (default $CKPT_STORE_URI, else ./checkpoints under the repo;
 the same default as the code location's CheckpointStore). The Dagster instance is
@@ -60,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="extra run tag (repeatable)")
     la.add_argument("--force", action="store_true",
                     help="queue even if the run already has a queued or running Dagster run")
+
+    st = sub.add_parser("stop", parents=[common],
+                        help="terminate the run's active Dagster run and mark it not to be resumed")
+    st.add_argument("name")
 
     li = sub.add_parser("list", parents=[common], help="training runs with state, attempts and latest checkpoint")
     li.add_argument("--json", action="store_true")
@@ -249,8 +254,37 @@ def cmd_lineage(args) -> int:
     return EXIT_OK
 
 
+def cmd_stop(args) -> int:
+    """Tag active runs `ckpt/no_resume=true` first (the resume sensors read it), then
+    terminate them: the trainer gets SIGTERM, commits a checkpoint and exits 143."""
+    import dagster as dg
+
+    from ckpt_assets.partitions import validate_partition_key
+
+    try:
+        from ckpt_assets.sensors import TAG_NO_RESUME
+    except ImportError:
+        TAG_NO_RESUME = "ckpt/no_resume"
+    validate_partition_key(args.name)
+    instance = _instance()
+    active = _active_runs(instance, args.name)
+    if not active:
+        raise CliError(f"training run {args.name!r} has no queued or running Dagster run")
+    for run in active:
+        instance.add_run_tags(run.run_id, {TAG_NO_RESUME: "true"})
+        if run.status == dg.DagsterRunStatus.QUEUED:
+            instance.run_coordinator.cancel_run(run.run_id)
+            print(f"canceled queued run {run.run_id}")
+        elif instance.run_launcher.terminate(run.run_id):
+            print(f"terminating run {run.run_id}: the trainer commits a checkpoint and exits")
+        else:
+            raise CliError(f"could not terminate run {run.run_id} ({run.status.value}); "
+                           "terminate it from the Dagster UI", EXIT_ERROR)
+    return EXIT_OK
+
+
 COMMANDS = {"register": cmd_register, "launch": cmd_launch, "list": cmd_list,
-            "lineage": cmd_lineage}
+            "lineage": cmd_lineage, "stop": cmd_stop}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,7 +87,8 @@ def instance() -> dg.DagsterInstance:
 def materialize_run(instance: dg.DagsterInstance, key: str, resources: dict,
                     training: dict | None = None, experiment: str | None = None,
                     selection: list | None = None, tags: dict | None = None,
-                    with_checks: bool = True) -> dg.ExecuteInJobResult:
+                    with_checks: bool = True,
+                    config_op: str = "training_dataset") -> dg.ExecuteInJobResult:
     """materialize() the training assets (and their checks) for partition `key`."""
     from ckpt_assets.assets import TRAINING_ASSETS
     from ckpt_assets.checks import TRAINING_CHECKS
@@ -99,7 +100,7 @@ def materialize_run(instance: dg.DagsterInstance, key: str, resources: dict,
         op_config["training"] = training
     if experiment is not None:
         op_config["experiment"] = experiment
-    run_config = {"ops": {"training_dataset": {"config": op_config}}} if op_config else None
+    run_config = {"ops": {config_op: {"config": op_config}}} if op_config else None
     assets = list(TRAINING_ASSETS) + (list(TRAINING_CHECKS) if with_checks else [])
     return dg.materialize(assets, instance=instance, partition_key=key, resources=resources,
                           run_config=run_config, selection=selection, tags=tags,

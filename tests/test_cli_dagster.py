@@ -160,7 +160,11 @@ def test_interrupting_the_run_stops_the_trainer_which_commits_before_it_exits(
               "a committed checkpoint")
         trainer_pid = read_heartbeat_pid(store, "default", "stopped")
         proc.send_signal(sig)
-        proc.wait(60)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the run did not end after the signal:\n" + (
+                tmp_path / "materialize.log").read_text()[-6000:]) from None
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -198,3 +202,21 @@ def test_a_sigkilled_run_process_takes_its_trainer_down_after_a_final_commit(
     repo = CheckpointRepo(open_store(store_uri), "default", "orphan")
     m = repo.read_manifest(repo.read_pointer()["checkpoint"])
     assert m.meta["reason"] == "preempted" and m.step < 2000
+
+
+@pytest.mark.slow
+def test_cli_stop_cancels_a_queued_run_and_marks_it_not_to_be_resumed(
+        tmp_path, dagster_home, store_uri, capsys):
+    from ckpt_assets.cli import main as cli_main
+
+    assert cli_main(["launch", "to-stop", "--config", str(_write_config(tmp_path))]) == 0
+    instance = dg.DagsterInstance.get()
+    (run,) = instance.get_runs()
+    assert run.status == dg.DagsterRunStatus.QUEUED
+    assert cli_main(["stop", "to-stop"]) == 0
+    run = instance.get_run_by_id(run.run_id)
+    assert run.status == dg.DagsterRunStatus.CANCELED
+    assert run.tags["ckpt/no_resume"] == "true"
+    capsys.readouterr()
+    assert cli_main(["stop", "to-stop"]) == 2
+    assert "has no queued or running Dagster run" in capsys.readouterr().err

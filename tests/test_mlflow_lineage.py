@@ -106,6 +106,8 @@ def test_the_mlflow_step_history_is_strictly_increasing_and_continuous_across_at
     # The final model is logged to the same run.
     assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.pt"]
     assert client.get_metric_history(run.info.run_id, "final_eval_loss")[0].step == 60
+    (version,) = client.search_model_versions(f"name='default.{KEY}'")
+    assert version.run_id == run.info.run_id
 
 
 def test_the_lineage_command_shows_both_attempts_and_parent_links_across_them(
