@@ -92,3 +92,15 @@ def test_a_user_task_with_its_own_stateful_parts_and_values_resumes_bitwise(tmp_
     assert a["curriculum"] == b["curriculum"] and a["curriculum"]["level"] < 0.5
     assert a["task_values"] == b["task_values"]
     assert torch.is_tensor(a["loop"]["losses"])
+
+
+def test_background_saves_interrupted_by_sigkill_resume_bitwise_identical(tmp_path, uninterrupted):
+    store = tmp_path / "store"
+    cfg = write_config(tmp_path / "async.json", checkpoint={"async_save": True})
+    slow = write_config(tmp_path / "async-slow.json", checkpoint={"async_save": True},
+                        task_args={"n_train": 1024, "hidden": 48, "step_delay": 0.01})
+    res = run_trainer(slow, str(store), interrupt_at=47, sig=signal.SIGKILL)
+    assert res.returncode == -signal.SIGKILL
+    res = run_trainer(cfg, str(store))
+    assert res.returncode == 0 and "resumed from" in res.log, res.log
+    assert_bitwise_equal(uninterrupted, training_state(final_state(store)))
