@@ -129,7 +129,7 @@ def train(cfg: TrainConfig, store_uri: str, resume: str = "auto",
 
     attempt = int(os.environ.get("CKPT_ATTEMPT") or repo.next_attempt())
     manifest, skipped = resolve_resume(repo, resume)
-    repo.claim(attempt)
+    repo.claim(attempt, manifest.name if manifest else None)
     ck = Checkpointer(repo, parts, attempt, cfg.checkpoint.keep_last,
                       cfg.checkpoint.keep_best, cfg.checkpoint.async_save)
     resumed_from = None

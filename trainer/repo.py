@@ -148,6 +148,9 @@ class CheckpointRepo:
         self._pointer_token: str | None = None
         self._pointer: dict[str, Any] | None = None
         self.owner = uuid.uuid4().hex[:12]
+        # The checkpoint this attempt's state descends from: the next commit's parent. Not
+        # the pointer's target, which may be a newer checkpoint that failed verification.
+        self.parent: str | None = None
 
     # -- naming -------------------------------------------------------------------------
     def key(self, name: str, filename: str | None = None) -> str:
@@ -192,8 +195,11 @@ class CheckpointRepo:
         self._pointer = new
         return new
 
-    def claim(self, attempt: int) -> dict[str, Any]:
-        """Make this attempt the run's only writer: older attempts' next commit will fail."""
+    def claim(self, attempt: int, parent: str | None) -> dict[str, Any]:
+        """Make this attempt the run's only writer: older attempts' next commit will fail.
+
+        `parent` is the checkpoint this attempt loaded (None when it starts fresh)."""
+        self.parent = parent
         try:
             self.read_pointer()
         except CheckpointError:
@@ -223,7 +229,7 @@ class CheckpointRepo:
 
     def commit(self, pending: Pending, meta: dict[str, Any]) -> Manifest:
         """Manifest last inside the checkpoint, then the pointer (conditional)."""
-        parent = (self._pointer or {}).get("checkpoint")
+        parent = self.parent
         manifest = Manifest(
             name=pending.name,
             step=pending.step,
@@ -234,12 +240,14 @@ class CheckpointRepo:
             meta=meta,
         )
         self.store.put_new(self.key(pending.name, MANIFEST), manifest.to_json())
-        history = [parent] + list((self._pointer or {}).get("history", [])) if parent else []
+        previous = (self._pointer or {}).get("checkpoint")
+        history = [previous, *(self._pointer or {}).get("history", [])] if previous else []
         best = (self._pointer or {}).get("best")
         if meta.get("is_best"):
             best = {"checkpoint": pending.name, "score": meta.get("best_score")}
         self._move_pointer(checkpoint=pending.name, step=pending.step, attempt=pending.attempt,
                            history=history[:POINTER_HISTORY], best=best)
+        self.parent = pending.name
         return manifest
 
     # -- discovery and verification -------------------------------------------------------
