@@ -102,11 +102,10 @@ def test_terminating_the_run_from_dagster_is_a_preemption_that_resumes(
 
 
 def _decisions(daemon, name) -> list[dict]:
-    from dagster import AssetKey, DagsterEventType, EventRecordsFilter
+    from dagster import AssetKey, AssetRecordsFilter
 
-    recs = daemon.instance.get_event_records(EventRecordsFilter(
-        event_type=DagsterEventType.ASSET_OBSERVATION, asset_key=AssetKey("model_checkpoint"),
-        asset_partitions=[name]))
+    recs = daemon.instance.fetch_observations(AssetRecordsFilter(
+        asset_key=AssetKey("model_checkpoint"), asset_partitions=[name]), limit=100).records
     out = []
     for r in recs:
         md = r.event_log_entry.asset_observation.metadata

@@ -1,0 +1,379 @@
+"""Time from a SIGKILL of the trainer to the resumed trainer's first completed step.
+
+A real dagster-daemon (tests.daemon_harness.Daemon, on a temporary DAGSTER_HOME made from
+the project's dagster_home/dagster.yaml) runs one long training run; the benchmark kills
+its trainer process with SIGKILL N times, each time a random (seeded) number of steps after
+the current attempt's first completed step, and waits for the failure sensor to resume it.
+For each kill it splits kill -> first resumed step into
+
+  detection  kill -> the failed Dagster run's end       (run record end_time)
+  sensor     failed run's end -> resume run created     (run record create_timestamp)
+  queue      resume run created -> resume run started   (run record start_time: dequeue,
+                                                          run worker spawn, RUN_START)
+  restore    resume run started -> first completed step  (first heartbeat of the new attempt,
+                                                          its own `time`; polled every 20 ms)
+
+and the work lost per interruption, in steps.
+
+The policy's back-off is switched off (CKPT_BACKOFF_BASE_S=0) and its budgets raised, so
+every kill takes the immediate path: this measures the mechanism, not the policy's chosen
+delays.
+
+    python benchmarks/bench_resume_latency.py [--kills 10] [--seed 0] [--step-delay 0.15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
+from tests.daemon_harness import Daemon, training_config  # noqa: E402
+from trainer.repo import CheckpointRepo, parse_checkpoint_name  # noqa: E402
+from trainer.storage import open_store  # noqa: E402
+
+RUN = "bench-resume"
+SENSOR_INTERVAL_S = 5  # resume_failed_training's minimum_interval_seconds (Dagster's floor)
+RECONCILE_INTERVAL_S = 15  # reconcile_training_runs
+POLL_S = 0.02
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def poll(pred, what: str, timeout: float, every: float = POLL_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    """False once the process is gone or a zombie (it is the run worker's child, not ours)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def ts(dt) -> float:
+    return dt.timestamp() if hasattr(dt, "timestamp") else float(dt)
+
+
+TRAINER_TIME_RE = re.compile(r"^\[trainer\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+
+
+RESTORE_RE = re.compile(r"\(restore ([0-9.]+)s\)")
+
+
+def trainer_time(line: str) -> float | None:
+    """Epoch seconds of a trainer log line's own (local time) timestamp."""
+    m = TRAINER_TIME_RE.match(line)
+    if not m:
+        return None
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+
+
+def phases(daemon: Daemon, run_id: str) -> dict[str, float]:
+    """Event-log timestamps of a resume run's start-up milestones (absent ones are missing)."""
+    out: dict[str, float] = {}
+    # This Dagster writes no RUN_DEQUEUED for the default coordinator: RUN_STARTING (the
+    # launcher was called) marks the dequeue.
+    marks = {"RUN_DEQUEUED": "dequeued", "RUN_STARTING": "dequeued", "RUN_START": "start"}
+    for e in daemon.instance.all_logs(run_id):
+        ev = e.dagster_event
+        if ev is not None:
+            if ev.event_type.name in marks:
+                out.setdefault(marks[ev.event_type.name], e.timestamp)
+            continue
+        msg = e.user_message or ""
+        if msg.startswith("trainer started (pid"):
+            out.setdefault("spawned", e.timestamp)
+        elif msg.startswith("[trainer]") and (" resumed from " in msg or " from scratch " in msg):
+            # Logged once restored, before step 1. The event is written when the run worker
+            # reads the line; the line's own timestamp is the trainer's.
+            out.setdefault("restored", trainer_time(msg) or e.timestamp)
+            m = RESTORE_RE.search(msg)
+            if m:
+                out.setdefault("ckpt_load", float(m.group(1)))
+    return out
+
+
+def first_beat_of_new_attempt(daemon: Daemon, old_attempt: int, timeout: float) -> dict:
+    def got():
+        hb = daemon.heartbeat(RUN)
+        return hb if hb and int(hb.get("attempt", 0)) > old_attempt else None
+    return poll(got, f"a heartbeat of an attempt after {old_attempt}", timeout)
+
+
+def measure_one(daemon: Daemon, repo: CheckpointRepo, rng: random.Random, first_hb: dict,
+                every_steps: int, timeout: float) -> tuple[dict, dict]:
+    """Kill the attempt whose first heartbeat is `first_hb`; return (row, next first_hb)."""
+    attempt = int(first_hb["attempt"])
+    runs = daemon.runs(RUN)
+    failed = runs[-1]
+    if failed.status.value != "STARTED":
+        raise BenchError(f"newest run {failed.run_id[:8]} is {failed.status.value}, not STARTED")
+    offset = rng.randint(2, every_steps + 1)
+    target = int(first_hb["step"]) + offset
+
+    def reached():
+        hb = daemon.heartbeat(RUN)
+        return hb if hb and int(hb["attempt"]) == attempt and int(hb["step"]) >= target else None
+
+    pre = poll(reached, f"attempt {attempt} to reach step {target}", timeout)
+    pid = int(pre["pid"])
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    poll(lambda: not pid_alive(pid), f"trainer pid {pid} to die", 30)
+    # The trainer is dead now: its last heartbeat and the pointer are final for this attempt.
+    post = daemon.heartbeat(RUN)
+    post_step = int(post["step"]) if post and int(post["attempt"]) == attempt else int(pre["step"])
+    ptr = repo.read_pointer() or {}
+    ptr_step = int(ptr["step"]) if ptr.get("checkpoint") else 0
+    # A kill between a checkpoint's commit and that step's heartbeat: the pointer is newer.
+    step_at_kill = max(post_step, ptr_step)
+
+    def ended():
+        rec = daemon.instance.get_run_record_by_id(failed.run_id)
+        return rec if rec.end_time is not None else None
+
+    failed_rec = poll(ended, f"run {failed.run_id[:8]} to end", timeout, every=0.05)
+
+    def resumed():
+        for r in daemon.instance.get_runs(limit=20):
+            if r.tags.get(TAG_PARENT_RUN_ID) == failed.run_id:
+                return r
+        return None
+
+    resume = poll(resumed, f"a resume of run {failed.run_id[:8]}", timeout, every=0.05)
+
+    def started():
+        rec = daemon.instance.get_run_record_by_id(resume.run_id)
+        return rec if rec.start_time is not None else None
+
+    resume_rec = poll(started, f"resume run {resume.run_id[:8]} to start", timeout, every=0.05)
+    nxt = first_beat_of_new_attempt(daemon, attempt, timeout)
+    failed_run = daemon.instance.get_run_by_id(failed.run_id)
+
+    name = resume.tags.get(TAG_RESUME_FROM, "").rstrip("/").rsplit("/", 1)[-1]
+    parsed = parse_checkpoint_name(name)
+    resumed_from = parsed[0] if parsed else 0  # "latest" only before any checkpoint: step 0
+    if int(nxt["step"]) - 1 != resumed_from:
+        raise BenchError(f"attempt {nxt['attempt']} first completed step {nxt['step']}, but "
+                         f"its resume_from tag names step {resumed_from} ({name!r})")
+    if int(resume.tags.get(TAG_ATTEMPT, "0")) != int(nxt["attempt"]):
+        raise BenchError(f"resume run says attempt {resume.tags.get(TAG_ATTEMPT)}, "
+                         f"heartbeat says {nxt['attempt']}")
+
+    t_end = float(failed_rec.end_time)
+    t_created = ts(resume_rec.create_timestamp)
+    t_start = float(resume_rec.start_time)
+    t_first = float(nxt["time"])
+    row = {
+        "attempt": attempt, "pre_step": int(pre["step"]), "step_at_kill": step_at_kill,
+        "ptr_step": ptr_step, "resumed_from": resumed_from, "lost": step_at_kill - resumed_from,
+        "detect": t_end - t_kill, "sensor": t_created - t_end, "queue": t_start - t_created,
+        "launch": t_start - t_end, "restore": t_first - t_start, "total": t_first - t_kill,
+        "kind": failed_run.tags.get("ckpt/failure_kind", "?"),
+        "by": resume.tags.get("dagster/sensor_name", "?"),
+        "_resume_run_id": resume.run_id, "_t_created": t_created, "_t_start": t_start,
+        "_t_first": t_first, "_t_end": t_end,
+        "_decided": float(failed_run.tags.get("ckpt/decided_at", "nan")),
+    }
+    return row, nxt
+
+
+def add_detail(daemon: Daemon, r: dict) -> None:
+    """Split sensor/queue/restore further, from the decision tag and the resume run's event
+    log (read after the last kill, so that reading it never delays a kill)."""
+    ph = phases(daemon, r["_resume_run_id"])
+    nan = float("nan")
+
+    def gap(a: str, b: str) -> float:
+        return ph[b] - ph[a] if a in ph and b in ph else nan
+
+    r.update({
+        "decide": r["_decided"] - r["_t_end"],  # the sensor's tick picks the failed run up
+        "request": r["_t_created"] - r["_decided"],  # decision -> resume run created
+        "dequeue": ph.get("dequeued", nan) - r["_t_created"],
+        "spawn_worker": gap("dequeued", "start"),  # launcher spawns the run worker; RUN_START
+        "asset_setup": ph.get("spawned", nan) - r["_t_start"],  # -> trainer process spawned
+        "trainer_load": gap("spawned", "restored"),  # interpreter, imports, checkpoint load
+        "ckpt_load": ph.get("ckpt_load", 0.0),  # of which the checkpoint load (0: from scratch)
+        "first_step": r["_t_first"] - ph.get("restored", nan),
+    })
+
+
+def fmt_row(i: int, r: dict) -> str:
+    return (f"{i:>4} {r['attempt']:>4} {r['step_at_kill']:>7} {r['resumed_from']:>7} "
+            f"{r['lost']:>5}  {r['detect']:>7.2f} {r['sensor']:>7.2f} {r['queue']:>7.2f} "
+            f"{r['launch']:>7.2f} {r['restore']:>8.2f} {r['total']:>7.2f}  {r['kind']:<7} {r['by']}")
+
+
+DETAIL = ("decide", "request", "dequeue", "spawn_worker", "asset_setup", "trainer_load",
+          "ckpt_load", "first_step")
+
+
+def fmt_detail(i: int, r: dict) -> str:
+    return f"{i:>4} " + " ".join(f"{r[k]:>{max(7, len(k))}.2f}" for k in DETAIL)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-delay", type=float, default=0.15, help="seconds per training step")
+    ap.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps")
+    ap.add_argument("--timeout", type=float, default=180, help="per wait, seconds")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = ap.parse_args()
+    if args.kills < 1:
+        ap.error("--kills must be at least 1")
+
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="bench_resume_"))
+    store = str(work / "store")
+    env = {"CKPT_MAX_TRANSIENT_FAILURES": str(args.kills + 5),
+           "CKPT_CRASH_LOOP_BUDGET": str(10 * args.kills + 100),
+           "CKPT_BACKOFF_BASE_S": "0"}
+    # Long enough to outlast every kill: ~every_steps+a few steps per attempt, plus margin.
+    max_steps = 100 + args.kills * (args.every_steps + 20) * 2
+    cfg = training_config(RUN, max_steps=max_steps, eval_every=0,
+                          checkpoint={"every_steps": args.every_steps, "heartbeat_seconds": 0,
+                                      "on_epoch_end": False, "on_best": False},
+                          task_args={"step_delay": args.step_delay})
+
+    print(f"bench_resume_latency: {args.kills} SIGKILLs of the trainer, seed {args.seed}")
+    print(f"  sensor: resume_failed_training every {SENSOR_INTERVAL_S}s (reconciler every "
+          f"{RECONCILE_INTERVAL_S}s, grace 20s); run queue dequeues every 1s")
+    print(f"  training: max_steps {max_steps}, step_delay {args.step_delay}s, checkpoint every "
+          f"{args.every_steps} steps only (sync; no epoch-end/best saves), heartbeat every "
+          "step")
+    print("  policy: " + ", ".join(f"{k}={v}" for k, v in env.items())
+          + "  -> every kill takes the immediate-resume path (back-off is policy, not measured)")
+    print(f"  kill: SIGKILL of the trainer pid, 2..{args.every_steps + 1} steps (seeded) after "
+          "the attempt's first completed step")
+    print("  lost work = step at kill - step resumed from; step at kill = max(last heartbeat "
+          "after the trainer is dead, committed pointer step); resumed from = the resume run's "
+          "ckpt/resume_from checkpoint (checked: = first heartbeat step of the new attempt - 1)")
+    print(f"  host: {os.cpu_count()} CPUs, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (process start-up dominates: "
+          "compare hosts with care)")
+    print(f"  workdir: {work}", flush=True)
+
+    daemon = None
+    rows: list[dict] = []
+    t0 = time.monotonic()
+    try:
+        daemon = Daemon.start(work, store, extra_env=env)
+        daemon.launch(RUN, cfg, work)
+        repo = CheckpointRepo(open_store(store), "default", RUN)
+        hb = first_beat_of_new_attempt(daemon, 0, args.timeout)
+        print(f"  first attempt up: attempt {hb['attempt']}, step {hb['step']} "
+              f"({time.monotonic() - t0:.1f}s after launch)\n")
+        print(f"{'':>4} {'':>4} {'step at':>7} {'resumed':>7} {'':>5}  {' seconds ':-^57}")
+        print(f"{'kill':>4} {'att':>4} {'kill':>7} {'from':>7} {'lost':>5}  {'detect':>7} "
+              f"{'sensor':>7} {'queue':>7} {'launch':>7} {'restore':>8} {'total':>7}  "
+              f"{'kind':<7} resumed by")
+        for i in range(1, args.kills + 1):
+            row, hb = measure_one(daemon, repo, rng, hb, args.every_steps, args.timeout)
+            rows.append(row)
+            print(fmt_row(i, row), flush=True)
+        max_active = daemon.max_active.get(RUN, 0)
+        time.sleep(2)  # the last resume's trainer log lines reach its event log
+        for row in rows:
+            add_detail(daemon, row)
+        print("\nwhere the time goes (seconds; from run tags and the resume run's event log):")
+        print("  decide: failed run end -> sensor's decision (ckpt/decided_at); request: "
+              "-> resume run created;")
+        print("  dequeue: -> RUN_STARTING (dequeued, launcher called); spawn_worker: -> "
+              "RUN_START (the run worker process is up and has loaded the code);")
+        print("  asset_setup: RUN_START -> trainer process spawned; trainer_load: -> trainer "
+              "logged 'resumed from'/'from scratch' (interpreter, imports, restore);")
+        print("  ckpt_load: of trainer_load, the checkpoint restore as the trainer timed it "
+              "(0 = from scratch); first_step: -> first heartbeat of the new attempt")
+        print("kill " + " ".join(f"{k:>{max(7, len(k))}}" for k in DETAIL))
+        for i, row in enumerate(rows, 1):
+            print(fmt_detail(i, row))
+        # Let the last attempt go: stop it without a resume (SIGTERM, final checkpoint).
+        res = daemon.cli("stop", RUN)
+        if res.returncode == 0:
+            try:
+                poll(lambda: daemon.runs(RUN)[-1].status.value in ("CANCELED", "FAILURE",
+                                                                     "SUCCESS"),
+                     "the last attempt to stop", 60, every=0.5)
+            except BenchError as e:
+                print(f"  ({e}; the daemon's shutdown kills it)")
+        else:
+            print(f"  (ckpt-assets stop: {res.stdout.strip()} {res.stderr.strip()})")
+    except BaseException:
+        if daemon is not None:
+            print("\n--- daemon log tail ---\n" + daemon.log_tail(60), file=sys.stderr)
+        raise
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        if not args.keep:
+            # A run worker still writing its last events can re-create the instance's SQLite
+            # files just after a first removal.
+            for _ in range(3):
+                shutil.rmtree(work, ignore_errors=True)
+                time.sleep(1)
+            shutil.rmtree(work, ignore_errors=True)
+
+    def stat(key: str) -> str:
+        vals = [r[key] for r in rows]
+        return f"median {statistics.median(vals):6.2f}s  worst {max(vals):6.2f}s"
+
+    totals = [r["total"] for r in rows]
+    lost = [r["lost"] for r in rows]
+    target_s = SENSOR_INTERVAL_S + 15
+    med = statistics.median(totals)
+    ok_t = med <= target_s
+    ok_l = max(lost) <= args.every_steps
+    print(f"\nsummary over {len(rows)} kills (wall {time.monotonic() - t0:.0f}s, sensor interval "
+          f"{SENSOR_INTERVAL_S}s, immediate path: CKPT_BACKOFF_BASE_S=0; load average now "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs):")
+    print(f"  detection  kill -> failed run end          {stat('detect')}")
+    print(f"  launch     failed run end -> resume start  {stat('launch')}")
+    print(f"    sensor   failed run end -> resume queued {stat('sensor')}")
+    print(f"    queue    resume queued -> resume start   {stat('queue')}")
+    print(f"  restore    resume start -> 1st new step    {stat('restore')}")
+    print(f"  total      kill -> 1st resumed step        {stat('total')}")
+    print("  sub-phases:")
+    for k in DETAIL:
+        if all(r[k] == r[k] for r in rows):  # no NaN
+            print(f"    {k:<13}{'':28}{stat(k)}")
+    print(f"  lost work  median {statistics.median(lost):.1f} steps, worst {max(lost)} steps "
+          f"(checkpoint every {args.every_steps}); per kill: {lost}")
+    behind = [r["step_at_kill"] - r["pre_step"] for r in rows]
+    print(f"  step at kill vs the heartbeat read just before the kill: +{max(behind)} at most "
+          f"({sum(1 for x in behind if x)} of {len(rows)} kills differ)")
+    print(f"  resumed by: {sorted({r['by'] for r in rows})}; failure kinds: "
+          f"{sorted({r['kind'] for r in rows})}; max active runs of the partition: {max_active}")
+    print(f"target: median kill -> first resumed step <= sensor interval + 15s = {target_s}s: "
+          f"{'MET' if ok_t else 'MISSED'} ({med:.2f}s)")
+    print(f"target: lost work <= one checkpoint interval = {args.every_steps} steps: "
+          f"{'MET' if ok_l else 'MISSED'} (worst {max(lost)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
