@@ -76,8 +76,10 @@ class VersionedRepo(CheckpointRepo):
 
     def put(self, filename: str, payload: bytes, meta: dict[str, Any],
             retries: int = 5) -> Manifest:
-        """Commit `payload` as a new version; a lost race for a version name takes the next."""
-        self.read_pointer()
+        """Commit `payload` as a new version; a lost race for a version name takes the next.
+        Its parent is the version latest.json named when this write began."""
+        ptr = self.read_pointer()
+        self.parent = (ptr or {}).get("checkpoint")
         for _ in range(retries):
             pending = self.begin(self.next_version(), 0)
             try:
