@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-import torch
 from pydantic import Field
 
 from ckpt_assets.io_managers import CHECKPOINT_KEY
@@ -255,6 +254,8 @@ def training_dataset(context: dg.AssetExecutionContext, config: TrainingRunConfi
     kwargs = {k: v for k, v in cfg["task_args"].items() if k in params}
     data = make(**kwargs)
     version = digest(data)
+    import torch  # here, not at module level: loading the code location stays fast
+
     sizes = {k: list(v.shape) for k, v in data.items() if isinstance(v, torch.Tensor)}
     nbytes = sum(v.numel() * v.element_size() for v in data.values() if isinstance(v, torch.Tensor))
     return dg.Output(
@@ -318,6 +319,8 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     root_run_id = run_tags.get(TAG_ROOT_RUN_ID) or context.run.run_id
     parent_run_id = run_tags.get(TAG_PARENT_RUN_ID)
     code_version = git_commit()
+
+    import torch
 
     from trainer.tasks.toy import dataset_hash
 
@@ -554,6 +557,8 @@ def _stop(context, proc: subprocess.Popen, grace: float) -> int:
 def final_model(context: dg.AssetExecutionContext, config: TrainingRunConfig,
                 model_checkpoint: dict, checkpoint_store: CheckpointStore,
                 mlflow_tracking: MLflowResource):
+    import torch
+
     from trainer.task import build_task
 
     reg = resolve_registration(context, checkpoint_store, config)

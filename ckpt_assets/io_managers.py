@@ -29,11 +29,9 @@ import re
 from typing import Any
 
 import dagster as dg
-import torch
 
 from ckpt_assets.partitions import read_registration, validate_partition_key
 from ckpt_assets.resources import CheckpointStore
-from trainer.checkpointer import load_verified_state, safe_torch_load
 from trainer.errors import AlreadyExistsError, CheckpointError, CheckpointNotFoundError
 from trainer.repo import MANIFEST, CheckpointRepo, Manifest, Pending
 from trainer.storage import ObjectStore, validate_key
@@ -125,10 +123,14 @@ class VersionedRepo(CheckpointRepo):
                 "re-materialize the asset for this partition") from e
         if fmt == "json":
             return json.loads(data), m
+        from trainer.checkpointer import safe_torch_load
+
         return safe_torch_load(io.BytesIO(data), self.store.uri_for(key)), m
 
 
 def _contains_tensor(obj: Any) -> bool:
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return True
     if isinstance(obj, dict):
@@ -145,6 +147,8 @@ def serialize(obj: Any) -> tuple[str, bytes]:
             return "json", json.dumps(obj, indent=1, sort_keys=True).encode()
         except (TypeError, ValueError):
             pass
+    import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     return "torch", buf.getvalue()
@@ -185,6 +189,8 @@ def load_checkpoint_state(store: ObjectStore, experiment: str, run: str,
             f"training run {experiment}/{run} has no valid checkpoint in {store.uri}"
             + (f" ({len(skipped)} failed verification)" if skipped else "")
             + "; materialize model_checkpoint first")
+    from trainer.checkpointer import load_verified_state  # imports torch: only when loading
+
     state = load_verified_state(repo, manifest)
     state[CHECKPOINT_KEY] = {
         "name": manifest.name, "uri": repo.uri(manifest.name), "step": manifest.step,
