@@ -283,13 +283,34 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
                          "root_run_id": r.tags.get(TAG_ROOT_RUN_ID, r.run_id),
                          "parent_run_id": r.tags.get(TAG_PARENT_RUN_ID),
                          "job": r.job_name})
-    # The attempt number a run's trainer actually used is in its checkpoints' lineage.
-    repo = CheckpointRepo(store, reg.experiment, run_key)
-    checkpoints = checkpoint_timeline(repo)
-    by_run = {c.get("dagster_run_id"): c.get("attempt") for c in checkpoints}
+    # What each attempt did and why it was (not) resumed: observations on the partition.
+    ended, decisions = {}, {}
+    for md, rec in _partition_events(instance, run_key, observations=True):
+        if md.get("event") == "attempt_ended":
+            ended[rec.run_id] = md
+        elif md.get("event") == "resume_decision":
+            decisions[md.get("failed_run_id")] = md.get("reason")
     for a in attempts:
-        if a["attempt"] is None and a["dagster_run_id"] in by_run:
-            a["attempt"] = by_run[a["dagster_run_id"]]
+        e = ended.get(a["dagster_run_id"], {})
+        a["attempt"] = a["attempt"] or e.get("attempt")
+        a.update(exit_code=e.get("exit_code"), failure_class=e.get("failure_class"),
+                 last_committed_step=e.get("last_committed_step"),
+                 decision=decisions.get(a["dagster_run_id"]))
+    repo = CheckpointRepo(store, reg.experiment, run_key)
+    stored = {c["name"] for c in checkpoint_timeline(repo)}
+    # Every committed checkpoint was materialized, so the history outlives retention.
+    # (The step's own output materializes the final checkpoint once more: one row each.)
+    checkpoints = {md["name"]: {"name": md.get("name"), "uri": md.get("uri"), "step": md.get("step"),
+                    "attempt": md.get("attempt"), "parent": md.get("parent"),
+                    "sha256": md.get("sha256"), "size": md.get("size"), "loss": md.get("loss"),
+                    "dagster_run_id": rec.run_id, "stored": md.get("name") in stored,
+                    **{k: md.get(k) for k in ("resumed_from_step", "code_version",
+                                              "data_version")}}
+                   for md, rec in _partition_events(instance, run_key, observations=False)
+                   if md.get("name")}
+    checkpoints = list(checkpoints.values()) + [
+        dict(c, stored=True) for c in checkpoint_timeline(repo) if c["name"] not in checkpoints]
+    checkpoints.sort(key=lambda c: (c.get("step") or 0, c.get("attempt") or 0))
     try:
         ptr = repo.read_pointer()
     except CheckpointError:
@@ -311,18 +332,37 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
             "final_model": final}
 
 
+def _partition_events(instance: dg.DagsterInstance, run_key: str, observations: bool):
+    """(metadata values, record) of model_checkpoint events of one partition, oldest first."""
+    flt = dg.AssetRecordsFilter(asset_key=dg.AssetKey("model_checkpoint"),
+                                asset_partitions=[run_key])
+    fetch = instance.fetch_observations if observations else instance.fetch_materializations
+    for rec in fetch(flt, limit=10_000, ascending=True).records:
+        entry = rec.event_log_entry
+        ev = entry.asset_observation if observations else entry.asset_materialization
+        if ev is not None:
+            yield {k: v.value for k, v in ev.metadata.items()}, rec
+
+
 def format_lineage(rep: dict[str, Any]) -> str:
     lines = [f"training run {rep['run']} (experiment {rep['experiment']})",
              f"  config: {rep['config_uri']}", "  attempts:"]
     for a in rep["attempts"]:
         lines.append(f"    attempt {a['attempt'] or '?'}: dagster run {a['dagster_run_id']} "
-                     f"{a['status']} (root {a['root_run_id']})")
+                     f"{a['status']} (root {a['root_run_id'][:8]}, parent "
+                     f"{(a['parent_run_id'] or '-')[:8]})")
+        if a.get("exit_code") is not None:
+            lines.append(f"      trainer exit {a['exit_code']} ({a['failure_class']}), last "
+                         f"committed step {a['last_committed_step']}")
+        if a.get("decision"):
+            lines.append(f"      {a['decision']}")
     lines.append("  checkpoints (oldest first):")
     for c in rep["checkpoints"]:
         if "error" in c:
             lines.append(f"    {c['name']}: UNREADABLE: {c['error']}")
             continue
-        mark = " <- latest" if c["name"] == rep["latest_checkpoint"] else ""
+        mark = " <- latest" if c["name"] == rep["latest_checkpoint"] else (
+            "" if c.get("stored", True) else " (removed by retention)")
         loss = f"{c['loss']:.4f}" if isinstance(c.get("loss"), float) else c.get("loss")
         lines.append(f"    {c['name']} step {c['step']} attempt {c['attempt']} loss {loss} "
                      f"parent {c['parent'] or '-'}{mark}")
