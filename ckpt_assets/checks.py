@@ -37,10 +37,8 @@ def _run_repo(context, checkpoint_store: CheckpointStore):
     return key, store, reg
 
 
-@dg.asset_check(asset=model_checkpoint, description="The checkpoint latest.json names verifies "
-                "(every file's size and SHA-256 match its manifest).")
-def latest_checkpoint_verifies(context: dg.AssetCheckExecutionContext,
-                               checkpoint_store: CheckpointStore) -> dg.AssetCheckResult:
+def _latest_manifest(context, checkpoint_store: CheckpointStore, verify: bool):
+    """(repo, manifest) of the checkpoint latest.json names, or the failed check result."""
     got = _run_repo(context, checkpoint_store)
     if isinstance(got, dg.AssetCheckResult):
         return got
@@ -50,10 +48,21 @@ def latest_checkpoint_verifies(context: dg.AssetCheckExecutionContext,
         ptr = repo.read_pointer()
         if not ptr or not ptr.get("checkpoint"):
             return dg.AssetCheckResult(passed=False, description="no committed checkpoint yet")
-        m = repo.verify(ptr["checkpoint"])
+        read = repo.verify if verify else repo.read_manifest
+        return repo, read(ptr["checkpoint"])
     except (CheckpointError, CheckpointNotFoundError, StorageError) as e:
         return dg.AssetCheckResult(passed=False, description=str(e),
                                    metadata={"error": dg.MetadataValue.text(str(e))})
+
+
+@dg.asset_check(asset=model_checkpoint, description="The checkpoint latest.json names verifies "
+                "(every file's size and SHA-256 match its manifest).")
+def latest_checkpoint_verifies(context: dg.AssetCheckExecutionContext,
+                               checkpoint_store: CheckpointStore) -> dg.AssetCheckResult:
+    got = _latest_manifest(context, checkpoint_store, verify=True)
+    if isinstance(got, dg.AssetCheckResult):
+        return got
+    repo, m = got
     return dg.AssetCheckResult(passed=True, metadata={
         "checkpoint_uri": dg.MetadataValue.text(repo.uri(m.name)), "step": m.step,
         "sha256": m.sha256, "size": m.total_size})
@@ -62,18 +71,10 @@ def latest_checkpoint_verifies(context: dg.AssetCheckExecutionContext,
 @dg.asset_check(asset=model_checkpoint, description="The latest checkpoint's training loss is finite.")
 def latest_checkpoint_loss_is_finite(context: dg.AssetCheckExecutionContext,
                                      checkpoint_store: CheckpointStore) -> dg.AssetCheckResult:
-    got = _run_repo(context, checkpoint_store)
+    got = _latest_manifest(context, checkpoint_store, verify=False)
     if isinstance(got, dg.AssetCheckResult):
         return got
-    key, store, reg = got
-    repo = CheckpointRepo(store, reg.experiment, key)
-    try:
-        ptr = repo.read_pointer()
-        if not ptr or not ptr.get("checkpoint"):
-            return dg.AssetCheckResult(passed=False, description="no committed checkpoint yet")
-        m = repo.read_manifest(ptr["checkpoint"])
-    except (CheckpointError, CheckpointNotFoundError, StorageError) as e:
-        return dg.AssetCheckResult(passed=False, description=str(e))
+    repo, m = got
     loss = m.meta.get("loss")
     ok = isinstance(loss, int | float) and math.isfinite(loss)
     return dg.AssetCheckResult(passed=ok, metadata={

@@ -101,27 +101,15 @@ def _store(uri: str | None):
 
 
 def _read_config(path: str) -> dict:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise CliError(f"config file {p} does not exist") from None
-    except OSError as e:
-        raise CliError(f"config file {p} cannot be read: {e.strerror}") from None
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
+    from trainer.config import read_config_file
+    from trainer.errors import ConfigError
 
-            raw = yaml.safe_load(text)
-        else:
-            raw = json.loads(text)
-    except Exception as e:
-        kind = "YAML" if p.suffix in (".yaml", ".yml") else "JSON"
-        raise CliError(f"config file {p} is not valid {kind}: {e}") from None
-    if raw is None:
-        raw = {}
+    try:
+        raw = read_config_file(path)
+    except ConfigError as e:
+        raise CliError(str(e)) from None
     if not isinstance(raw, dict):
-        raise CliError(f"config file {p} must hold a mapping, not {type(raw).__name__}")
+        raise CliError(f"config file {path} must hold a mapping, not {type(raw).__name__}")
     return raw
 
 

@@ -138,7 +138,8 @@ def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
     return cfg
 
 
-def load_config(path: str | Path) -> TrainConfig:
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping in a JSON or YAML config file; ConfigError says what is wrong."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -146,13 +147,18 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"config file {p} does not exist; pass --config with a JSON or YAML file") from None
     except OSError as e:
         raise ConfigError(f"config file {p} cannot be read: {e.strerror}") from None
+    yaml_file = p.suffix in (".yaml", ".yml")
     try:
-        if p.suffix in (".yaml", ".yml"):
+        if yaml_file:
             import yaml
 
             raw = yaml.safe_load(text)
         else:
             raw = json.loads(text)
     except Exception as e:  # any parse error is bad input
-        raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.') or 'JSON'}: {e}") from None
-    return config_from_dict(raw or {})
+        raise ConfigError(f"config file {p} is not valid {'YAML' if yaml_file else 'JSON'}: {e}") from None
+    return raw or {}
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    return config_from_dict(read_config_file(path))
