@@ -128,8 +128,12 @@ class Checkpointer:
 
     def _persist(self, step: int, state: dict, meta: dict, t0: float, snap_s: float) -> Manifest:
         pending = self.repo.begin(step, self.attempt)
-        with self.repo.write_file(pending, STATE_FILE) as w:
-            torch.save(state, w)
+        if self.repo.store.native_files:
+            with self.repo.write_path(pending, STATE_FILE) as path:
+                _save(state, path)
+        else:  # S3: serialize straight into the multipart upload
+            with self.repo.write_file(pending, STATE_FILE) as w:
+                _save(state, w)
         manifest = self.repo.commit(pending, meta)
         stats = {"save_seconds": round(time.perf_counter() - t0, 4),
                  "blocking_seconds": round(snap_s, 4) if self.async_save else None}
@@ -170,6 +174,17 @@ class Checkpointer:
                     f"checkpoint {self.repo.uri(manifest.name)} does not fit part {name!r}: {e}. "
                     "Resume with the config the run was started with, or --resume never."
                 ) from e
+
+
+def _save(state: dict[str, Any], dest) -> None:
+    # The manifest's SHA-256 already guards every byte; torch's per-record CRC32 would be a
+    # second, slower checksum pass over the same bytes.
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(state, dest)
+    finally:
+        torch.serialization.set_crc32_options(crc)
 
 
 def load_verified_state(repo: CheckpointRepo, manifest: Manifest) -> dict[str, Any]:

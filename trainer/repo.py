@@ -12,22 +12,19 @@ share a run only one can advance it.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
-import os
 import re
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from trainer.errors import CheckpointError, CheckpointNotFoundError, PointerConflictError
 from trainer.storage import HashingWriter, ObjectStore, WrittenObject, validate_name
-from trainer.storage.base import CHUNK_SIZE, combine_chunks
+from trainer.storage.base import CHUNK_SIZE, chunk_digests, combine_chunks, file_size
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -53,35 +50,6 @@ def file_entry(w: WrittenObject) -> dict[str, Any]:
     if w.chunks:
         entry.update(chunk_size=CHUNK_SIZE, chunks=list(w.chunks))
     return entry
-
-
-def _file_size(f: BinaryIO) -> int:
-    f.seek(0, os.SEEK_END)
-    size = f.tell()
-    f.seek(0)
-    return size
-
-
-def _chunk_digests(f: BinaryIO, size: int, chunk_size: int) -> list[str]:
-    def one(i: int) -> str:
-        sha = hashlib.sha256()
-        pos, end = i * chunk_size, min(size, (i + 1) * chunk_size)
-        while pos < end:
-            block = os.pread(fd, min(8 << 20, end - pos), pos)
-            sha.update(block)
-            pos += len(block)
-        return sha.hexdigest()
-
-    n = (size + chunk_size - 1) // chunk_size
-    try:
-        fd = f.fileno()
-    except (OSError, AttributeError, io.UnsupportedOperation):
-        fd = None
-    if fd is None:  # in-memory file: one pass, chunk by chunk
-        f.seek(0)
-        return [hashlib.sha256(f.read(chunk_size)).hexdigest() for _ in range(n)]
-    with ThreadPoolExecutor(max_workers=min(n, os.cpu_count() or 1)) as pool:
-        return list(pool.map(one, range(n)))
 
 
 @dataclass
@@ -227,6 +195,15 @@ class CheckpointRepo:
             yield w
         pending.written[filename] = w.result(key)
 
+    @contextmanager
+    def write_path(self, pending: Pending, filename: str) -> Iterator[str]:
+        """Yield a file path to write `filename` of the pending checkpoint to (create-once).
+        Only for stores with `native_files`; others take a stream (`write_file`)."""
+        key = self.key(pending.name, filename)
+        with self.store.create_from_path(key) as (path, result):
+            yield path
+        pending.written[filename] = result[0]
+
     def commit(self, pending: Pending, meta: dict[str, Any]) -> Manifest:
         """Manifest last inside the checkpoint, then the pointer (conditional)."""
         parent = self.parent
@@ -287,7 +264,7 @@ class CheckpointRepo:
         """
         want = manifest.files[filename]
         uri = self.store.uri_for(self.key(manifest.name, filename))
-        size = _file_size(f)
+        size = file_size(f)
         if size != int(want["size"]):
             raise CheckpointError(
                 f"checkpoint file {uri} is {size} bytes but its manifest says {want['size']} "
@@ -298,7 +275,7 @@ class CheckpointRepo:
             if combine_chunks(chunks) != want["sha256"]:
                 raise CheckpointError(f"manifest of {uri} lists chunk digests that do not add "
                                       "up to its SHA-256 (the manifest is corrupt)")
-            got = _chunk_digests(f, size, int(want.get("chunk_size", CHUNK_SIZE)))
+            got = chunk_digests(f, size, int(want.get("chunk_size", CHUNK_SIZE)))
             for i, (g, w) in enumerate(zip(got, chunks, strict=True)):
                 if g != w:
                     lo = i * int(want.get("chunk_size", CHUNK_SIZE))
