@@ -118,6 +118,9 @@ def run(trials: int, seed: int, workdir: Path) -> dict:
         if problems:
             failures.append({"trial": i, **t, "problems": problems})
         last_step = manifest.step if manifest else None
+        if (i + 1) % 100 == 0:
+            print(f"  {i + 1} kills, {len(failures)} failures, newest step {last_step}",
+                  file=sys.stderr, flush=True)
     return {"trials": trials, "failures": len(failures), "details": failures[:5],
             "final_step": last_step}
 
