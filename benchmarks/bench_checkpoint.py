@@ -94,7 +94,7 @@ def main() -> int:
         t0 = time.perf_counter()
         ck.save(step=r + 1, meta={})
         ours_save.append(time.perf_counter() - t0)
-        manifest = repo.verify(repo.read_pointer()["checkpoint"])
+        manifest = repo.verify(repo.read_pointer().checkpoint)
         nbytes = manifest.total_size
         path = work / "store" / repo.key(manifest.name, "state.pt")
         payload = memoryview(path.read_bytes())

@@ -145,8 +145,8 @@ def measure_one(daemon: Daemon, repo: CheckpointRepo, rng: random.Random, first_
     # The trainer is dead now: its last heartbeat and the pointer are final for this attempt.
     post = daemon.heartbeat(RUN)
     post_step = int(post["step"]) if post and int(post["attempt"]) == attempt else int(pre["step"])
-    ptr = repo.read_pointer() or {}
-    ptr_step = int(ptr["step"]) if ptr.get("checkpoint") else 0
+    ptr = repo.read_pointer()
+    ptr_step = ptr.step if ptr and ptr.checkpoint else 0
     # A kill between a checkpoint's commit and that step's heartbeat: the pointer is newer.
     step_at_kill = max(post_step, ptr_step)
 

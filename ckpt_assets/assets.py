@@ -57,7 +57,7 @@ from ckpt_assets.partitions import (
 )
 from ckpt_assets.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from trainer.errors import FAILURE_CLASSES, CheckpointError, ConfigError, StorageError
-from trainer.repo import CheckpointRepo
+from trainer.repo import CheckpointRepo, Pointer
 from trainer.storage import ObjectStore
 
 # Output(data_version=...) and Pipes' writer count are marked beta/preview in 1.13.
@@ -219,7 +219,7 @@ def checkpoint_metadata(msg: dict[str, Any], run: str) -> dict[str, Any]:
     }
 
 
-def _pointer(repo: CheckpointRepo) -> dict[str, Any] | None:
+def _pointer(repo: CheckpointRepo) -> Pointer | None:
     try:
         return repo.read_pointer()
     except (CheckpointError, StorageError):
@@ -372,8 +372,8 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
         shutil.rmtree(workdir, ignore_errors=True)
 
     ptr = _pointer(repo)
-    last_step = ptr.get("step") if ptr and ptr.get("checkpoint") else None
-    last_uri = repo.uri(ptr["checkpoint"]) if ptr and ptr.get("checkpoint") else None
+    last_step = ptr.step if ptr and ptr.checkpoint else None
+    last_uri = repo.uri(ptr.checkpoint) if ptr and ptr.checkpoint else None
     if last_step is None and att.checkpoints:
         last_step, last_uri = att.checkpoints[-1]["step"], att.checkpoints[-1]["uri"]
     fclass = "success" if rc == 0 else failure_class_for(rc, att.failed)
@@ -409,10 +409,10 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
                    last_committed_step=last_step, checkpoint_uri=last_uri, **extra)
 
     # Success: the pointer names the final checkpoint.
-    if not ptr or not ptr.get("checkpoint"):
+    if not ptr or not ptr.checkpoint:
         raise fail(f"trainer exited 0 but {repo.pointer_key} names no checkpoint",
                    exit_code=0, failure_class="error", run=run, attempt=attempt)
-    m = repo.read_manifest(ptr["checkpoint"])
+    m = repo.read_manifest(ptr.checkpoint)
     lin = m.meta.get("lineage") or {}
     record = {"checkpoint": m.name, "uri": repo.uri(m.name), "step": m.step, "sha256": m.sha256,
               "size": m.total_size, "attempt": m.attempt, "parent": m.parent,

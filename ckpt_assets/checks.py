@@ -46,10 +46,10 @@ def _latest_manifest(context, checkpoint_store: CheckpointStore, verify: bool):
     repo = CheckpointRepo(store, reg.experiment, key)
     try:
         ptr = repo.read_pointer()
-        if not ptr or not ptr.get("checkpoint"):
+        if not ptr or not ptr.checkpoint:
             return dg.AssetCheckResult(passed=False, description="no committed checkpoint yet")
         read = repo.verify if verify else repo.read_manifest
-        return repo, read(ptr["checkpoint"])
+        return repo, read(ptr.checkpoint)
     except (CheckpointError, CheckpointNotFoundError, StorageError) as e:
         return dg.AssetCheckResult(passed=False, description=str(e),
                                    metadata={"error": dg.MetadataValue.text(str(e))})

@@ -77,7 +77,7 @@ class VersionedRepo(CheckpointRepo):
         """Commit `payload` as a new version; a lost race for a version name takes the next.
         Its parent is the version latest.json named when this write began."""
         ptr = self.read_pointer()
-        self.parent = (ptr or {}).get("checkpoint")
+        self.parent = ptr.checkpoint if ptr else None
         for _ in range(retries):
             pending = self.begin(self.next_version(), 0)
             try:
@@ -91,7 +91,7 @@ class VersionedRepo(CheckpointRepo):
 
     def current(self) -> str | None:
         ptr = self.read_pointer()
-        return ptr.get("checkpoint") if ptr else None
+        return ptr.checkpoint if ptr else None
 
     def load_current(self) -> tuple[Any, Manifest]:
         """Verify, then deserialize, the version latest.json names."""

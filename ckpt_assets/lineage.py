@@ -112,8 +112,7 @@ class MlflowTracker:
         n = 0
         try:
             ptr = repo.read_pointer()
-            names = [x for x in [*(ptr or {}).get("history", [])[::-1],
-                                 (ptr or {}).get("checkpoint")] if x]
+            names = ptr.timeline[::-1] if ptr else []
             for name in names:
                 try:
                     m = repo.read_manifest(name)
@@ -262,10 +261,10 @@ def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) 
         out["error"] = str(e)
         ptr = None
     if ptr:
-        out["attempts"] = int(ptr.get("attempt") or 0)
-        if ptr.get("checkpoint"):
-            out["latest_step"] = ptr.get("step")
-            out["latest_checkpoint"] = repo.uri(ptr["checkpoint"])
+        out["attempts"] = ptr.attempt
+        if ptr.checkpoint:
+            out["latest_step"] = ptr.step
+            out["latest_checkpoint"] = repo.uri(ptr.checkpoint)
     return out
 
 
@@ -328,7 +327,7 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
         final = {"error": str(e)}
     return {"run": run_key, "experiment": reg.experiment, "config_uri": reg.config_uri,
             "attempts": attempts, "checkpoints": checkpoints,
-            "latest_checkpoint": ptr.get("checkpoint") if ptr else None,
+            "latest_checkpoint": ptr.checkpoint if ptr else None,
             "final_model": final}
 
 

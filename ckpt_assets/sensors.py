@@ -105,7 +105,7 @@ def committed_step(store: CheckpointStore, partition: str) -> int | None:
         ptr = repo.read_pointer() if repo else None
     except Exception:  # an unreadable store must not stop the decision; the step is a hint
         return None
-    return ptr.get("step") if ptr and ptr.get("checkpoint") else None
+    return ptr.step if ptr and ptr.checkpoint else None
 
 
 def budget_of(run: dg.DagsterRun, tag: str = TAG_BUDGET) -> Budget:
@@ -143,7 +143,7 @@ def resume_request(run: dg.DagsterRun, failure: Failure,
         try:
             repo = _repo(store, failure.partition)
             ptr = repo.read_pointer() if repo else None
-            resume_from = repo.uri(ptr["checkpoint"]) if ptr and ptr.get("checkpoint") else ""
+            resume_from = repo.uri(ptr.checkpoint) if ptr and ptr.checkpoint else ""
         except Exception:
             resume_from = ""
     return dg.RunRequest(

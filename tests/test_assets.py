@@ -165,8 +165,8 @@ def test_a_failed_trainer_raises_failure_with_the_metadata_contract_the_resume_s
     assert md["attempt"] == 1 and md["training_run"] == "broken"
     # Step 10 was committed before the fault at step 15 (checkpoints every 10 steps).
     repo = CheckpointRepo(open_store(store), "default", "broken")
-    assert md["last_committed_step"] == repo.read_pointer()["step"] >= 8
-    assert md["checkpoint_uri"] == repo.uri(repo.read_pointer()["checkpoint"])
+    assert md["last_committed_step"] == repo.read_pointer().step >= 8
+    assert md["checkpoint_uri"] == repo.uri(repo.read_pointer().checkpoint)
     assert f"exited {exit_code}" in desc and failure_class in desc
     if exit_code < 0:
         assert md["signal"] == "SIGKILL"
@@ -179,7 +179,7 @@ def test_the_final_model_falls_back_to_the_newest_checkpoint_that_verifies(insta
     res = make_resources(store, tracking_uri=mlflow_uri)
     assert materialize_run(instance, "fb", res, training=training_config(max_steps=30)).success
     repo = CheckpointRepo(open_store(store), "default", "fb")
-    newest = repo.read_pointer()["checkpoint"]
+    newest = repo.read_pointer().checkpoint
     state = tmp_path / "store" / "default" / "fb" / "checkpoints" / newest / "state.pt"
     data = bytearray(state.read_bytes())
     data[len(data) // 3] ^= 0xFF

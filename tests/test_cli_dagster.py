@@ -171,7 +171,7 @@ def test_interrupting_the_run_stops_the_trainer_which_commits_before_it_exits(
     assert proc.returncode != 0
     _wait(lambda: not pid_alive(trainer_pid), 30, "the trainer to exit")
     repo = CheckpointRepo(open_store(store_uri), "default", "stopped")
-    m = repo.read_manifest(repo.read_pointer()["checkpoint"])
+    m = repo.read_manifest(repo.read_pointer().checkpoint)
     assert m.meta["reason"] == "preempted"  # the trainer's SIGTERM path committed this one
     instance = dg.DagsterInstance.get()
     (run,) = instance.get_runs()
@@ -200,7 +200,7 @@ def test_a_sigkilled_run_process_takes_its_trainer_down_after_a_final_commit(
     # PR_SET_PDEATHSIG delivers SIGTERM to the trainer; it commits and exits 143.
     _wait(lambda: not pid_alive(trainer_pid), 30, "the orphaned trainer to exit")
     repo = CheckpointRepo(open_store(store_uri), "default", "orphan")
-    m = repo.read_manifest(repo.read_pointer()["checkpoint"])
+    m = repo.read_manifest(repo.read_pointer().checkpoint)
     assert m.meta["reason"] == "preempted" and m.step < 2000
 
 

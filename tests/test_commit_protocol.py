@@ -72,8 +72,8 @@ def test_the_pointer_moves_only_after_the_manifest_exists(store):
     repo, model, ck = _ck(store)
     ck.save(1, {})
     ptr = repo.read_pointer()
-    assert ptr["checkpoint"] == "step-000000001-a1"
-    assert store.exists(repo.key(ptr["checkpoint"], MANIFEST))
+    assert ptr.checkpoint == "step-000000001-a1"
+    assert store.exists(repo.key(ptr.checkpoint, MANIFEST))
 
 
 def test_a_checkpoint_without_manifest_does_not_exist(store):
@@ -94,9 +94,9 @@ def test_a_second_attempt_claiming_the_run_stops_the_first_from_advancing_it(sto
     repo2, _, ck2 = _ck(store, attempt=2)
     with pytest.raises(PointerConflictError, match="another attempt took over"):
         ck1.save(2, {})
-    assert repo2.read_pointer()["checkpoint"] == "step-000000001-a1"
+    assert repo2.read_pointer().checkpoint == "step-000000001-a1"
     ck2.save(2, {})
-    assert repo2.read_pointer()["checkpoint"] == "step-000000002-a2"
+    assert repo2.read_pointer().checkpoint == "step-000000002-a2"
 
 
 def test_retention_keeps_the_last_k_and_never_what_the_pointer_names(store):
@@ -104,7 +104,7 @@ def test_retention_keeps_the_last_k_and_never_what_the_pointer_names(store):
     for step in range(1, 6):
         ck.save(step, {})
     assert repo.committed() == ["step-000000004-a1", "step-000000005-a1"]
-    assert repo.read_pointer()["checkpoint"] == "step-000000005-a1"
+    assert repo.read_pointer().checkpoint == "step-000000005-a1"
 
 
 def test_retention_keeps_the_best_checkpoint_beyond_the_last_k(store):

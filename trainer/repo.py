@@ -11,6 +11,7 @@ share a run only one can advance it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -95,6 +96,71 @@ class Manifest:
         return hashlib.sha256(body).hexdigest()
 
 
+@dataclass(frozen=True)
+class Best:
+    checkpoint: str
+    score: float | None
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """latest.json: the run's current checkpoint and the ones before it, newest first.
+
+    `generation` grows by one with every move; `attempt` is the attempt that owns the run
+    (set by its claim, before it has committed anything)."""
+
+    generation: int = 0
+    checkpoint: str | None = None
+    step: int | None = None
+    attempt: int = 0
+    history: tuple[str, ...] = ()
+    best: Best | None = None
+    owner: str | None = None
+    updated_at: float | None = None
+
+    @property
+    def timeline(self) -> list[str]:
+        """Checkpoints the pointer has named, newest first."""
+        return [n for n in (self.checkpoint, *self.history) if n]
+
+    def to_json(self) -> bytes:
+        body = {**self.__dict__, "history": list(self.history),
+                "best": self.best.__dict__ if self.best else None}
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Pointer:
+        """Parse and type-check latest.json; anything else raises CheckpointError."""
+        try:
+            raw = json.loads(data)
+            if not isinstance(raw, dict) or "generation" not in raw:
+                raise ValueError("not a pointer object")
+            best = raw.get("best")
+            ptr = cls(
+                generation=_typed(raw["generation"], int, "generation"),
+                checkpoint=_typed(raw.get("checkpoint"), str, "checkpoint", optional=True),
+                step=_typed(raw.get("step"), int, "step", optional=True),
+                attempt=_typed(raw.get("attempt") or 0, int, "attempt"),
+                history=tuple(_typed(h, str, "history[]") for h in
+                              _typed(raw.get("history") or [], list, "history")),
+                best=Best(_typed(best.get("checkpoint"), str, "best.checkpoint"),
+                          best.get("score")) if isinstance(best, dict) else None,
+                owner=raw.get("owner"),
+                updated_at=raw.get("updated_at"),
+            )
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(f"{where} is unreadable ({e})") from e
+        return ptr
+
+
+def _typed(value: Any, tp: type, what: str, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise TypeError(f"{what} is {value!r}, expected {tp.__name__}")
+    return value
+
+
 @dataclass
 class Pending:
     """A checkpoint being written: files land under a name no one else uses."""
@@ -114,7 +180,7 @@ class CheckpointRepo:
         self.ckpt_prefix = f"{self.prefix}/checkpoints"
         self.pointer_key = f"{self.ckpt_prefix}/{POINTER}"
         self._pointer_token: str | None = None
-        self._pointer: dict[str, Any] | None = None
+        self._pointer: Pointer | None = None
         self.owner = uuid.uuid4().hex[:12]
         # The checkpoint this attempt's state descends from: the next commit's parent. Not
         # the pointer's target, which may be a newer checkpoint that failed verification.
@@ -129,32 +195,23 @@ class CheckpointRepo:
         return self.store.uri_for(self.key(name))
 
     # -- pointer ------------------------------------------------------------------------
-    def read_pointer(self) -> dict[str, Any] | None:
+    def read_pointer(self) -> Pointer | None:
         """The pointer, or None if there is none. An unreadable pointer raises CheckpointError."""
         data, token = self.store.read_versioned(self.pointer_key)
         self._pointer_token = token
+        self._pointer = None
         if data is None:
-            self._pointer = None
             return None
-        try:
-            ptr = json.loads(data)
-            if not isinstance(ptr, dict) or "generation" not in ptr:
-                raise ValueError("not a pointer object")
-        except ValueError as e:
-            self._pointer = None
-            raise CheckpointError(
-                f"{self.store.uri_for(self.pointer_key)} is unreadable ({e})"
-            ) from e
-        self._pointer = ptr
-        return ptr
+        self._pointer = Pointer.from_json(data, self.store.uri_for(self.pointer_key))
+        return self._pointer
 
-    def _move_pointer(self, **changes: Any) -> dict[str, Any]:
-        old = self._pointer or {"generation": 0, "checkpoint": None, "history": []}
-        new = {**old, **changes, "generation": int(old.get("generation", 0)) + 1,
-               "owner": self.owner, "updated_at": time.time()}
-        data = json.dumps(new, indent=1, sort_keys=True).encode()
+    def _move_pointer(self, **changes: Any) -> Pointer:
+        old = self._pointer or Pointer()
+        new = dataclasses.replace(old, **changes, generation=old.generation + 1,
+                                  owner=self.owner, updated_at=time.time())
         try:
-            self._pointer_token = self.store.write_if(self.pointer_key, data, self._pointer_token)
+            self._pointer_token = self.store.write_if(self.pointer_key, new.to_json(),
+                                                      self._pointer_token)
         except PointerConflictError as e:
             raise PointerConflictError(
                 f"another attempt took over run {self.prefix} ({e}); this attempt stops "
@@ -163,7 +220,7 @@ class CheckpointRepo:
         self._pointer = new
         return new
 
-    def claim(self, attempt: int, parent: str | None) -> dict[str, Any]:
+    def claim(self, attempt: int, parent: str | None) -> Pointer:
         """Make this attempt the run's only writer: older attempts' next commit will fail.
 
         `parent` is the checkpoint this attempt loaded (None when it starts fresh)."""
@@ -180,7 +237,7 @@ class CheckpointRepo:
             ptr = self.read_pointer()
         except CheckpointError:
             ptr = None
-        attempts = [int(ptr.get("attempt", 0))] if ptr else [0]
+        attempts = [ptr.attempt] if ptr else [0]
         attempts += [p[1] for n in self.list_names() if (p := parse_checkpoint_name(n))]
         return max(attempts) + 1
 
@@ -217,13 +274,12 @@ class CheckpointRepo:
             meta=meta,
         )
         self.store.put_new(self.key(pending.name, MANIFEST), manifest.to_json())
-        previous = (self._pointer or {}).get("checkpoint")
-        history = [previous, *(self._pointer or {}).get("history", [])] if previous else []
-        best = (self._pointer or {}).get("best")
+        old = self._pointer or Pointer()
+        best = old.best
         if meta.get("is_best"):
-            best = {"checkpoint": pending.name, "score": meta.get("best_score")}
+            best = Best(pending.name, meta.get("best_score"))
         self._move_pointer(checkpoint=pending.name, step=pending.step, attempt=pending.attempt,
-                           history=history[:POINTER_HISTORY], best=best)
+                           history=tuple(old.timeline[:POINTER_HISTORY]), best=best)
         self.parent = pending.name
         return manifest
 
@@ -321,9 +377,7 @@ class CheckpointRepo:
         except CheckpointError as e:
             log.error("CHECKPOINT FALLBACK: %s; scanning all committed checkpoints instead", e)
             return list(reversed(self.committed()))
-        if not ptr or not ptr.get("checkpoint"):
-            return []
-        return [ptr["checkpoint"], *ptr.get("history", [])]
+        return ptr.timeline if ptr else []
 
     def find_latest_valid(self) -> tuple[Manifest | None, list[tuple[str, str]]]:
         """Newest checkpoint that verifies, and the (name, reason) of each one skipped."""
@@ -347,12 +401,11 @@ class CheckpointRepo:
     def apply_retention(self, keep_last: int, keep_best: bool, current_attempt: int) -> list[str]:
         """Delete committed checkpoints beyond the last `keep_last` (plus the best one), and
         partial ones left by older, dead attempts. Never the one the pointer names."""
-        ptr = self._pointer or {}
-        keep = {ptr.get("checkpoint")}
-        if keep_best and ptr.get("best"):
-            keep.add(ptr["best"].get("checkpoint"))
-        timeline = [n for n in [ptr.get("checkpoint"), *ptr.get("history", [])] if n]
-        keep.update(timeline[: max(keep_last, 1)])
+        ptr = self._pointer or Pointer()
+        keep = {ptr.checkpoint}
+        if keep_best and ptr.best:
+            keep.add(ptr.best.checkpoint)
+        keep.update(ptr.timeline[: max(keep_last, 1)])
         committed = set(self.committed())
         deleted = []
         for name in self.list_names():
