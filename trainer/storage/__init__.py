@@ -10,7 +10,9 @@ from trainer.storage.base import (
     NAME_RULE,
     HashingWriter,
     ObjectStore,
+    UnsafeObjectError,
     WrittenObject,
+    is_segment,
     validate_key,
     validate_name,
 )
@@ -19,7 +21,9 @@ __all__ = [
     "NAME_RULE",
     "HashingWriter",
     "ObjectStore",
+    "UnsafeObjectError",
     "WrittenObject",
+    "is_segment",
     "open_store",
     "split_uri",
     "validate_key",
@@ -34,6 +38,10 @@ def open_store(uri: str) -> ObjectStore:
     if not isinstance(uri, str) or not uri.strip():
         raise ConfigError(f"empty store URI: {STORE_HELP}")
     parsed = urlparse(uri)
+    if parsed.scheme in ("s3", "file") and (parsed.query or parsed.fragment or parsed.params):
+        # urlparse would drop these silently and the store would be another one than named.
+        raise ConfigError(f"store URI {uri!r} has a query or fragment ('?', '#', ';'); "
+                          f"{STORE_HELP}")
     if parsed.scheme == "s3":
         from trainer.storage.s3 import S3Store
 
@@ -74,4 +82,9 @@ def split_uri(uri: str) -> tuple[str, str]:
         raise ConfigError(f"--resume {uri!r} does not name a checkpoint under a store")
     store_uri, experiment, run = parts
     name = tail.split("/")[0]
+    validate_name(experiment, f"experiment name in --resume {uri!r}")
+    validate_name(run, f"run name in --resume {uri!r}")
+    if not is_segment(name):
+        raise ConfigError(f"--resume {uri!r} names checkpoint {name!r}, which is not a "
+                          "checkpoint name (step-NNNNNNNNN-aN)")
     return store_uri, f"{experiment}/{run}/checkpoints/{name}"

@@ -20,19 +20,33 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from trainer.errors import InvalidNameError
+from trainer.errors import CheckpointError, InvalidNameError
 
 NAME_RULE = (
     "lowercase letters, digits, '.', '_' and '-', starting with a letter or digit, "
     "at most 64 characters"
 )
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class UnsafeObjectError(CheckpointError):
+    """A link or special file where the store expects a regular file or directory.
+
+    It is never followed or opened: a link can point out of the store, and opening a FIFO
+    or device blocks or has side effects. Readers treat the object as corrupt."""
+
+
+def is_segment(value: object) -> bool:
+    """One safe path segment: what a checkpoint or file name inside the store may be."""
+    return (isinstance(value, str) and _SEGMENT_RE.fullmatch(value) is not None
+            and ".." not in value)
 
 
 def validate_name(value: str, what: str = "name") -> str:
     """Experiment and run names become path segments: refuse anything that could escape."""
-    if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
+    # fullmatch, not match with '$': '$' also matches before a trailing newline.
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or ".." in value:
         raise InvalidNameError(
             f"invalid {what} {value!r}: use {NAME_RULE} (no '/', no '..'). "
             f"For example 'resnet-lr3e-4'."
@@ -45,7 +59,7 @@ def validate_key(key: str) -> str:
     if not isinstance(key, str) or not key:
         raise InvalidNameError(f"invalid store key {key!r}: it must be a non-empty string")
     for seg in key.split("/"):
-        if not _SEGMENT_RE.match(seg) or seg in (".", "..") or ".." in seg:
+        if not is_segment(seg):
             raise InvalidNameError(
                 f"invalid store key {key!r}: segment {seg!r} is not allowed; keys are "
                 "'/'-separated names of letters, digits, '.', '_' and '-'"
@@ -144,11 +158,14 @@ class HashingWriter:
         view = memoryview(data).cast("B")
         n = view.nbytes
         if n >= 1 << 20:
-            # Join before returning: the caller may reuse its buffer once write() returns.
+            # Join before returning (even when the write fails): the caller may reuse its
+            # buffer once write() returns.
             t = threading.Thread(target=self._hash, args=(view,))
             t.start()
-            self._raw_write(view)
-            t.join()
+            try:
+                self._raw_write(view)
+            finally:
+                t.join()
         else:
             self._hash(view)
             self._raw_write(view)

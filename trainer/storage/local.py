@@ -1,47 +1,215 @@
-"""Local-directory backend: temp file + fsync + link (create-once) + fsync of the directory."""
+"""Local-directory backend: temp file + fsync + link (create-once) + fsync of the directory.
+
+Every path is walked one directory at a time from the store's root with O_NOFOLLOW, and
+only regular files are ever opened: a symlink planted inside the store cannot lead a
+read or a write outside it, and a FIFO or device in place of a checkpoint file cannot
+block or disturb discovery (it reads as UnsafeObjectError, which discovery walks past).
+
+A full disk (ENOSPC, EDQUOT), a read-only filesystem and I/O errors become StorageError
+with the store's path in the message; temp files of a failed write are always removed.
+"""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
 import os
+import stat
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from trainer.errors import AlreadyExistsError, ConfigError, PointerConflictError
+from trainer.errors import AlreadyExistsError, ConfigError, PointerConflictError, StorageError
 from trainer.storage.base import (
     HashingWriter,
     ObjectStore,
+    UnsafeObjectError,
     WrittenObject,
     digest_file,
     validate_key,
 )
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_STORAGE_ERRNOS = DISK_FULL_ERRNOS | {errno.EROFS, errno.EIO}
+# How much a failed writer's temp file is grown to tell a full disk from other failures:
+# more than any filesystem's slack at the end of a file's last block.
+_PROBE_BYTES = 1 << 20
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+def _temp_name(name: str) -> str:
+    """Name of the temp file a write of `name` goes through (hidden from `list`)."""
+    return f".{name}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
+def _unlink_quiet(name: str, dir_fd: int) -> None:
     try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def disk_refuses_bytes(name: str, dir_fd: int) -> bool:
+    """After a writer failed on `name`: does the filesystem refuse more bytes there?
+
+    Native writers (torch's C++ stream) report ENOSPC as a bare iostream error, so the
+    failure itself cannot be told apart from a bug. Appending to the same file (freed with
+    it right after) answers the question on the same filesystem and quota."""
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        try:
+            fd = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=dir_fd)
+        except OSError as e:
+            return e.errno in DISK_FULL_ERRNOS
+    except OSError:
+        return False
+    try:
+        block = bytes(64 << 10)
+        for _ in range(_PROBE_BYTES // len(block)):
+            _write_all(fd, block)
         os.fsync(fd)
+    except OSError as e:
+        return e.errno in DISK_FULL_ERRNOS
     finally:
         os.close(fd)
+    return False
 
 
 class LocalStore(ObjectStore):
     native_files = True
+
     def __init__(self, root: str | os.PathLike):
-        self.root = Path(root).absolute()
+        self.root = Path(os.path.normpath(os.path.abspath(root)))
         self.uri = self.root.as_uri()
 
     def _path(self, key: str) -> Path:
         return self.root / validate_key(key)
 
+    @staticmethod
+    def _split(key: str) -> tuple[list[str], str]:
+        parts = validate_key(key).split("/")
+        return parts[:-1], parts[-1]
+
+    def uri_for(self, key: str) -> str:
+        return f"{self.uri}/{validate_key(key)}"
+
+    # -- errors -------------------------------------------------------------------------
+    def _os_error(self, action: str, key: str, e: OSError) -> StorageError:
+        where = self.uri_for(key)
+        if e.errno in DISK_FULL_ERRNOS:
+            return StorageError(
+                f"cannot {action} {where}: No space left on device (or quota exhausted) "
+                f"under {self.root}. Free space there (remove runs you no longer need, or "
+                "lower checkpoint.keep_last), or pass --store with a larger disk, then resume "
+                "the run: nothing committed was lost."
+            )
+        if e.errno == errno.EROFS:
+            return StorageError(f"cannot {action} {where}: the filesystem under {self.root} is "
+                                "read-only. Remount it writable or pass --store with another "
+                                "directory, then resume.")
+        return StorageError(f"cannot {action} {where}: I/O error ({e.strerror}). Check the "
+                            f"disk under {self.root}, then resume.")
+
+    @contextmanager
+    def _io(self, action: str, key: str) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            if e.errno in _STORAGE_ERRNOS:
+                raise self._os_error(action, key, e) from e
+            raise
+
+    # -- walking the tree without following links ------------------------------------------
+    def _unsafe(self, rel: str, what: str) -> UnsafeObjectError:
+        return UnsafeObjectError(
+            f"{self.uri}/{rel} is {what}, not a regular file or directory of the store; it was "
+            "not followed or opened. Remove it (and whatever planted it) from the store."
+        )
+
+    def _kind(self, name: str, dir_fd: int) -> str:
+        try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except OSError:
+            return "missing"
+        if stat.S_ISLNK(mode):
+            return "a symbolic link"
+        if stat.S_ISDIR(mode):
+            return "a directory"
+        if stat.S_ISREG(mode):
+            return "a regular file"
+        return "a special file (FIFO, socket or device)"
+
+    @contextmanager
+    def _dir(self, parts: list[str], create: bool = False) -> Iterator[int]:
+        """A descriptor of root/parts..., each step opened with O_NOFOLLOW.
+
+        Missing directories raise FileNotFoundError (or are made, with `create`); a link
+        or anything else that is not a directory raises UnsafeObjectError."""
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for i, seg in enumerate(parts):
+                if create:
+                    try:
+                        os.mkdir(seg, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    nfd = os.open(seg, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    kind = self._kind(seg, fd)
+                    if kind == "a regular file" and not create:
+                        raise FileNotFoundError(
+                            errno.ENOENT, "a file where a directory was expected",
+                            "/".join(parts[: i + 1])) from e
+                    raise self._unsafe("/".join(parts[: i + 1]), kind) from e
+                os.close(fd)
+                fd = nfd
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _open_regular(self, key: str) -> int:
+        """A read-only descriptor of the regular file `key`; nothing else is opened."""
+        parts, name = self._split(key)
+        with self._dir(parts) as dfd:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._unsafe(key, self._kind(name, dfd))
+            # O_NONBLOCK: should the name be swapped for a FIFO after the stat, the open
+            # returns instead of waiting for a writer, and the fstat below refuses it.
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dfd)
+            fst = os.fstat(fd)
+            if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+                os.close(fd)
+                raise self._unsafe(key, "replaced while being opened")
+            return fd
+
+    # -- reachability -------------------------------------------------------------------
     def check_reachable(self) -> None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            if e.errno in _STORAGE_ERRNOS:
+                raise StorageError(f"cannot use local store {self.root}: {e.strerror}. Free "
+                                   "space or fix the disk, or pass --store with another "
+                                   "directory.") from e
             # A local path that cannot be created will not heal by retrying: bad input.
             raise ConfigError(
                 f"cannot use local store {self.root}: {e.strerror}. "
@@ -53,32 +221,35 @@ class LocalStore(ObjectStore):
                 "you can write to."
             )
 
+    # -- creation -----------------------------------------------------------------------
     @contextmanager
     def create(self, key: str) -> Iterator[HashingWriter]:
-        final = self._path(key)
-        if final.exists():
-            raise AlreadyExistsError(f"{self.uri_for(key)} already exists; refusing to overwrite")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
-        f = open(tmp, "wb", buffering=0)
-        try:
-            writer = HashingWriter(f.write)
-            yield writer
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+        parts, name = self._split(key)
+        with self._io("write", key), self._dir(parts, create=True) as dfd:
+            if self._kind(name, dfd) != "missing":
+                raise AlreadyExistsError(f"{self.uri_for(key)} already exists; refusing to overwrite")
+            tmp = _temp_name(name)
+            fd = os.open(tmp, _NEW_FILE_FLAGS, 0o644, dir_fd=dfd)
             try:
-                # link() fails if the name exists, which os.replace() would silently overwrite.
-                os.link(tmp, final)
-            except FileExistsError as e:
-                raise AlreadyExistsError(
-                    f"{self.uri_for(key)} already exists; refusing to overwrite"
-                ) from e
-            _fsync_dir(final.parent)
-        finally:
-            if not f.closed:
-                f.close()
-            tmp.unlink(missing_ok=True)
+                writer = HashingWriter(lambda data: _write_all(fd, data))
+                yield writer
+                os.fsync(fd)
+                os.close(fd)
+                fd = -1
+                self._link_new(tmp, name, dfd, key)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+                _unlink_quiet(tmp, dfd)
+
+    def _link_new(self, tmp: str, name: str, dfd: int, key: str) -> None:
+        try:
+            # link() fails if the name exists, which rename() would silently overwrite.
+            os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+        except FileExistsError as e:
+            raise AlreadyExistsError(
+                f"{self.uri_for(key)} already exists; refusing to overwrite") from e
+        os.fsync(dfd)
 
     @contextmanager
     def create_from_path(self, key: str) -> Iterator[tuple[str, list[WrittenObject]]]:
@@ -86,119 +257,169 @@ class LocalStore(ObjectStore):
         after the block the file is committed under `key` and result[0] describes it."""
         # The writer writes the temp file directly; hashing reads it back from the page cache
         # on every core while fsync runs, which beats hashing inside a Python-level writer.
-        final = self._path(key)
-        if final.exists():
-            raise AlreadyExistsError(f"{self.uri_for(key)} already exists; refusing to overwrite")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
-        result: list = []
-        try:
-            yield str(tmp), result
-            with open(tmp, "rb") as f:
-                syncer = threading.Thread(target=os.fsync, args=(f.fileno(),))
-                syncer.start()
-                size, digest, chunks = digest_file(f)
-                syncer.join()
+        parts, name = self._split(key)
+        with self._io("write", key), self._dir(parts, create=True) as dfd:
+            if self._kind(name, dfd) != "missing":
+                raise AlreadyExistsError(f"{self.uri_for(key)} already exists; refusing to overwrite")
+            tmp = _temp_name(name)
+            result: list = []
             try:
-                os.link(tmp, final)
-            except FileExistsError as e:
-                raise AlreadyExistsError(
-                    f"{self.uri_for(key)} already exists; refusing to overwrite") from e
-            _fsync_dir(final.parent)
-            result.append(WrittenObject(key, size, digest, chunks))
-        finally:
-            tmp.unlink(missing_ok=True)
+                try:
+                    yield str(self.root.joinpath(*parts, tmp)), result
+                except Exception as e:
+                    if not isinstance(e, OSError) and disk_refuses_bytes(tmp, dfd):
+                        raise self._os_error("write", key, OSError(errno.ENOSPC, "")) from e
+                    raise
+                fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                with os.fdopen(fd, "rb") as f:
+                    synced: list[BaseException] = []
+                    syncer = threading.Thread(target=_catching(os.fsync, synced), args=(fd,))
+                    syncer.start()
+                    try:
+                        size, digest, chunks = digest_file(f)
+                    finally:
+                        syncer.join()
+                    if synced:
+                        raise synced[0]
+                self._link_new(tmp, name, dfd, key)
+                result.append(WrittenObject(key, size, digest, chunks))
+            finally:
+                _unlink_quiet(tmp, dfd)
 
+    # -- reading ------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
+        with self.open_read(key) as f:
+            return f.read()
 
     def open_read(self, key: str) -> BinaryIO:
-        return open(self._path(key), "rb")
+        return os.fdopen(self._open_regular(key), "rb")
+
+    def _lstat(self, key: str) -> os.stat_result | None:
+        parts, name = self._split(key)
+        try:
+            with self._dir(parts) as dfd:
+                return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except (FileNotFoundError, UnsafeObjectError):
+            return None
 
     def exists(self, key: str) -> bool:
-        return self._path(key).exists()
+        st = self._lstat(key)
+        return st is not None and stat.S_ISREG(st.st_mode)
 
     def size(self, key: str) -> int:
-        return self._path(key).stat().st_size
+        fd = self._open_regular(key)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def list(self, prefix: str) -> list[str]:
-        base = self._path(prefix)
-        if not base.is_dir():
+        try:
+            with self._dir(validate_key(prefix).split("/")) as dfd:
+                out = []
+                for dirpath, _dirs, files, walk_fd in os.fwalk(".", dir_fd=dfd):
+                    for name in files:
+                        if name.startswith("."):  # temp files of writes in flight, locks
+                            continue
+                        try:
+                            mode = os.stat(name, dir_fd=walk_fd, follow_symlinks=False).st_mode
+                        except FileNotFoundError:
+                            continue
+                        if stat.S_ISREG(mode):  # links and special files are not objects
+                            rel = os.path.normpath(os.path.join(prefix, dirpath, name))
+                            out.append(Path(rel).as_posix())
+                return sorted(out)
+        except FileNotFoundError:
             return []
-        out = []
-        for dirpath, _dirs, files in os.walk(base):
-            for name in files:
-                if name.startswith("."):  # temp files of writes in flight
-                    continue
-                out.append(Path(dirpath, name).relative_to(self.root).as_posix())
-        return sorted(out)
 
     def delete(self, key: str) -> None:
-        p = self._path(key)
-        p.unlink(missing_ok=True)
-        parent = p.parent
-        while parent != self.root:
+        parts, name = self._split(key)
+        with self._io("delete", key):
             try:
-                parent.rmdir()
-            except OSError:
-                break
-            parent = parent.parent
+                with self._dir(parts) as dfd:
+                    _unlink_quiet(name, dfd)  # a link is removed itself, never its target
+            except FileNotFoundError:
+                return
+            for i in range(len(parts), 0, -1):
+                try:
+                    with self._dir(parts[: i - 1]) as pfd:
+                        os.rmdir(parts[i - 1], dir_fd=pfd)
+                except OSError:
+                    break
 
+    def local_path(self, key: str) -> str | None:
+        st = self._lstat(key)
+        return str(self._path(key)) if st is not None and stat.S_ISREG(st.st_mode) else None
+
+    # -- pointers -----------------------------------------------------------------------
     @contextmanager
-    def _locked(self, key: str):
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.parent / f".{path.name}.lock", "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            yield path
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            lock.close()
+    def _locked(self, key: str) -> Iterator[tuple[int, str]]:
+        parts, name = self._split(key)
+        with self._dir(parts, create=True) as dfd:
+            lock = os.open(f".{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           0o644, dir_fd=dfd)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                yield dfd, name
+            finally:
+                os.close(lock)  # releases the flock
 
     @staticmethod
     def _token(data: bytes) -> str:
-        import hashlib
-
         return hashlib.sha256(data).hexdigest()[:32]
 
     def read_versioned(self, key: str) -> tuple[bytes | None, str | None]:
         try:
-            data = self._path(key).read_bytes()
+            fd = self._open_regular(key)
         except FileNotFoundError:
             return None, None
+        except UnsafeObjectError:
+            # Something that is not a regular file sits under the name: it reads as empty
+            # (unparseable) and its token lets a conditional write replace the entry itself.
+            st = self._lstat(key)
+            if st is None:
+                raise
+            return b"", f"special-{st.st_ino}-{st.st_mtime_ns}"
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
         return data, self._token(data)
 
-    def _atomic_replace(self, path: Path, data: bytes) -> None:
-        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+    def _atomic_replace(self, dfd: int, name: str, data: bytes) -> None:
+        tmp = _temp_name(name)
+        try:
+            fd = os.open(tmp, _NEW_FILE_FLAGS, 0o644, dir_fd=dfd)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+        finally:
+            _unlink_quiet(tmp, dfd)
 
     def write_if(self, key: str, data: bytes, expected_token: str | None) -> str:
         # The flock makes read-compare-replace one step for every writer on this machine.
-        with self._locked(key) as path:
+        with self._io("write", key), self._locked(key) as (dfd, name):
             _, current = self.read_versioned(key)
             if current != expected_token:
                 raise PointerConflictError(
                     f"{self.uri_for(key)} was changed by another writer "
                     f"(expected version {expected_token}, found {current})"
                 )
-            self._atomic_replace(path, data)
+            self._atomic_replace(dfd, name, data)
         return self._token(data)
 
     def write_overwrite(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._atomic_replace(path, data)
-
-    def local_path(self, key: str) -> str | None:
-        return str(self._path(key))
-
-    def uri_for(self, key: str) -> str:
-        return f"{self.uri}/{validate_key(key)}"
+        parts, name = self._split(key)
+        with self._io("write", key), self._dir(parts, create=True) as dfd:
+            self._atomic_replace(dfd, name, data)
 
 
+def _catching(fn: Callable, errors: list[BaseException]) -> Callable:
+    def run(*args):
+        try:
+            fn(*args)
+        except BaseException as e:  # re-raised by the thread that waits for it
+            errors.append(e)
+    return run

@@ -23,6 +23,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -43,7 +44,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from trainer.errors import AlreadyExistsError, PointerConflictError, StorageError
+from trainer.errors import AlreadyExistsError, ConfigError, PointerConflictError, StorageError
 from trainer.storage.base import HashingWriter, ObjectStore, validate_key
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,20 @@ _CONNECTION_ERRORS = (
 # A 409 on a conditional write means another conditional write to the same key was in
 # flight; AWS asks the client to retry, and the retry then gets a definite 200 or 412.
 _CONFLICT_RETRIES = 3
+
+
+# S3's rule, widened to the legacy names (uppercase, '_') that S3-compatible servers accept:
+# nothing that could make a URI or endpoint path mean something else ('/', '@', ':', '?').
+_BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
+
+
+def validate_bucket(bucket: str) -> str:
+    if not isinstance(bucket, str) or not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
+        raise ConfigError(
+            f"invalid S3 bucket name {bucket!r}: use 3-63 letters, digits, '.', '_' or '-', "
+            "starting and ending with a letter or digit (s3://bucket/prefix)"
+        )
+    return bucket
 
 
 def _code(e: ClientError) -> str:
@@ -135,8 +150,7 @@ class S3Store(ObjectStore):
         connect_timeout: float = 10.0,
         read_timeout: float = 120.0,
     ):
-        if not bucket or "/" in bucket:
-            raise StorageError(f"invalid S3 bucket name {bucket!r}")
+        validate_bucket(bucket)
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size must be at least {MIN_PART_SIZE} bytes (S3's minimum)")
         self.bucket = bucket
@@ -298,7 +312,14 @@ class S3Store(ObjectStore):
                 body = resp["Body"]
                 pos = start
                 while chunk := body.read(8 * MiB):
-                    os.pwrite(fd, chunk, pos)
+                    try:
+                        os.pwrite(fd, chunk, pos)
+                    except OSError as e:
+                        raise StorageError(
+                            f"cannot read {uri}: its local temp copy failed ({e.strerror}; "
+                            f"under {tempfile.gettempdir()}). Free space there or set TMPDIR "
+                            "to a larger disk, then resume."
+                        ) from e
                     pos += len(chunk)
             if pos != end + 1:
                 raise StorageError(f"short read of {uri}: range ending at {end} stopped at {pos}")
