@@ -26,7 +26,7 @@ def store(tmp_path):
 def _ck(store, attempt=1, keep_last=2, run="r"):
     repo = CheckpointRepo(store, "exp", run)
     model = torch.nn.Linear(4, 2)
-    repo.claim(attempt, None)
+    assert repo.claim(None, at_least=attempt) == attempt
     return repo, model, Checkpointer(repo, {"model": model}, attempt, keep_last=keep_last,
                                      keep_best=False)
 
@@ -109,7 +109,7 @@ def test_retention_keeps_the_last_k_and_never_what_the_pointer_names(store):
 
 def test_retention_keeps_the_best_checkpoint_beyond_the_last_k(store):
     repo = CheckpointRepo(store, "exp", "r")
-    repo.claim(1, None)
+    repo.claim(None)
     ck = Checkpointer(repo, {"model": torch.nn.Linear(2, 2)}, 1, keep_last=1, keep_best=True)
     ck.save(1, {"is_best": True, "best_score": 0.5})
     for step in (2, 3, 4):
@@ -148,7 +148,7 @@ def test_a_multi_chunk_file_verifies_and_a_flipped_bit_names_its_chunk(tmp_path,
     monkeypatch.setattr(repo_mod, "CHUNK_SIZE", 4096)
     store = open_store(str(tmp_path / "s"))
     repo = CheckpointRepo(store, "exp", "r")
-    repo.claim(1, None)
+    repo.claim(None)
     model = torch.nn.Linear(64, 64)
     pending = repo.begin(1, 1)
     with repo.write_file(pending, "state.pt") as w:
@@ -176,7 +176,7 @@ def test_after_a_walk_back_the_next_checkpoint_names_the_one_it_was_resumed_from
     path.write_bytes(path.read_bytes()[:-10])
     repo2 = CheckpointRepo(store, "exp", "r")
     manifest, skipped = repo2.find_latest_valid()
-    repo2.claim(2, manifest.name)
+    assert repo2.claim(manifest.name) == 2
     ck2 = Checkpointer(repo2, {"model": model}, 2, keep_last=3, keep_best=False)
     ck2.load(manifest)
     ck2.save(2, {})

@@ -207,7 +207,7 @@ def test_a_zombie_attempt_cannot_advance_a_run_after_a_newer_attempt_claimed_it(
     ptr = _ckdir(store) / "latest.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if ptr.exists() and json.loads(ptr.read_text()).get("step", 0) >= 10:
+        if ptr.exists() and (json.loads(ptr.read_text()).get("step") or 0) >= 10:
             break
         time.sleep(0.2)
     fast = write_config(tmp_path / "fast.json", max_steps=400,

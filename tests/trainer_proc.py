@@ -91,4 +91,4 @@ def assert_bitwise_equal(a, b, path: str = "state") -> None:
 
 def training_state(state: dict) -> dict:
     """What must match an uninterrupted run: everything but wall-clock-only fields."""
-    return {k: state[k] for k in ("model", "optimizer", "scheduler", "sampler", "loop", "rng")}
+    return {k: state[k] for k in ("model", "optimizer", "scheduler", "scaler", "data", "loop", "rng")}

@@ -11,9 +11,8 @@ import argparse
 import logging
 import os
 import sys
-import traceback
 
-from trainer.errors import EXIT_BAD_INPUT, EXIT_USER_ERROR, FAILURE_CLASSES, TrainerError
+from trainer.errors import EXIT_BAD_INPUT
 
 log = logging.getLogger("trainer")
 
@@ -49,27 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here so that `--help` and argument errors answer without loading torch.
     from trainer.config import load_config
     from trainer.loop import train
-    from trainer.report import Reporter
-    from trainer.signals import StopRequest
+    from trainer.report import Reporter, report_failure
 
-    stop = StopRequest()
-    stop.install(exit_with_parent=os.environ.get("CKPT_EXIT_WITH_PARENT") == "1")
-    reporter = Reporter()
-    error: BaseException | None = None
+    reporter = Reporter.shared()
     try:
-        cfg = load_config(args.config)
-        code = train(cfg, store, resume, reporter, stop)
-    except TrainerError as e:
-        error, code = e, e.exit_code
-        log.error("%s: %s", e.failure_class, e)
-    except Exception as e:
-        error, code = e, EXIT_USER_ERROR
-        log.error("error in training code:\n%s", traceback.format_exc())
-    if code != 0:
-        reporter.event("failed", exit_code=code, failure_class=FAILURE_CLASSES.get(code, "error"),
-                       error_type=type(error).__name__ if error else None,
-                       message=str(error) if error else None)
-    reporter.close(None)
+        code = train(load_config(args.config), store, resume)
+    except Exception as e:  # before training began: the config
+        code = report_failure(e, reporter)
+    reporter.close()
     return code
 
 

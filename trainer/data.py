@@ -1,61 +1,119 @@
-"""A shuffling batch sampler whose position inside the epoch is part of the checkpoint."""
+"""A DataLoader that resumes at the exact next batch, with worker processes too.
+
+The order of each epoch is a pure function of (seed, epoch): a seeded permutation, or the
+dataset's own order when `shuffle=False` (language models read text in order). The state is
+two integers, the epoch and the number of batches the *training loop* has taken from it;
+batches that worker processes prefetched but the loop never saw are not counted, so a
+resume hands out the very next batch the interrupted run would have trained on.
+
+Why not torchdata's StatefulDataLoader: it resumes exactly too, but it draws another order
+than torch's DataLoader for the same seed, its state is a private layout of its own, and a
+loop that breaks right after an epoch's last batch resumes into an empty epoch. Two
+integers and a fresh iterator at the saved position do the same job with no dependency.
+
+Worker processes get seeds from a generator seeded by (seed, epoch), never from the global
+torch RNG, so building an iterator draws nothing a resumed run would lack. Random
+augmentation inside workers is not part of any checkpoint: derive it from the sample index
+and epoch if it must be reproducible across a resume.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, default_collate
 
 
-class ResumableSampler:
-    """Yields index batches; each epoch's order is a function of (seed, epoch) alone.
+class _Positions(torch.utils.data.Sampler[list[int]]):
+    """The index batches of one epoch, from batch `start` on."""
 
-    Saving (epoch, position) is therefore enough to continue with the very next batch.
+    def __init__(self, order: torch.Tensor, batch_size: int, start: int, batches: int):
+        self.order, self.batch_size, self.start, self.batches = order, batch_size, start, batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for b in range(self.start, self.batches):
+            yield self.order[b * self.batch_size:(b + 1) * self.batch_size].tolist()
+
+    def __len__(self) -> int:
+        return self.batches - self.start
+
+
+class ResumableLoader:
+    """Batches of a map-style dataset (`len` and `[i]`) across epochs, resumable exactly.
+
+    `iter(loader)` yields the rest of the current epoch, then moves to the next one; save it
+    as a checkpoint part (it has `state_dict`/`load_state_dict`). Incomplete final batches
+    are dropped, so every epoch has `batches_per_epoch` batches of `batch_size`.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int):
-        if n < batch_size:
-            raise ValueError(f"dataset of {n} samples is smaller than one batch ({batch_size})")
-        self.n = n
+    def __init__(self, dataset: Any, batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 pin_memory: bool = False):
+        if not isinstance(dataset, Sized):
+            raise TypeError("the dataset must have a length (a map-style dataset)")
+        if len(dataset) < batch_size:
+            raise ValueError(f"dataset of {len(dataset)} samples is smaller than one batch "
+                             f"({batch_size})")
+        self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
+        self.shuffle = shuffle
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn or default_collate
+        self.pin_memory = pin_memory
         self.epoch = 0
-        self.position = 0  # batches of this epoch already handed out
-        self._order: torch.Tensor | None = None
+        self.position = 0  # batches of this epoch the loop has taken
+
+    @property
+    def n(self) -> int:
+        return len(self.dataset)
 
     @property
     def batches_per_epoch(self) -> int:
         return self.n // self.batch_size
 
-    def _epoch_order(self) -> torch.Tensor:
-        if self._order is None:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            self._order = torch.randperm(self.n, generator=g)
-        return self._order
-
-    def next_batch(self) -> list[int]:
-        if self.position >= self.batches_per_epoch:
-            self.epoch += 1
-            self.position = 0
-            self._order = None
-        start = self.position * self.batch_size
-        idx = self._epoch_order()[start:start + self.batch_size].tolist()
-        self.position += 1
-        return idx
-
     @property
     def epoch_finished(self) -> bool:
         return self.position >= self.batches_per_epoch
 
+    def _order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.n)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.n, generator=g)
+
+    def _loader(self) -> DataLoader:
+        positions = _Positions(self._order(), self.batch_size, self.position,
+                               self.batches_per_epoch)
+        return DataLoader(
+            self.dataset, batch_sampler=positions, num_workers=self.num_workers,
+            collate_fn=self.collate_fn, pin_memory=self.pin_memory,
+            generator=torch.Generator().manual_seed(self.seed * 7_919 + self.epoch),
+            persistent_workers=False)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.epoch_finished:
+            self.epoch, self.position = self.epoch + 1, 0
+        for batch in self._loader():
+            self.position += 1  # counted when the loop takes it, not when a worker made it
+            yield batch
+
+    def batches(self) -> Iterator[Any]:
+        """An endless stream of batches across epochs (for step-based loops)."""
+        while True:
+            yield from self
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "n": self.n, "batch_size": self.batch_size}
+                "n": self.n, "batch_size": self.batch_size, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["n"], state["batch_size"]) != (self.n, self.batch_size):
+        saved = (state["n"], state["batch_size"], state.get("shuffle", True))
+        if saved != (self.n, self.batch_size, self.shuffle):
             raise ValueError(
-                f"sampler was saved for {state['n']} samples in batches of {state['batch_size']}, "
-                f"now {self.n} in batches of {self.batch_size}"
-            )
+                f"the data loader was saved for {saved[0]} samples in batches of {saved[1]} "
+                f"(shuffle={saved[2]}), now {self.n} in batches of {self.batch_size} "
+                f"(shuffle={self.shuffle})")
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
-        self._order = None

@@ -1,0 +1,70 @@
+"""Typed records the trainer reports and the orchestrator reads: lineage and checkpoints.
+
+One definition each, serialized to plain dicts for Pipes messages and manifests and read
+back with `from_dict`, so no side spells the same record out as a dict of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _from_dict(cls: type, raw: dict[str, Any] | None) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in (raw or {}).items() if k in names})
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a checkpoint came from: recorded in its manifest and in every report of it."""
+
+    experiment: str
+    run: str
+    attempt: int
+    dagster_run_id: str | None = None
+    root_run_id: str | None = None
+    resumed_from_step: int | None = None
+    code_version: str | None = None  # ckpt-assets itself
+    user_code_version: str | None = None  # the repository (or files) of the code trained
+    data_version: str | None = None
+    dataset: str | None = None  # the dataset's URI, when it is one
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> Lineage:
+        return _from_dict(cls, {"experiment": "", "run": "", "attempt": 0, **(raw or {})})
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A committed checkpoint as the trainer reports it (Pipes message `checkpoint`)."""
+
+    name: str
+    uri: str
+    step: int
+    attempt: int
+    sha256: str
+    size: int
+    parent: str | None = None
+    loss: float | None = None
+    eval: dict[str, float] = field(default_factory=dict)
+    reason: str | None = None
+    save_seconds: float | None = None
+    blocking_seconds: float | None = None
+    lineage: Lineage | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["lineage"] = self.lineage.to_dict() if self.lineage else None
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> CheckpointRecord:
+        rec = _from_dict(cls, raw)
+        lin = raw.get("lineage")
+        return dataclasses.replace(rec, lineage=Lineage.from_dict(lin) if lin else None,
+                                   eval=dict(raw.get("eval") or {}))

@@ -1,0 +1,366 @@
+"""`CheckpointSession`: make your own training loop crash-safe and auto-resuming.
+
+    from trainer import CheckpointSession
+
+    with CheckpointSession(every_steps=100, max_steps=steps) as ckpt:
+        start = ckpt.restore(model=model, optimizer=opt, scheduler=sched, data=loader)
+        for step in range(start + 1, steps + 1):
+            loss = train_step(next(batches))
+            if ckpt.step(step, loss=loss):
+                break  # SIGTERM/SIGINT: a checkpoint of this step is committed
+
+Parts are anything with `state_dict()`/`load_state_dict()` (modules, optimizers,
+schedulers, a `GradScaler`, `trainer.ResumableLoader`) or a plain `dict` of values, which is
+restored in place. The session adds the RNG states (Python, NumPy, torch, CUDA) and its
+own counters, so a resumed run continues bit for bit.
+
+`restore` finds the checkpoint to continue from (the newest that verifies, or the one named
+by `resume=`, $CKPT_RESUME_FROM or $CHECKPOINT_PATH), claims the run so an older attempt
+can no longer commit, loads every part and returns the step to continue after (0 when
+starting fresh). `step` applies the triggers (every N steps or seconds, epoch end, a new
+best, the final step), commits through the store's protocol, reports to Dagster Pipes when
+the orchestrator started the script, and returns True once a stop was requested. Leaving
+the `with` block turns the outcome into the documented exit code: 143 after a stop, 2 bad
+input, 3 unloadable checkpoint, 4 divergence, 5 store unavailable, 6 superseded, 1 a bug.
+
+When the orchestrator starts the script ($CKPT_RUN set), its run, experiment, store,
+dataset and attempt take precedence over the arguments, which serve standalone runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer.checkpointer import Checkpointer, RNGState
+from trainer.code_version import ckpt_assets_version, code_version_of
+from trainer.config import CheckpointConfig, check_triggers, from_mapping
+from trainer.dataset import check_same_data, dataset_manifest
+from trainer.errors import AlreadyExistsError, ConfigError, DivergedError
+from trainer.records import CheckpointRecord, Lineage
+from trainer.repo import CheckpointRepo, Manifest
+from trainer.report import Reporter, report_failure
+from trainer.signals import StopRequest
+from trainer.storage import open_store, split_uri
+
+log = logging.getLogger("trainer")
+
+RESERVED_PARTS = ("loop", "rng")
+
+
+@dataclass
+class LoopState:
+    """The session's own counters and history: part of every checkpoint."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    best_score: float = math.inf
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "losses": torch.tensor(self.losses, dtype=torch.float64),
+                "best_score": self.best_score, "metrics": dict(self.metrics)}
+
+    def load_state_dict(self, s: dict[str, Any]) -> None:
+        self.step = int(s["step"])
+        self.losses = s["losses"].tolist()
+        self.best_score = float(s["best_score"])
+        self.metrics = dict(s["metrics"])
+
+
+class DictPart:
+    """A user's dict of plain values (numbers, strings, tensors, lists), restored in place."""
+
+    def __init__(self, values: dict[str, Any]):
+        self.values = values
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values.clear()
+        self.values.update(state)
+
+
+def _as_part(name: str, obj: Any) -> Any:
+    if name in RESERVED_PARTS:
+        raise ConfigError(f"checkpoint part name {name!r} is reserved for the session's own "
+                          f"state ({', '.join(RESERVED_PARTS)}); rename your part")
+    if isinstance(obj, dict):
+        return DictPart(obj)
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return obj
+    raise ConfigError(f"checkpoint part {name!r} is a {type(obj).__name__} without "
+                      "state_dict()/load_state_dict(); pass an object that has both, or a dict "
+                      "of plain values")
+
+
+def _from_env(orchestrated: bool, env: str, given: Any, default: Any = None) -> Any:
+    """The orchestrator's value wins when it started us; otherwise the argument, then env."""
+    if orchestrated and os.environ.get(env):
+        return os.environ[env]
+    return given if given is not None else os.environ.get(env) or default
+
+
+class CheckpointSession:
+    def __init__(self, *, run: str | None = None, experiment: str | None = None,
+                 store: str | None = None, resume: str | None = None,
+                 max_steps: int | None = None, best_metric: str = "loss",
+                 config: dict[str, Any] | None = None, dataset: str | None = None,
+                 data_version: str | None = None, code_path: str | None = None,
+                 install_signals: bool = True, **triggers: Any):
+        orchestrated = bool(os.environ.get("CKPT_RUN"))
+        self.run = _from_env(orchestrated, "CKPT_RUN", run, "run")
+        self.experiment = _from_env(orchestrated, "CKPT_EXPERIMENT", experiment, "default")
+        self.store_uri = _from_env(orchestrated, "CKPT_STORE_URI", store,
+                                   os.path.abspath("checkpoints"))
+        self.resume = (resume or os.environ.get("CKPT_RESUME_FROM")
+                       or os.environ.get("CHECKPOINT_PATH") or "auto")
+        self.dataset = _from_env(orchestrated, "CKPT_DATASET_URI", dataset)
+        self._data_version = os.environ.get("CKPT_DATA_VERSION") or data_version
+        self.triggers: CheckpointConfig = check_triggers(
+            from_mapping(CheckpointConfig, triggers, "checkpoint"))
+        self.max_steps = max_steps
+        self.best_metric = best_metric
+        self.config = config
+        main = sys.modules.get("__main__")
+        self.code_path = code_path or getattr(main, "__file__", None)
+        self.reporter = Reporter.shared()
+        self.stop = StopRequest()
+        if install_signals:
+            self.stop.install(exit_with_parent=os.environ.get("CKPT_EXIT_WITH_PARENT") == "1")
+        self.loop = LoopState()
+        self.stopped = False
+        self.lineage: Lineage | None = None
+        self.repo: CheckpointRepo | None = None
+        self._ck: Checkpointer | None = None
+        self._last_save_t = time.monotonic()
+        self._last_beat = 0.0
+        self._closed = False
+
+    # -- resume -------------------------------------------------------------------------
+    def restore(self, parts: dict[str, Any] | None = None, /, **named: Any) -> int:
+        """Register the named parts, load the checkpoint to continue from (if any), and
+        return the step it holds (0: start fresh)."""
+        if self._ck is not None:
+            raise ConfigError("restore() was called twice; call it once, after every part exists")
+        all_parts = {**(parts or {}), **named}
+        wrapped = {name: _as_part(name, obj) for name, obj in all_parts.items()}
+        wrapped.update(loop=self.loop, rng=RNGState())
+
+        store = open_store(self.store_uri)
+        store.check_reachable()
+        repo = self.repo = CheckpointRepo(store, self.experiment, self.run)
+        data_version = self.data_version
+        manifest, skipped = resolve_resume(repo, self.resume)
+        if manifest is not None:
+            lineage = Lineage.from_dict(manifest.meta.get("lineage"))
+            check_same_data(lineage.data_version, data_version, repo.uri(manifest.name))
+        attempt = repo.claim(manifest.name if manifest else None,
+                             at_least=int(os.environ.get("CKPT_ATTEMPT") or 1))
+        ck = self._ck = Checkpointer(repo, wrapped, attempt, self.triggers.keep_last,
+                                     self.triggers.keep_best, self.triggers.async_save)
+        ck.on_commit = self._on_commit
+        if manifest is not None:
+            t0 = time.perf_counter()
+            ck.load(manifest)
+            ck.last_saved_step = manifest.step
+            self.reporter.log(f"resumed from {repo.uri(manifest.name)} at step {manifest.step} "
+                              f"(restore {time.perf_counter() - t0:.2f}s)")
+        else:
+            self.reporter.log(f"starting {self.experiment}/{self.run} from scratch "
+                              f"(attempt {attempt})")
+        self.lineage = Lineage(
+            experiment=self.experiment, run=self.run, attempt=attempt,
+            dagster_run_id=os.environ.get("CKPT_DAGSTER_RUN_ID"),
+            root_run_id=os.environ.get("CKPT_ROOT_RUN_ID"),
+            resumed_from_step=manifest.step if manifest else None,
+            code_version=ckpt_assets_version(),
+            user_code_version=code_version_of(self.code_path) if self.code_path else None,
+            data_version=data_version, dataset=self.dataset)
+        self._config_ref = self._store_config()
+        self.reporter.event("started", attempt=attempt, resumed_from_step=self.lineage.resumed_from_step,
+                            resumed_from=repo.uri(manifest.name) if manifest else None,
+                            skipped=[{"checkpoint": n, "reason": r} for n, r in skipped],
+                            max_steps=self.max_steps, lineage=self.lineage.to_dict())
+        self._last_save_t = time.monotonic()
+        return self.loop.step
+
+    @property
+    def data_version(self) -> str | None:
+        """The dataset's version: given, set by the orchestrator, or from its manifest."""
+        if self._data_version is None and self.dataset:
+            self._data_version = dataset_manifest(self.dataset).version
+        return self._data_version
+
+    @data_version.setter
+    def data_version(self, version: str | None) -> None:
+        self._data_version = version
+
+    def _store_config(self) -> dict[str, str] | None:
+        """The config once per distinct content, referenced from every manifest by hash
+        (a manifest stays small however large the config)."""
+        if self.config is None:
+            return None
+        body = json.dumps(self.config, sort_keys=True, indent=1).encode()
+        sha = hashlib.sha256(body).hexdigest()
+        key = f"{self.repo.prefix}/configs/{sha}.json"
+        try:
+            self.repo.store.put_new(key, body)
+        except AlreadyExistsError:
+            pass
+        return {"sha256": sha, "uri": self.repo.store.uri_for(key)}
+
+    # -- the per-step call -----------------------------------------------------------------
+    def step(self, step: int, *, loss: float | torch.Tensor | None = None,
+             metrics: dict[str, float] | None = None, epoch_end: bool = False) -> bool:
+        """Record step `step` as done; commit if a trigger fires; True: stop the loop now."""
+        if self._ck is None:
+            raise ConfigError("call restore() with your parts before the first step()")
+        if loss is not None:
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise DivergedError(
+                    f"loss is {loss} at step {step}; the last good checkpoint is step "
+                    f"{self._ck.last_saved_step}. Lower the learning rate or check the data, "
+                    "then start a new run.")
+            self.loop.losses.append(loss)
+        self.loop.step = step
+        log.debug("step %d done loss %r", step, loss)
+        reasons = self._triggered(step, metrics, epoch_end)
+        if self.stop.requested:
+            self.reporter.log(f"{self.stop.signal_name}: committing a checkpoint at step {step}")
+            self.save("preempted")
+            self._ck.close()
+            self.stopped = True
+            self.reporter.event("stopped", signal=self.stop.signal_name, step=step)
+            return True
+        if reasons:
+            self.save("best" if "best" in reasons else reasons[0])
+        self._heartbeat(step)
+        return False
+
+    def _triggered(self, step: int, metrics: dict[str, float] | None,
+                   epoch_end: bool) -> list[str]:
+        c, reasons = self.triggers, []
+        if metrics:
+            self.loop.metrics = {k: float(v) for k, v in metrics.items()}
+            self.reporter.event("eval", step=step, **self.loop.metrics)
+            score = self.loop.metrics.get(self.best_metric, math.inf)
+            if score < self.loop.best_score:
+                self.loop.best_score = score
+                if c.on_best:
+                    reasons.append("best")
+        if c.every_steps and step % c.every_steps == 0:
+            reasons.append("interval")
+        if c.every_seconds and time.monotonic() - self._last_save_t >= c.every_seconds:
+            reasons.append("time")
+        if c.on_epoch_end and epoch_end:
+            reasons.append("epoch_end")
+        if self.max_steps is not None and step >= self.max_steps:
+            reasons.append("final")
+        return reasons
+
+    def _heartbeat(self, step: int) -> None:
+        now, every = time.monotonic(), self.triggers.heartbeat_seconds
+        if every is not None and now - self._last_beat >= every:
+            self._last_beat = now
+            self.repo.heartbeat({"step": step, "attempt": self.lineage.attempt,
+                                 "pid": os.getpid()})
+            self.reporter.event("progress", step=step,
+                                loss=self.loop.losses[-1] if self.loop.losses else None)
+
+    @property
+    def stop_requested(self) -> bool:
+        """A SIGTERM/SIGINT arrived (or the orchestrator died); `step` will stop the loop."""
+        return self.stop.requested
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(self, reason: str = "manual") -> None:
+        """Commit the parts as they are now, at the current step (once per step)."""
+        loop = self.loop
+        meta = {"reason": reason, "loss": loop.losses[-1] if loop.losses else None,
+                "metrics": loop.metrics, "best_score": loop.best_score,
+                "is_best": reason == "best", "lineage": self.lineage.to_dict(),
+                "config": self._config_ref}
+        self._ck.save(loop.step, meta)
+        self._last_save_t = time.monotonic()
+
+    def _on_commit(self, m: Manifest, stats: dict[str, Any]) -> None:
+        rec = CheckpointRecord(
+            name=m.name, uri=self.repo.uri(m.name), step=m.step, attempt=m.attempt,
+            sha256=m.sha256, size=m.total_size, parent=m.parent, loss=m.meta.get("loss"),
+            eval=m.meta.get("metrics") or {}, reason=m.meta.get("reason"),
+            save_seconds=stats.get("save_seconds"), blocking_seconds=stats.get("blocking_seconds"),
+            lineage=self.lineage)
+        self.reporter.log(f"checkpoint committed: step {m.step} -> {rec.uri} "
+                          f"({rec.size} bytes, {rec.save_seconds:.2f}s)")
+        self.reporter.event("checkpoint", **rec.to_dict())
+
+    # -- the end --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Commit the last step if no trigger did, wait for background saves, report the
+        end. Called by the `with` block on success; call it yourself without one."""
+        if self._closed or self._ck is None:
+            return
+        self._closed = True
+        if not self.stopped and self.loop.step > 0 and self._ck.last_saved_step != self.loop.step:
+            self.save("final")
+        self._ck.close()
+        if not self.stopped:
+            self.reporter.event("finished", step=self.loop.step, metrics=self.loop.metrics)
+            self.reporter.log(f"training finished at step {self.loop.step}: {self.loop.metrics}")
+
+    def __enter__(self) -> CheckpointSession:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, Exception):
+            return False  # SystemExit, KeyboardInterrupt: not ours to translate
+        code = 0
+        try:
+            if exc is None:
+                self.close()
+                code = 143 if self.stopped else 0
+        except Exception as e:  # a failed final commit is the attempt's failure
+            exc = e
+        if exc is not None:
+            if self._ck is not None:
+                try:
+                    self._ck.close()
+                except Exception:  # the original error is the one to report
+                    log.exception("background save failed while stopping")
+            code = report_failure(exc, self.reporter)
+        self.reporter.close()
+        if code:
+            raise SystemExit(code)
+        return False
+
+
+def resolve_resume(repo: CheckpointRepo, resume: str) -> tuple[Manifest | None, list]:
+    """The checkpoint to resume from: 'auto', 'never', or an explicit checkpoint URI."""
+    if resume == "never":
+        return None, []
+    if resume == "auto":
+        return repo.find_latest_valid()
+    store_uri, key = split_uri(resume)
+    name = key.rsplit("/", 1)[1]
+    if f"{repo.experiment}/{repo.run}" != key.rsplit("/", 2)[0].removesuffix("/checkpoints"):
+        raise ConfigError(
+            f"resume point {resume!r} belongs to another experiment/run than "
+            f"{repo.experiment}/{repo.run}; a run resumes only from its own checkpoints "
+            "(pass one of them, or auto)"
+        )
+    if open_store(store_uri).uri != repo.store.uri:
+        raise ConfigError(f"resume point {resume!r} is not in the store {repo.store.uri}; "
+                          "pass the store that holds it")
+    return repo.verify(name), []
