@@ -37,7 +37,13 @@ def open_store(uri: str) -> ObjectStore:
     """The store that `uri` names; bad URIs raise ConfigError naming the URI."""
     if not isinstance(uri, str) or not uri.strip():
         raise ConfigError(f"empty store URI: {STORE_HELP}")
-    parsed = urlparse(uri)
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in uri):
+        # urlparse silently drops tabs and newlines: the store would be another than named.
+        raise ConfigError(f"store URI {uri!r} contains control characters; {STORE_HELP}")
+    try:
+        parsed = urlparse(uri)
+    except ValueError as e:
+        raise ConfigError(f"store URI {uri!r} is malformed ({e}); {STORE_HELP}") from None
     if parsed.scheme in ("s3", "file") and (parsed.query or parsed.fragment or parsed.params):
         # urlparse would drop these silently and the store would be another one than named.
         raise ConfigError(f"store URI {uri!r} has a query or fragment ('?', '#', ';'); "
