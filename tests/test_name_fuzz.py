@@ -34,7 +34,8 @@ from trainer.storage import open_store, split_uri, validate_key, validate_name
 from trainer.storage.local import LocalStore
 from trainer.storage.s3 import S3Store
 
-FUZZ = settings(max_examples=200, deadline=None,
+# No example database: nothing is written into the working tree.
+FUZZ = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 NAME_CHARS = string.ascii_lowercase + string.digits + "._-"
@@ -96,11 +97,11 @@ def test_an_accepted_key_maps_inside_the_store_on_both_backends(root, segments):
 
 
 @FUZZ
-@given(st.lists(st.one_of(good_segments, tricky), min_size=1, max_size=4),
-       st.lists(st.one_of(good_segments, tricky), min_size=1, max_size=4))
+@given(st.lists(good_segments, min_size=1, max_size=4),
+       st.lists(good_segments, min_size=1, max_size=4))
 def test_distinct_accepted_keys_never_share_a_path_or_uri(root, a, b):
     ka, kb = "/".join(a), "/".join(b)
-    assume(ka != kb and not _refused(validate_key, ka) and not _refused(validate_key, kb))
+    assume(ka != kb)
     local = LocalStore(root)
     assert local._path(ka) != local._path(kb)
     assert local.uri_for(ka) != local.uri_for(kb)
