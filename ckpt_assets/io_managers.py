@@ -33,6 +33,7 @@ import dagster as dg
 from ckpt_assets.partitions import read_registration, validate_partition_key
 from ckpt_assets.resources import CheckpointStore
 from trainer.errors import AlreadyExistsError, CheckpointError, CheckpointNotFoundError
+from trainer.records import CheckpointRecord
 from trainer.repo import MANIFEST, CheckpointRepo, Manifest, Pending
 from trainer.storage import ObjectStore, validate_key
 
@@ -192,12 +193,9 @@ def load_checkpoint_state(store: ObjectStore, experiment: str, run: str,
     from trainer.checkpointer import load_verified_state  # imports torch: only when loading
 
     state = load_verified_state(repo, manifest)
+    rec = CheckpointRecord.from_manifest(manifest, repo.uri(manifest.name))
     state[CHECKPOINT_KEY] = {
-        "name": manifest.name, "uri": repo.uri(manifest.name), "step": manifest.step,
-        "attempt": manifest.attempt, "sha256": manifest.sha256, "size": manifest.total_size,
-        "parent": manifest.parent, "loss": manifest.meta.get("loss"),
-        "metrics": manifest.meta.get("metrics") or {},
-        "lineage": manifest.meta.get("lineage") or {},
+        **rec.to_dict(), "metrics": rec.eval,
         "skipped": [{"checkpoint": n, "reason": r} for n, r in skipped],
     }
     return state

@@ -23,6 +23,7 @@ import dagster as dg
 
 from ckpt_assets.partitions import PARTITION_TAG, read_registration
 from trainer.errors import CheckpointError
+from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore
 
@@ -88,18 +89,18 @@ class MlflowTracker:
     def on_eval(self, msg: dict[str, Any]) -> None:
         self._pending_eval.append(msg)
 
-    def on_checkpoint(self, msg: dict[str, Any]) -> None:
+    def on_checkpoint(self, rec: CheckpointRecord) -> None:
         """A committed checkpoint: its loss, and the evals up to its step, become history."""
         if self.run_id is None:
             return
-        step = int(msg["step"])
+        step = rec.step
         try:
             for ev in [e for e in self._pending_eval if int(e["step"]) <= step]:
                 self._log("eval_loss", ev.get("loss"), int(ev["step"]))
                 self._log("eval_accuracy", ev.get("accuracy"), int(ev["step"]))
             self._pending_eval = [e for e in self._pending_eval if int(e["step"]) > step]
-            self._log("loss", msg.get("loss"), step)
-            self.client.set_tag(self.run_id, "last_checkpoint", msg.get("uri", ""))
+            self._log("loss", rec.loss, step)
+            self.client.set_tag(self.run_id, "last_checkpoint", rec.uri)
             self.client.set_tag(self.run_id, "last_committed_step", str(step))
         except Exception as e:
             self._warn(f"logging checkpoint step {step}", e)

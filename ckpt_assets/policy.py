@@ -21,22 +21,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-RESUMABLE = {"preempted", "killed", "storage"}
-NEVER = {
-    "bad_input": "bad config or input: fix the config and register a new run",
-    "checkpoint": "no checkpoint of this run could be loaded (corrupt or incompatible)",
-    "diverged": "training diverged (NaN/inf loss): lower the learning rate or check the data",
-    "bug": "an exception in the training code: fix it, then launch the run again",
-    "superseded": "a newer attempt owns this run; it carries on",
-    "unknown": "the failure could not be classified; inspect the run's logs",
-}
-_EXIT_KINDS = {143: "preempted", 130: "preempted", 2: "bad_input", 3: "checkpoint",
-               4: "diverged", 1: "bug", 5: "storage", 6: "superseded", 137: "killed"}
-_CLASS_KINDS = {"preempted": "preempted", "bad_input": "bad_input",
-                "checkpoint_unloadable": "checkpoint", "diverged": "diverged",
-                "user_code_error": "bug", "storage_unavailable": "storage",
-                "superseded": "superseded", "killed_by_signal": "killed",
-                "worker_lost": "killed", "heartbeat_lost": "killed", "interrupted": "preempted"}
+from ckpt_assets.failures import CLASS_KINDS, EXIT_KINDS, NEVER, RESUMABLE
 
 
 @dataclass(frozen=True)
@@ -82,8 +67,8 @@ class Decision:
 
 
 def classify(f: Failure) -> str:
-    if f.failure_class in _CLASS_KINDS:
-        kind = _CLASS_KINDS[f.failure_class]
+    if f.failure_class in CLASS_KINDS:
+        kind = CLASS_KINDS[f.failure_class]
         if kind == "killed" and f.exit_code is not None and f.exit_code < 0:
             sig = -f.exit_code
             return "preempted" if sig in (signal.SIGTERM, signal.SIGINT) else "killed"
@@ -91,8 +76,8 @@ def classify(f: Failure) -> str:
     if f.exit_code is not None:
         if f.exit_code < 0:
             return "preempted" if -f.exit_code in (signal.SIGTERM, signal.SIGINT) else "killed"
-        if f.exit_code in _EXIT_KINDS:
-            return _EXIT_KINDS[f.exit_code]
+        if f.exit_code in EXIT_KINDS:
+            return EXIT_KINDS[f.exit_code]
         if f.exit_code > 128:  # a shell's way of saying "killed by signal N"
             return "preempted" if f.exit_code - 128 == signal.SIGTERM else "killed"
     if f.canceled:

@@ -6,9 +6,7 @@ takes effect without reloading the code location.
 """
 
 
-import functools
 import os
-import subprocess
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
@@ -27,17 +25,11 @@ def default_store_uri() -> str:
     return os.environ.get("CKPT_STORE_URI") or str(REPO_ROOT / "checkpoints")
 
 
-@functools.cache
 def git_commit() -> str | None:
-    """The repository's git commit (the code version recorded in lineage), if known."""
-    if os.environ.get("CKPT_CODE_VERSION"):
-        return os.environ["CKPT_CODE_VERSION"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5, cwd=REPO_ROOT)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    """ckpt-assets' own code version (git commit, +dirty), recorded in lineage."""
+    from trainer.code_version import ckpt_assets_version
+
+    return ckpt_assets_version()
 
 
 class CheckpointStore(dg.ConfigurableResource):
@@ -75,29 +67,37 @@ class CheckpointStore(dg.ConfigurableResource):
     def open(self) -> ObjectStore:
         uri = self.resolved_uri
         if self.is_s3 and self.aws_env():
-            return _s3_store(uri, self.endpoint_url, self.region_name, self.aws_access_key_id,
-                             self.aws_secret_access_key)
+            from trainer.storage.s3 import S3Store
+
+            parsed = urlparse(uri)
+            return S3Store(parsed.netloc, parsed.path.strip("/"), client=self.s3_client())
         return open_store(uri)
+
+    def s3_client(self):
+        """A boto3 S3 client with this resource's endpoint and credentials (else the
+        standard AWS environment): for the store, and for datasets on S3."""
+        if not self.aws_env():
+            from trainer.storage.s3 import default_client
+
+            return default_client()
+        return _s3_client(self.endpoint_url, self.region_name, self.aws_access_key_id,
+                          self.aws_secret_access_key)
 
     def repo(self, experiment: str, run: str) -> CheckpointRepo:
         return CheckpointRepo(self.open(), experiment, run)
 
 
-def _s3_store(uri: str, endpoint_url, region, key_id, secret) -> ObjectStore:
+def _s3_client(endpoint_url, region, key_id, secret):
     import boto3
     from botocore.config import Config
 
-    from trainer.storage.s3 import S3Store
-
-    parsed = urlparse(uri)
     session = boto3.session.Session(aws_access_key_id=key_id, aws_secret_access_key=secret,
                                     region_name=region)
-    client = session.client(
+    return session.client(
         "s3", endpoint_url=endpoint_url, region_name=session.region_name or "us-east-1",
         config=Config(retries={"mode": "standard", "max_attempts": 5}, connect_timeout=10,
                       read_timeout=120),
     )
-    return S3Store(parsed.netloc, parsed.path.strip("/"), client=client)
 
 
 class TrainerResource(dg.ConfigurableResource):
@@ -110,7 +110,13 @@ class TrainerResource(dg.ConfigurableResource):
                     "SIGKILL (keep below run_monitoring.cancel_timeout_seconds)")
     extra_env: dict[str, str] = Field(default_factory=dict, description="added to the trainer's env")
     log_level: str = Field(default="INFO", description="trainer --log-level")
-    working_directory: str | None = Field(default=None, description="default: repository root")
+    working_directory: str | None = Field(
+        default=None, description="where the trainer runs, and what a command's relative cwd "
+                                  "is relative to (default: the repository root)")
+    pythonpath: list[str] = Field(
+        default_factory=list,
+        description="directories put first on the trainer's PYTHONPATH, so that a task module "
+                    "or a command's imports outside this repository are found")
 
     @property
     def python(self) -> str:

@@ -2,7 +2,7 @@
 
 `resume_failed_training` (failed runs) and `resume_terminated_training` (runs terminated
 from Dagster, which end CANCELED, not FAILED) see each ended training run once, read its
-structured failure (exit code, failure class, last committed step; see `assets.fail`),
+structured failure (exit code, failure class, last committed step; see `ckpt_assets.failures.TrainingFailure`),
 apply the failure policy (`ckpt_assets.policy`) and launch at most one resume.
 `reconcile_training_runs` sweeps periodically for what they cannot see: failures from
 before they were enabled or whose tick errored, delayed (backed-off) resumes that are due,
@@ -24,6 +24,7 @@ from dataclasses import asdict
 import dagster as dg
 
 from ckpt_assets.assets import MODEL_CHECKPOINT_KEY
+from ckpt_assets.failures import TrainingFailure
 from ckpt_assets.jobs import train_job
 from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM, TAG_ROOT_RUN_ID
 from ckpt_assets.partitions import PARTITION_TAG, read_registration
@@ -75,20 +76,23 @@ def newest_run_of(instance: dg.DagsterInstance, partition: str) -> dg.DagsterRun
 def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun,
                store: CheckpointStore | None) -> Failure:
     """What the event log (and, for a lost worker, the store) says about how `run` ended."""
-    md: dict = {}
+    reported: TrainingFailure | None = None
     for rec in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_FAILURE):
         data = rec.dagster_event.step_failure_data
         ufd = data.user_failure_data if data else None
-        if ufd and "exit_code" in ufd.metadata:
-            md = {k: v.value for k, v in ufd.metadata.items()}
-    attempt = md.get("attempt") or int(run.tags.get(TAG_ATTEMPT, "1") or 1)
-    step = md.get("last_committed_step")
-    if not md and store is not None:
+        if ufd:
+            reported = TrainingFailure.from_metadata(
+                {k: v.value for k, v in ufd.metadata.items()}) or reported
+    attempt = (reported.attempt if reported else 0) or int(run.tags.get(TAG_ATTEMPT, "1") or 1)
+    step = reported.last_committed_step if reported else None
+    if reported is None and store is not None:
         step = committed_step(store, run.tags[PARTITION_TAG])
     return Failure(
         run_id=run.run_id, partition=run.tags[PARTITION_TAG], attempt=int(attempt),
-        exit_code=md.get("exit_code"), failure_class=md.get("failure_class"),
-        last_committed_step=step, worker_lost=not md and run.status == dg.DagsterRunStatus.FAILURE,
+        exit_code=reported.exit_code if reported else None,
+        failure_class=reported.failure_class if reported else None,
+        last_committed_step=step,
+        worker_lost=reported is None and run.status == dg.DagsterRunStatus.FAILURE,
         canceled=run.status == dg.DagsterRunStatus.CANCELED,
     )
 

@@ -10,9 +10,10 @@ import dagster as dg
 import pytest
 import torch
 
-from ckpt_assets.assets import CHECKPOINT_METADATA_KEYS, FAILURE_METADATA_KEYS
 from ckpt_assets.definitions import make_resources
+from ckpt_assets.failures import FAILURE_METADATA_KEYS
 from ckpt_assets.io_managers import VersionedRepo
+from ckpt_assets.metadata import CHECKPOINT_METADATA_KEYS
 from ckpt_assets.resources import CheckpointStore, git_commit
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
@@ -28,6 +29,9 @@ from trainer.storage import open_store
 from trainer.tasks.toy import MLP, make_dataset
 
 pytestmark = pytest.mark.slow
+
+CORE_FAILURE_KEYS = ("exit_code", "failure_class", "last_committed_step", "checkpoint_uri",
+                     "attempt", "training_run")
 
 
 def _assert_trained_run(result, store_uri: str, key: str, experiment: str, max_steps: int):
@@ -53,7 +57,8 @@ def _assert_trained_run(result, store_uri: str, key: str, experiment: str, max_s
     assert final["data_version"] == data_version
     # The attempt's end is recorded with the failure contract's keys, also on success.
     (ended,) = observations(result, "model_checkpoint")
-    assert {k: ended[k] for k in FAILURE_METADATA_KEYS} == {
+    assert set(FAILURE_METADATA_KEYS) <= set(ended)
+    assert {k: ended[k] for k in CORE_FAILURE_KEYS} == {
         "exit_code": 0, "failure_class": "success", "last_committed_step": max_steps,
         "checkpoint_uri": final["uri"], "attempt": 1, "training_run": key}
     assert check_results(result) == {"latest_checkpoint_verifies": True,

@@ -86,7 +86,8 @@ def test_a_config_the_trainer_would_reject_is_refused_before_anything_is_written
     store = open_store(str(tmp_path / "store"))
     for bad, msg in [({"max_stepz": 3}, "unknown config key"),
                      ({"max_steps": 0}, "max_steps"),
-                     ({"task_args": {"n_trainx": 5}}, "unknown task_args"),
+                     ({"command": []}, "'command' must be a non-empty list"),
+                     ({"optim": {"lr": -0.1}}, "'optim.lr' must be positive"),
                      ({"task": "no.such.module:build"}, "cannot import module"),
                      ({"run": "other"}, "names run 'other'")]:
         with pytest.raises(ConfigError, match=msg):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.repo import Manifest
 
 
 def _from_dict(cls: type, raw: dict[str, Any] | None) -> Any:
@@ -68,3 +71,16 @@ class CheckpointRecord:
         lin = raw.get("lineage")
         return dataclasses.replace(rec, lineage=Lineage.from_dict(lin) if lin else None,
                                    eval=dict(raw.get("eval") or {}))
+
+    @classmethod
+    def from_manifest(cls, m: Manifest, uri: str,
+                      stats: dict[str, Any] | None = None) -> CheckpointRecord:
+        """The record of committed checkpoint `m` (stored at `uri`)."""
+        stats = stats or {}
+        lin = m.meta.get("lineage")
+        return cls(name=m.name, uri=uri, step=m.step, attempt=m.attempt, sha256=m.sha256,
+                   size=m.total_size, parent=m.parent, loss=m.meta.get("loss"),
+                   eval=dict(m.meta.get("metrics") or {}), reason=m.meta.get("reason"),
+                   save_seconds=stats.get("save_seconds"),
+                   blocking_seconds=stats.get("blocking_seconds"),
+                   lineage=Lineage.from_dict(lin) if lin else None)

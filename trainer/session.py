@@ -296,12 +296,7 @@ class CheckpointSession:
         self._last_save_t = time.monotonic()
 
     def _on_commit(self, m: Manifest, stats: dict[str, Any]) -> None:
-        rec = CheckpointRecord(
-            name=m.name, uri=self.repo.uri(m.name), step=m.step, attempt=m.attempt,
-            sha256=m.sha256, size=m.total_size, parent=m.parent, loss=m.meta.get("loss"),
-            eval=m.meta.get("metrics") or {}, reason=m.meta.get("reason"),
-            save_seconds=stats.get("save_seconds"), blocking_seconds=stats.get("blocking_seconds"),
-            lineage=self.lineage)
+        rec = CheckpointRecord.from_manifest(m, self.repo.uri(m.name), stats)
         self.reporter.log(f"checkpoint committed: step {m.step} -> {rec.uri} "
                           f"({rec.size} bytes, {rec.save_seconds:.2f}s)")
         self.reporter.event("checkpoint", **rec.to_dict())

@@ -1,0 +1,117 @@
+"""One attempt of a training run, as the orchestrator sees it: the Pipes messages of the
+training process turned into Dagster events, and how the attempt ended.
+
+* each committed checkpoint -> an ASSET_MATERIALIZATION of model_checkpoint for the
+  partition, with the lineage metadata (`ckpt_assets.metadata.CHECKPOINT_METADATA_KEYS`);
+* the end of the attempt -> an ASSET_OBSERVATION `attempt_ended` (also on success and on
+  cancellation) with the fields of `TrainingFailure`;
+* a non-zero exit -> `dagster.Failure` carrying a `TrainingFailure`, which the resume
+  sensor reads back from the STEP_FAILURE event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+
+from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure, failure_class_for, signal_name
+from ckpt_assets.lineage import MlflowTracker
+from ckpt_assets.metadata import checkpoint_metadata, to_metadata
+from trainer.errors import CheckpointError, StorageError
+from trainer.records import CheckpointRecord
+from trainer.repo import CheckpointRepo
+
+MODEL_CHECKPOINT_KEY = dg.AssetKey("model_checkpoint")
+
+
+@dataclass
+class AttemptReport:
+    """What the training process reported during one attempt."""
+
+    run: str
+    attempt: int
+    started: dict[str, Any] | None = None
+    failed: dict[str, Any] | None = None
+    stopped: dict[str, Any] | None = None
+    finished: dict[str, Any] | None = None
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)
+
+    def handle(self, context, tracker: MlflowTracker, msgs: list[Any]) -> None:
+        for msg in msgs:
+            if isinstance(msg, dict):
+                self._one(context, tracker, msg)
+
+    def _one(self, context, tracker: MlflowTracker, msg: dict[str, Any]) -> None:
+        kind = msg.get("type")
+        if kind == "checkpoint":
+            rec = CheckpointRecord.from_dict(msg)
+            self.checkpoints.append(rec)
+            context.log_event(dg.AssetMaterialization(
+                asset_key=MODEL_CHECKPOINT_KEY, partition=self.run,
+                description=f"checkpoint step {rec.step} committed (loss {rec.loss})",
+                metadata=checkpoint_metadata(rec)))
+            tracker.on_checkpoint(rec)
+        elif kind == "eval":
+            tracker.on_eval(msg)
+        elif kind == "started":
+            self.started = msg
+            resumed = msg.get("resumed_from_step")
+            context.log.info(f"attempt {msg.get('attempt')} started" + (
+                f", resumed from step {resumed} ({msg.get('resumed_from')})"
+                if resumed is not None else " from scratch"))
+            for s in msg.get("skipped") or []:
+                context.log.warning(f"CHECKPOINT FALLBACK: {s.get('checkpoint')} skipped: "
+                                    f"{s.get('reason')}")
+        elif kind in ("failed", "stopped", "finished"):
+            setattr(self, kind, msg)
+        elif kind == "progress":
+            context.log.debug(f"progress: step {msg.get('step')} loss {msg.get('loss')}")
+
+    def outcome(self, repo: CheckpointRepo, rc: int, context) -> TrainingFailure:
+        """How the attempt ended (exit 0 included), with the run's last committed step."""
+        try:
+            ptr = repo.read_pointer()
+        except (CheckpointError, StorageError):
+            ptr = None
+        last_step = ptr.step if ptr and ptr.checkpoint else None
+        last_uri = repo.uri(ptr.checkpoint) if ptr and ptr.checkpoint else None
+        if last_step is None and self.checkpoints:
+            last_step, last_uri = self.checkpoints[-1].step, self.checkpoints[-1].uri
+        failed = self.failed or {}
+        fclass = failure_class_for(rc, failed.get("failure_class"))
+        if rc == 0 and last_uri is None:
+            fclass = NO_CHECKPOINT
+        return TrainingFailure(
+            exit_code=int(rc), failure_class=fclass, training_run=self.run,
+            attempt=self.attempt, last_committed_step=last_step, checkpoint_uri=last_uri,
+            signal=signal_name(rc) if rc else None, message=failed.get("message"),
+            error_type=failed.get("error_type"), dagster_run_id=context.run.run_id,
+            root_run_id=(self.started or {}).get("lineage", {}).get("root_run_id"),
+            resumed_from_step=(self.started or {}).get("resumed_from_step"),
+            checkpoints_this_attempt=len(self.checkpoints))
+
+
+def record_end(context, ended: TrainingFailure, interrupted: bool,
+               extra: dict[str, Any]) -> None:
+    context.log_event(dg.AssetObservation(
+        asset_key=MODEL_CHECKPOINT_KEY, partition=ended.training_run,
+        metadata=to_metadata({"event": "attempt_ended", **dataclasses.asdict(ended),
+                              "interrupted": interrupted, **extra}),
+        description=f"attempt {ended.attempt} ended: exit {ended.exit_code} "
+                    f"({ended.failure_class})"))
+
+
+def failure_description(ended: TrainingFailure) -> str:
+    if ended.failure_class == NO_CHECKPOINT:
+        return (f"the training process of {ended.training_run} exited 0 without committing a "
+                "checkpoint; a command must checkpoint through trainer.CheckpointSession "
+                "(see the README's own-loop example)")
+    sig = f", {ended.signal}" if ended.signal else ""
+    where = f" ({ended.checkpoint_uri})" if ended.checkpoint_uri else ""
+    msg = f": {ended.message}" if ended.message else ""
+    return (f"training process exited {ended.exit_code} ({ended.failure_class}{sig}) in "
+            f"attempt {ended.attempt} of training run {ended.training_run}; last committed "
+            f"step {ended.last_committed_step}{where}{msg}")

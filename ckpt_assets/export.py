@@ -1,0 +1,77 @@
+"""The final model: the last checkpoint's `model` weights, evaluated and exported.
+
+Task mode rebuilds the task from the registered config, loads the weights and evaluates
+them on the task's held-out data (under `model.eval()` and `torch.no_grad()`); command mode
+has no task to rebuild, so the metrics are those the script recorded with its last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ckpt_assets.failures import TrainingFailure
+from ckpt_assets.lineage import MlflowTracker
+from ckpt_assets.partitions import Registration
+from trainer.errors import ConfigError
+
+
+def evaluate_final(reg: Registration, weights: dict[str, Any], ck: dict[str, Any],
+                   log) -> tuple[dict[str, float], str | None]:
+    """(metrics, data version) of the final weights."""
+    cfg = reg.config
+    recorded = {k: float(v) for k, v in (ck.get("metrics") or {}).items()}
+    lineage = ck.get("lineage") or {}
+    if cfg.get("command"):
+        return recorded, lineage.get("data_version")
+    import torch
+
+    from trainer.loop import evaluate
+    from trainer.task import build_task
+
+    torch.set_num_threads(int(cfg.get("threads") or 1))
+    try:
+        task = build_task(cfg["task"], cfg["task_args"], int(cfg["seed"]), cfg.get("dataset"))
+        task.model.load_state_dict(weights)
+    except (ConfigError, RuntimeError, KeyError) as e:
+        raise TrainingFailure(3, "checkpoint_unloadable", reg.run,
+                              last_committed_step=ck.get("step"),
+                              checkpoint_uri=ck.get("uri")).to_dagster(
+            f"cannot rebuild the model of {reg.run} from its registered config and checkpoint "
+            f"{ck.get('uri')}: {e}") from e
+    data_version = lineage.get("data_version") or task.data_version
+    if task.data_version and lineage.get("data_version") not in (None, task.data_version):
+        log.warning(f"held-out data version {task.data_version} differs from the checkpoint's "
+                    f"data version {lineage['data_version']}")
+    return evaluate(task, task.model), data_version
+
+
+def export_weights(reg: Registration, weights: dict[str, Any], ck: dict[str, Any],
+                   metrics: dict[str, float], tracker: MlflowTracker):
+    """(value, SHA-256 of the weights file, MLflow model version) of the exported model."""
+    import torch
+
+    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+    # The output width of the last 2-D layer: the number of classes of a classifier (used
+    # as the default chance-level threshold of the eval-loss check).
+    num_classes = next((int(v.shape[0]) for v in reversed(list(weights.values())) if v.dim() == 2),
+                       None)
+    with tempfile.TemporaryDirectory(prefix="ckpt-final-") as tmp:
+        path = Path(tmp) / "model.pt"
+        torch.save(weights, path)
+        weights_sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        model_version = tracker.log_final_model(
+            str(path), {f"eval_{k}": v for k, v in metrics.items()}, int(ck.get("step") or 0),
+            description=f"{reg.experiment}/{reg.run} step {ck.get('step')} from {ck.get('uri')}")
+    cfg = reg.config
+    value = {"model": weights, "task": None if cfg.get("command") else cfg["task"],
+             "command": cfg.get("command"), "task_args": cfg.get("task_args"),
+             "seed": int(cfg["seed"]), "step": int(ck.get("step") or 0), "eval": metrics,
+             "num_classes": num_classes, "checkpoint": ck.get("uri"),
+             "checkpoint_sha256": ck.get("sha256"), "experiment": reg.experiment,
+             "training_run": reg.run, "config": json.dumps(cfg, sort_keys=True)}
+    return value, weights_sha, model_version

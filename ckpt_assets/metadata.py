@@ -1,0 +1,54 @@
+"""Plain values and typed records as Dagster metadata."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import dagster as dg
+
+from trainer.records import CheckpointRecord
+
+
+def to_metadata(values: dict[str, Any]) -> dict[str, Any]:
+    """Plain values -> Dagster metadata (None -> null, dict/list -> JSON, inf/nan -> text)."""
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if v is None:
+            out[k] = dg.MetadataValue.null()
+        elif isinstance(v, bool):
+            out[k] = dg.MetadataValue.bool(v)
+        elif isinstance(v, float) and not math.isfinite(v):
+            out[k] = dg.MetadataValue.text(str(v))
+        elif isinstance(v, dict | list | tuple):
+            out[k] = dg.MetadataValue.json(v)
+        else:
+            out[k] = v
+    return out
+
+
+# Lineage metadata of every checkpoint materialization.
+CHECKPOINT_METADATA_KEYS = ("step", "uri", "name", "sha256", "size", "loss", "parent",
+                            "parent_checkpoint", "save_seconds", "experiment", "training_run",
+                            "dagster_run_id", "root_run_id", "attempt", "resumed_from_step",
+                            "code_version", "user_code_version", "data_version", "dataset")
+
+
+def checkpoint_metadata(rec: CheckpointRecord) -> dict[str, Any]:
+    lin = rec.lineage
+    return to_metadata({
+        "step": rec.step, "uri": rec.uri, "name": rec.name, "sha256": rec.sha256,
+        "size": rec.size, "loss": rec.loss, "parent": rec.parent,
+        "parent_checkpoint": rec.parent, "save_seconds": rec.save_seconds,
+        "blocking_seconds": rec.blocking_seconds, "eval": rec.eval or None,
+        "reason": rec.reason,
+        "experiment": lin.experiment if lin else None,
+        "training_run": lin.run if lin else None,
+        "dagster_run_id": lin.dagster_run_id if lin else None,
+        "root_run_id": lin.root_run_id if lin else None,
+        "attempt": rec.attempt, "resumed_from_step": lin.resumed_from_step if lin else None,
+        "code_version": lin.code_version if lin else None,
+        "user_code_version": lin.user_code_version if lin else None,
+        "data_version": lin.data_version if lin else None,
+        "dataset": lin.dataset if lin else None,
+    })

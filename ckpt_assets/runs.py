@@ -1,0 +1,106 @@
+"""The training run behind an asset execution: its registered config and attempt number."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+from pydantic import Field
+
+from ckpt_assets.failures import bad_input, storage_unavailable
+from ckpt_assets.lineage import TAG_ATTEMPT
+from ckpt_assets.partitions import (
+    PARTITION_TAG,
+    Registration,
+    read_registration,
+    register_training_run,
+    validate_partition_key,
+)
+from ckpt_assets.resources import CheckpointStore
+from trainer.errors import ConfigError, StorageError
+from trainer.repo import CheckpointRepo
+
+MODEL_CHECKPOINT_KEY = dg.AssetKey("model_checkpoint")
+
+
+class TrainingRunConfig(dg.Config):
+    """Run config of the training assets. Needed only for a run's first launch."""
+
+    training: dict[str, Any] | None = Field(
+        default=None,
+        description="Training config (the trainer's JSON/YAML config as a mapping). Registered "
+                    "on the first launch of the run; later launches may omit it and must not "
+                    "change it. 'run' is forced to the partition key.")
+    experiment: str | None = Field(
+        default=None, description="Experiment of the run (default: the config's, else 'default').")
+
+
+def partition_key(context) -> str:
+    try:
+        return validate_partition_key(context.partition_key)
+    except ConfigError as e:
+        raise bad_input(str(e), str(context.partition_key)) from e
+
+
+def _given_config(context, config: TrainingRunConfig) -> tuple[dict | None, str | None]:
+    """The training config this launch carries, on any of the run's training ops."""
+    if config.training is not None:
+        return config.training, config.experiment
+    for op in (context.run.run_config or {}).get("ops", {}).values():
+        other = (op or {}).get("config") or {}
+        if other.get("training") is not None:
+            return other["training"], config.experiment or other.get("experiment")
+    return None, config.experiment
+
+
+def resolve_registration(context, checkpoint_store: CheckpointStore,
+                         config: TrainingRunConfig) -> Registration:
+    """Register the run's config if this launch carries one; else read the registered one."""
+    run = partition_key(context)
+    training, experiment = _given_config(context, config)
+    try:
+        store = checkpoint_store.open()
+        if training is not None:
+            reg = register_training_run(store, run, training, experiment)
+            if reg.created:
+                context.log.info(f"registered training run {run!r}: {reg.config_uri}")
+            return reg
+        reg = read_registration(store, run)
+        if reg is None:
+            raise ConfigError(
+                f"training run {run!r} has no registered config in {store.uri}. Launch its "
+                "first run with ops.training_dataset.config.training set to the training "
+                f"config, or run: python -m ckpt_assets register {run} --config FILE")
+        if experiment and experiment != reg.experiment:
+            raise ConfigError(f"training run {run!r} is registered in experiment "
+                              f"{reg.experiment!r}, not {experiment!r}")
+        return reg
+    except ConfigError as e:
+        raise bad_input(str(e), run) from e
+    except StorageError as e:
+        raise storage_unavailable(str(e), run) from e
+
+
+def count_earlier_attempts(instance: dg.DagsterInstance, run_id: str, key: str) -> int:
+    """Earlier Dagster runs of this partition that included model_checkpoint."""
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: key}))  # newest first
+    ids = [r.run_id for r in runs]
+    earlier = runs[ids.index(run_id) + 1:] if run_id in ids else runs
+    return sum(1 for r in earlier
+               if r.asset_selection is None or MODEL_CHECKPOINT_KEY in r.asset_selection)
+
+
+def attempt_number(context, repo: CheckpointRepo) -> int:
+    """The attempt this run asks for: its tag (set by the resume sensor), else one more than
+    the partition's earlier runs. The trainer's claim makes it unique in the store."""
+    tag = context.run.tags.get(TAG_ATTEMPT)
+    attempt = int(tag) if tag and tag.isdigit() else 1 + count_earlier_attempts(
+        context.instance, context.run.run_id, repo.run)
+    try:
+        in_store = repo.next_attempt()
+    except StorageError as e:
+        raise storage_unavailable(str(e), repo.run) from e
+    if in_store > attempt:
+        context.log.warning(f"the store already holds attempt {in_store - 1} of {repo.run}; "
+                            f"this attempt is numbered {in_store} instead of {attempt}")
+    return max(attempt, in_store)
