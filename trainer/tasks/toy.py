@@ -3,8 +3,8 @@
 Small enough to train in seconds on a CPU, yet it exercises everything a resume must get
 right: dropout (RNG), a shuffling sampler, AdamW, warm-up schedule, clipping, evaluation.
 
-task_args:
-  data_path     dataset file written by `write_dataset` (default: generate in memory)
+The config's `dataset` may name a file written by `write_dataset`; without one the data
+is generated in memory from these task_args:
   data_seed, n_train, n_eval, features, classes   the generated dataset (defaults below)
   hidden, dropout                                 the model
   step_delay    seconds to sleep per step (makes a run long enough to interrupt in demos)
@@ -28,7 +28,7 @@ from torch import nn
 from trainer.errors import ConfigError
 from trainer.task import Task, TaskArgs
 
-ALLOWED = {"data_path", "data_seed", "n_train", "n_eval", "features", "classes", "hidden",
+ALLOWED = {"data_seed", "n_train", "n_eval", "features", "classes", "hidden",
            "dropout", "step_delay", "fail_at_step", "crash_at_step", "nan_at_step"}
 
 
@@ -62,14 +62,15 @@ def write_dataset(path: str | Path, **kwargs: Any) -> str:
     return dataset_hash(data)
 
 
-def load_dataset(path: str | Path) -> dict[str, torch.Tensor]:
+def load_dataset(uri: str) -> dict[str, torch.Tensor]:
+    path = uri.removeprefix("file://")
     try:
         data = torch.load(path, weights_only=True)
     except FileNotFoundError:
-        raise ConfigError(f"task_args.data_path {path} does not exist; materialize the "
-                          "training_dataset first or drop data_path to generate data") from None
+        raise ConfigError(f"dataset {uri} does not exist; write it with "
+                          "trainer.tasks.toy.write_dataset or drop 'dataset' to generate data") from None
     except Exception as e:
-        raise ConfigError(f"task_args.data_path {path} is not a dataset file: {e}") from None
+        raise ConfigError(f"dataset {uri} is not a dataset file of the toy task: {e}") from None
     return data
 
 
@@ -92,8 +93,8 @@ def build(t: TaskArgs) -> Task:
     if unknown:
         raise ConfigError(f"unknown task_args for the toy task: {', '.join(sorted(unknown))}. "
                           f"Allowed: {', '.join(sorted(ALLOWED))}")
-    if a.get("data_path"):
-        data = load_dataset(a["data_path"])
+    if t.dataset:
+        data = load_dataset(t.dataset)
     else:
         data = make_dataset(**{k: a[k] for k in ("data_seed", "n_train", "n_eval", "features",
                                                  "classes") if k in a})

@@ -1,0 +1,148 @@
+"""Any training job through the assets: a task of the user's, a command, data by reference,
+and each bad input answered with one clear failure that is never resumed."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from ckpt_assets.definitions import make_resources
+from ckpt_assets.failures import TrainingFailure
+from ckpt_assets.policy import Failure, decide
+from tests.dagster_fixtures import *  # noqa: F403
+from tests.dagster_fixtures import (
+    ROOT,
+    materializations,
+    materialize_run,
+    step_failure_metadata,
+    training_config,
+)
+from trainer.repo import CheckpointRepo
+from trainer.storage import open_store
+
+pytestmark = pytest.mark.slow
+
+PLAIN = str(ROOT / "examples" / "plain_script" / "train.py")
+
+
+def _failure(result, step="model_checkpoint") -> TrainingFailure:
+    desc, md = step_failure_metadata(result, step)
+    assert md is not None, "the step failed without a structured failure"
+    return TrainingFailure.from_metadata(md)
+
+
+def _never_resumed(f: TrainingFailure) -> None:
+    d = decide(Failure(run_id="r", partition=f.training_run, exit_code=f.exit_code,
+                       failure_class=f.failure_class,
+                       last_committed_step=f.last_committed_step))
+    assert not d.resume, d
+
+
+def test_the_readme_regression_task_trains_through_dagster(instance, tmp_path, mlflow_uri):
+    cfg = training_config(task="trainer.tasks.regression:build", task_args={"n": 256})
+    res = materialize_run(instance, "regression", make_resources(str(tmp_path / "s")),
+                          training=cfg)
+    assert res.success
+    ckpts = materializations(res, "model_checkpoint")
+    assert ckpts[-1]["step"] == cfg["max_steps"]
+    assert ckpts[0]["user_code_version"]  # the repository holding trainer/tasks/regression.py
+    assert materializations(res, "final_model")[0]["eval_loss"] < 10
+
+
+def test_a_command_run_trains_through_dagster_with_its_own_loop(instance, tmp_path, mlflow_uri):
+    cfg = {"command": ["python", PLAIN, "--steps", "60"], "max_steps": 60,
+           "checkpoint": {"heartbeat_seconds": 0.5}}
+    res = materialize_run(instance, "plain", make_resources(str(tmp_path / "s")), training=cfg)
+    assert res.success, step_failure_metadata(res)
+    ckpts = materializations(res, "model_checkpoint")
+    assert [c["step"] for c in ckpts[:-1]] == [20, 40, 60]
+    assert all(c["training_run"] == "plain" and c["attempt"] == 1 for c in ckpts)
+    assert ckpts[0]["user_code_version"]
+    final = materializations(res, "final_model")[0]
+    assert final["step"] == 60 and final["weights_sha256"]
+
+
+def test_a_command_is_handed_the_newest_verified_checkpoint_and_continues_from_it(
+        instance, tmp_path, mlflow_uri):
+    store = str(tmp_path / "s")
+    short = {"command": ["python", PLAIN, "--steps", "40"], "max_steps": 40}
+    assert materialize_run(instance, "handed", make_resources(store), training=short).success
+    # The config is registered: a second launch of the same run continues from step 40
+    # (the script is told --steps 40, so it commits nothing new and ends at once).
+    res = materialize_run(instance, "handed", make_resources(store))
+    assert res.success
+    logs = "\n".join(e.user_message for e in instance.all_logs(res.run_id))
+    assert "--resume-from file://" in logs and "step-000000040-a1" in logs
+    assert "resumed from" in logs
+
+
+def test_a_command_that_does_not_exist_fails_once_as_bad_input(instance, tmp_path, mlflow_uri):
+    cfg = {"command": ["no-such-trainer-binary", "--epochs", "3"]}
+    res = materialize_run(instance, "nocmd", make_resources(str(tmp_path / "s")), training=cfg)
+    f = _failure(res)
+    assert (f.exit_code, f.failure_class) == (2, "bad_input")
+    assert "'no-such-trainer-binary' does not exist" in f.message
+    _never_resumed(f)
+
+
+def test_a_script_that_never_commits_a_checkpoint_fails_with_a_clear_reason(
+        instance, tmp_path, mlflow_uri):
+    cfg = {"command": [sys.executable, "-c", "print('trained, I promise')"]}
+    res = materialize_run(instance, "nockpt", make_resources(str(tmp_path / "s")), training=cfg)
+    desc, _ = step_failure_metadata(res)
+    f = _failure(res)
+    assert (f.exit_code, f.failure_class) == (0, "no_checkpoint")
+    assert "CheckpointSession" in desc
+    _never_resumed(f)
+
+
+def test_a_task_returning_the_wrong_optimizer_type_is_bad_input(instance, tmp_path, mlflow_uri):
+    cfg = training_config(task="tests.user_tasks:wrong_optimizer", task_args={})
+    res = materialize_run(instance, "badopt", make_resources(str(tmp_path / "s")), training=cfg)
+    f = _failure(res)
+    assert (f.exit_code, f.failure_class) == (2, "bad_input")
+    assert "optimizer is a str" in f.message
+    _never_resumed(f)
+
+
+def test_evaluation_runs_in_eval_mode_without_gradients(instance, tmp_path, mlflow_uri):
+    cfg = training_config(task="tests.user_tasks:strict_eval")
+    res = materialize_run(instance, "evalmode", make_resources(str(tmp_path / "s")),
+                          training=cfg)
+    assert res.success, step_failure_metadata(res)
+
+
+def test_a_missing_dataset_fails_the_dataset_step_as_bad_input(instance, tmp_path, mlflow_uri):
+    cfg = training_config(dataset=str(tmp_path / "nowhere"))
+    res = materialize_run(instance, "nodata", make_resources(str(tmp_path / "s")), training=cfg)
+    f = _failure(res, "training_dataset")
+    assert (f.exit_code, f.failure_class) == (2, "bad_input")
+    assert "does not exist" in f.message
+
+
+def test_a_dataset_file_is_versioned_passed_by_uri_and_a_changed_byte_is_refused(
+        instance, tmp_path, mlflow_uri):
+    from trainer.tasks.toy import write_dataset
+
+    data = tmp_path / "toy.pt"
+    write_dataset(data, n_train=256, n_eval=128)
+    store = str(tmp_path / "s")
+    cfg = training_config(dataset=str(data))
+    res = materialize_run(instance, "data-run", make_resources(store), training=cfg)
+    assert res.success, step_failure_metadata(res)
+    ds = materializations(res, "training_dataset")[0]
+    assert ds["kind"] == "uri" and ds["files"] == 1 and ds["uri"] == str(data)
+    ckpts = materializations(res, "model_checkpoint")
+    assert {c["data_version"] for c in ckpts} == {ds["data_version"]}
+    assert {c["dataset"] for c in ckpts} == {str(data)}
+    committed = CheckpointRepo(open_store(store), "default", "data-run").committed()
+
+    raw = bytearray(data.read_bytes())
+    raw[-20] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    again = materialize_run(instance, "data-run", make_resources(store))
+    f = _failure(again, "training_dataset")
+    assert (f.exit_code, f.failure_class) == (2, "bad_input")
+    assert "the dataset changed" in f.message and "register a new training run" in f.message
+    assert CheckpointRepo(open_store(store), "default", "data-run").committed() == committed

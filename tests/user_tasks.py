@@ -1,0 +1,36 @@
+"""Tasks written the way a user might (including the mistakes), for the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.task import Task, TaskArgs
+from trainer.tasks import regression, toy
+
+
+def wrong_optimizer(t: TaskArgs) -> Task:
+    task = regression.build(t)
+    task.optimizer = "sgd"  # a name, not an optimizer
+    return task
+
+
+def own_optimizer(t: TaskArgs) -> Task:
+    """SGD with momentum and a StepLR, built by the task; AMP and accumulation from config."""
+    task = regression.build(t)
+    task.optimizer = lambda model: torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    task.scheduler = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=15, gamma=0.5)
+    return task
+
+
+def strict_eval(t: TaskArgs) -> Task:
+    """A task whose evaluation insists on eval mode without gradients."""
+    task = toy.build(t)
+    inner = task.eval_fn
+
+    def eval_fn(model):
+        assert not model.training, "evaluated in training mode"
+        assert not torch.is_grad_enabled(), "evaluated with gradients on"
+        return inner(model)
+
+    task.eval_fn = eval_fn
+    return task
