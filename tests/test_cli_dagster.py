@@ -180,7 +180,9 @@ def test_interrupting_the_run_stops_the_trainer_which_commits_before_it_exits(
     assert [md["exit_code"].value for md in ended] == [143]
     assert ended[0]["failure_class"].value == "preempted"
     assert ended[0]["last_committed_step"].value == m.step
-    assert run.status in (dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE)
+    # A signal to the run's own process is not a termination requested through Dagster (the
+    # run never went CANCELING), so Dagster ends it as an unexpected interruption: FAILURE.
+    assert run.status == dg.DagsterRunStatus.FAILURE
 
 
 @pytest.mark.slow

@@ -18,8 +18,8 @@ def test_thirty_sigkills_inside_saves_each_resume_from_a_verified_checkpoint_los
         [sys.executable, str(ROOT / "benchmarks" / "soak_crash_during_save.py"),
          "--trials", "30", "--seed", "7", "--json"],
         capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert out.returncode in (0, 1), out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["trials"] == 30
+    result = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}
+    assert result.get("trials") == 30, out.stderr
     assert result["failures"] == 0, result["details"]
+    assert out.returncode == 0, out.stderr  # the soak exits 1 exactly when a trial failed
     assert result["final_step"] and result["final_step"] > 0
