@@ -94,7 +94,7 @@ def run(trials: int, seed: int, workdir: Path) -> dict:
     cfg.write_text(json.dumps({
         "run": "soak", "max_steps": 10_000_000, "eval_every": 0,
         "checkpoint": {"every_steps": 2, "keep_last": 2, "on_epoch_end": False,
-                       "on_best": False, "heartbeat_seconds": None},
+                       "on_best": False, "heartbeat_seconds": 60},
         "task_args": {"hidden": 384, "n_train": 512, "n_eval": 64},
     }))
     repo = CheckpointRepo(open_store(store), "default", "soak")

@@ -46,10 +46,8 @@ def base_env(reg: Registration, store_uri: str, ids: AttemptIds, dataset: Datase
            "PYTHONUNBUFFERED": "1"}
     if ids.code_version:
         env["CKPT_CODE_VERSION"] = ids.code_version
-    heartbeat = (reg.config.get("checkpoint") or {}).get("heartbeat_seconds")
-    if heartbeat is not None:
-        # Liveness is the orchestrator's concern: its setting holds for commands too.
-        env["CKPT_HEARTBEAT_SECONDS"] = str(heartbeat)
+    # Liveness is the orchestrator's concern: its heartbeat interval holds for commands too.
+    env["CKPT_HEARTBEAT_SECONDS"] = str(reg.config["checkpoint"]["heartbeat_seconds"])
     # The user's modules first (TrainerResource.pythonpath), then ckpt-assets itself, so
     # both the trainer and a task module outside this repository import.
     paths = [*trainer.pythonpath, str(REPO_ROOT), env.get("PYTHONPATH")]

@@ -89,7 +89,7 @@ def test_a_session_refuses_to_resume_on_a_changed_dataset_and_keeps_its_checkpoi
 
     def session():
         return CheckpointSession(run="r", store=store, dataset=str(root), install_signals=False,
-                                 heartbeat_seconds=None, every_steps=1)
+                                 heartbeat_seconds=60, every_steps=1)
 
     with session() as ckpt:
         ckpt.restore(model=torch.nn.Linear(2, 2))

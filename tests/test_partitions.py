@@ -89,6 +89,9 @@ def test_a_config_the_trainer_would_reject_is_refused_before_anything_is_written
                      ({"command": []}, "'command' must be a non-empty list"),
                      ({"optim": {"lr": -0.1}}, "'optim.lr' must be positive"),
                      ({"task": "no.such.module:build"}, "cannot import module"),
+                     ({"task": "os:system"}, "not a Python function"),
+                     ({"optim": {"lr": float("nan")}}, "finite number"),
+                     ({"checkpoint": {"heartbeat_seconds": None}}, "heartbeat_seconds"),
                      ({"run": "other"}, "names run 'other'")]:
         with pytest.raises(ConfigError, match=msg):
             register_training_run(store, "r1", bad)

@@ -32,7 +32,7 @@ def _train(model, opt, step: int) -> float:
 
 def _session(store, **kw) -> CheckpointSession:
     kw.setdefault("every_steps", 5)
-    kw.setdefault("heartbeat_seconds", None)
+    kw.setdefault("heartbeat_seconds", 60)
     return CheckpointSession(run="r", experiment="e", store=str(store), install_signals=False, **kw)
 
 
@@ -148,12 +148,17 @@ def test_unknown_or_out_of_range_triggers_are_refused_with_the_key_named(tmp_pat
         _session(tmp_path, every_stepz=3)
     with pytest.raises(ConfigError, match="keep_last"):
         _session(tmp_path, keep_last=0)
+    # Liveness depends on the heartbeat: it cannot be switched off.
+    with pytest.raises(ConfigError, match="heartbeat_seconds"):
+        _session(tmp_path, heartbeat_seconds=None)
+    with pytest.raises(ConfigError, match="cannot be turned off"):
+        _session(tmp_path, heartbeat_seconds=3600)
 
 
 def test_resuming_from_another_runs_checkpoint_is_bad_input_and_commits_nothing(tmp_path):
     model, _ = _parts()
     other = CheckpointSession(run="other", experiment="e", store=str(tmp_path),
-                              install_signals=False, heartbeat_seconds=None)
+                              install_signals=False, heartbeat_seconds=60)
     with other:
         other.restore(model=model)
         other.step(1)

@@ -36,6 +36,9 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
+MAX_HEARTBEAT_S = 60.0
+
+
 @dataclass
 class CheckpointConfig:
     every_steps: int | None = 50
@@ -45,7 +48,9 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_best: bool = True
     async_save: bool = False
-    heartbeat_seconds: float | None = 5.0  # 0: every step; null: never
+    # Liveness: the reconciler declares a run dead when its heartbeat is older than
+    # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional. 0: every step.
+    heartbeat_seconds: float = 5.0
 
 
 @dataclass
@@ -182,8 +187,9 @@ def check_triggers(ck: CheckpointConfig) -> CheckpointConfig:
     _require(ck.every_seconds is None or ck.every_seconds > 0, "checkpoint.every_seconds",
              "positive (or null)")
     _require(ck.keep_last >= 1, "checkpoint.keep_last", "at least 1")
-    _require(ck.heartbeat_seconds is None or ck.heartbeat_seconds >= 0,
-             "checkpoint.heartbeat_seconds", "0 (every step) or more (or null)")
+    _require(0 <= ck.heartbeat_seconds <= MAX_HEARTBEAT_S, "checkpoint.heartbeat_seconds",
+             f"between 0 (every step) and {MAX_HEARTBEAT_S:.0f}: the orchestrator declares a "
+             "run dead when its heartbeat stops, so it cannot be turned off")
     return ck
 
 

@@ -275,7 +275,7 @@ class CheckpointSession:
 
     def _heartbeat(self, step: int) -> None:
         now, every = time.monotonic(), self.triggers.heartbeat_seconds
-        if every is not None and now - self._last_beat >= every:
+        if now - self._last_beat >= every:
             self._last_beat = now
             self.repo.heartbeat({"step": step, "attempt": self.lineage.attempt,
                                  "pid": os.getpid()})

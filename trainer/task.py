@@ -11,6 +11,7 @@ evaluation (always under `model.eval()` and `torch.no_grad()`), checkpoints and 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,10 @@ def resolve_task(spec: str) -> Callable[[TaskArgs], Task]:
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise ConfigError(f"task {spec!r}: module {module_name!r} has no function {func_name!r}")
+    if not inspect.isfunction(fn):
+        # A builtin (os:system) or a class would be called with TaskArgs: never what was meant.
+        raise ConfigError(f"task {spec!r} is a {type(fn).__name__}, not a Python function "
+                          "that takes TaskArgs and returns trainer.task.Task")
     return fn
 
 
