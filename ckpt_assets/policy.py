@@ -13,7 +13,7 @@ the sensors (`ckpt_assets.sensors`) gather the facts and act on the decision.
 | diverged      | exit 4 (NaN/inf loss)                           | never; alert               |
 | bug           | exit 1 (exception in training code)             | never; alert               |
 | superseded    | exit 6 (a newer attempt owns the run)           | never (that attempt goes on)|
-| crash loop    | fails again without its checkpoint step moving  | stop after a small budget  |
+| crash loop    | fails again without a new highest checkpoint step | stop after a small budget|
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ class Budget:
     transient: int = 0
     stuck: int = 0  # failures in a row whose attempt did not move the checkpoint step
     resumed_from_step: int | None = None  # checkpoint step the failed attempt started from
+    # The highest checkpoint step any attempt of the chain committed. Progress is a new high:
+    # after a walk-back past a corrupt checkpoint the pointer's step goes down, and a chain
+    # that keeps re-committing the same steps must not pass for one that advances.
+    high_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,12 +91,23 @@ def classify(f: Failure) -> str:
     return "unknown"
 
 
+def advancing(step: int | None, high: int | None, first: bool) -> bool:
+    """Did the failed attempt move the run forward? Only a committed step above every step
+    the chain committed before (`high`) counts: one that stayed, went down (a walk-back) or
+    cannot be read (None) does not. A chain's first failure without any checkpoint yet is
+    given the benefit of the doubt (`first`)."""
+    if step is None:
+        return first
+    return high is None or step > high
+
+
 def decide(failure: Failure, used: Budget = Budget(), cfg: PolicyConfig = PolicyConfig()) -> Decision:
     """Resume `failure`, given what its chain of attempts has `used` so far?"""
     kind = classify(failure)
     step = failure.last_committed_step
-    advanced = step != used.resumed_from_step or (step is None and used.resumed_from_step is None
-                                                  and used.stuck == 0 and used.transient == 0)
+    high = used.high_step if used.high_step is not None else used.resumed_from_step
+    advanced = advancing(step, high, first=high is None and used.stuck == 0
+                         and used.transient == 0)
     budget = Budget(
         preemptions=used.preemptions + (kind == "preempted"),
         transient=used.transient + (kind in ("killed", "storage")),
@@ -100,6 +115,7 @@ def decide(failure: Failure, used: Budget = Budget(), cfg: PolicyConfig = Policy
         # the count of failures in a row at one step.
         stuck=used.stuck if kind == "preempted" else (0 if advanced else used.stuck + 1),
         resumed_from_step=step,
+        high_step=max((s for s in (high, step) if s is not None), default=None),
     )
     if kind not in RESUMABLE:
         return Decision(False, kind, f"not resumed: {NEVER.get(kind, NEVER['unknown'])}",

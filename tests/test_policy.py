@@ -79,3 +79,43 @@ def test_progress_between_failures_resets_the_crash_loop_count():
 def test_preemptions_neither_count_as_nor_reset_a_crash_loop():
     d = decide(f(exit_code=143, last_committed_step=40), Budget(stuck=1, resumed_from_step=40))
     assert d.resume and d.budget.stuck == 1
+
+
+def test_a_step_that_went_down_after_a_walk_back_does_not_count_as_advancing():
+    cfg = PolicyConfig(crash_loop_budget=2, max_transient=10)
+    d1 = decide(f(exit_code=-9, last_committed_step=40), Budget(), cfg)
+    # The next attempt walked back past a corrupt step 40 and died at 30: no progress.
+    d2 = decide(f(exit_code=-9, last_committed_step=30), d1.budget, cfg)
+    assert d2.resume and d2.budget.stuck == 1 and d2.budget.high_step == 40
+    # Re-committing 40 again is not progress either: 40 was reached before.
+    d3 = decide(f(exit_code=-9, last_committed_step=40), d2.budget, cfg)
+    assert not d3.resume and d3.kind == "crash_loop"
+
+
+def test_a_chain_oscillating_between_two_steps_stops_as_a_crash_loop():
+    cfg = PolicyConfig(crash_loop_budget=3, max_transient=100)
+    used, decisions = Budget(), []
+    for step in (40, 30, 40, 30):
+        d = decide(f(exit_code=-9, last_committed_step=step), used, cfg)
+        decisions.append(d.resume)
+        used = d.budget
+    assert decisions == [True, True, True, False]
+
+
+def test_a_failure_whose_step_cannot_be_read_after_a_known_step_is_not_progress():
+    d = decide(f(exit_code=-9, last_committed_step=None),
+               Budget(transient=1, resumed_from_step=40, high_step=40))
+    assert d.resume and d.budget.stuck == 1 and d.budget.high_step == 40
+
+
+def test_only_a_new_highest_step_resets_the_crash_loop_count():
+    used = Budget(transient=2, stuck=1, resumed_from_step=30, high_step=40)
+    assert decide(f(exit_code=-9, last_committed_step=35), used,
+                  PolicyConfig(crash_loop_budget=3)).budget.stuck == 2
+    assert decide(f(exit_code=-9, last_committed_step=41), used).budget.stuck == 0
+
+
+def test_a_budget_carried_from_before_high_step_existed_falls_back_to_its_resumed_step():
+    # Tags written by an earlier version of the sensor carry no high_step.
+    d = decide(f(exit_code=-9, last_committed_step=40), Budget(transient=1, resumed_from_step=40))
+    assert d.budget.stuck == 1 and d.budget.high_step == 40
