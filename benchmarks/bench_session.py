@@ -40,7 +40,7 @@ from torch import nn  # noqa: E402
 from trainer import CheckpointSession, ResumableLoader  # noqa: E402
 
 OFF = {"every_steps": None, "every_seconds": None, "on_epoch_end": False, "on_best": False,
-       "heartbeat_seconds": None}
+       "heartbeat_seconds": 60}  # the longest interval allowed: off-trigger, as on most steps
 
 
 def small_model() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
