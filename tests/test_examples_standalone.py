@@ -155,7 +155,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
-def test_an_uninterrupted_run_exits_0_and_commits_every_one_of_its_steps(name, uninterrupted):
+def test_an_uninterrupted_run_exits_0_with_its_last_step_committed_and_every_loss_recorded(name, uninterrupted):
     ex = EXAMPLES[name]
     res, state = uninterrupted(name)
     assert "from scratch" in res.log
