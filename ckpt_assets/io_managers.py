@@ -33,8 +33,9 @@ import dagster as dg
 from ckpt_assets.partitions import read_registration, validate_partition_key
 from ckpt_assets.resources import CheckpointStore
 from trainer.errors import AlreadyExistsError, CheckpointError, CheckpointNotFoundError
+from trainer.manifest import MANIFEST, Manifest
 from trainer.records import CheckpointRecord
-from trainer.repo import MANIFEST, CheckpointRepo, Manifest, Pending
+from trainer.repo import CheckpointRepo, Pending
 from trainer.storage import ObjectStore, validate_key
 
 CHECKPOINT_KEY = "__checkpoint__"

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from trainer.errors import CheckpointError
-from trainer.repo import CheckpointRepo, Manifest
+from trainer.manifest import Manifest
+from trainer.repo import CheckpointRepo
 
 log = logging.getLogger("trainer.checkpoint")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.repo import Manifest
+    from trainer.manifest import Manifest
 
 
 def _from_dict(cls: type, raw: dict[str, Any] | None) -> Any:

@@ -15,8 +15,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
-import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,219 +28,26 @@ from trainer.errors import (
     InvalidNameError,
     PointerConflictError,
 )
-from trainer.storage import HashingWriter, ObjectStore, WrittenObject, is_segment, validate_name
+from trainer.manifest import (
+    MANIFEST,
+    Manifest,
+    checkpoint_name,
+    file_entry,
+    parse_checkpoint_name,
+)
+from trainer.pointer import Best, Pointer
+from trainer.storage import HashingWriter, ObjectStore, WrittenObject, validate_name
 from trainer.storage.base import CHUNK_SIZE, chunk_digests, combine_chunks, file_size
 
 log = logging.getLogger("trainer.checkpoint")
 
-MANIFEST = "MANIFEST.json"
 POINTER = "latest.json"
 HEARTBEAT = "heartbeat.json"
-FORMAT_VERSION = 1
 # Names latest.json carries besides its current one. Retention removes deleted names from
 # it, so in practice it holds about keep_last names; the bound only caps a damaged pointer.
 POINTER_HISTORY = 256
 CLAIM_TRIES = 20
-_NAME_RE = re.compile(r"step-([0-9]{9})-a([0-9]{1,9})")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
-
-def checkpoint_name(step: int, attempt: int) -> str:
-    return f"step-{step:09d}-a{attempt}"
-
-
-def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
-    m = _NAME_RE.fullmatch(name) if isinstance(name, str) else None
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def file_entry(w: WrittenObject) -> dict[str, Any]:
-    entry: dict[str, Any] = {"size": w.size, "sha256": w.sha256}
-    if w.chunks:
-        entry.update(chunk_size=CHUNK_SIZE, chunks=list(w.chunks))
-    return entry
-
-
-@dataclass
-class Manifest:
-    name: str
-    step: int
-    attempt: int
-    files: dict[str, dict[str, Any]]
-    parent: str | None
-    created_at: float
-    meta: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
-    # The run the checkpoint was written for: a copy under another run's name is refused.
-    # None only in manifests written before these were recorded.
-    experiment: str | None = None
-    run: str | None = None
-
-    def to_json(self) -> bytes:
-        return json.dumps(self.__dict__, indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, where: str) -> Manifest:
-        """Parse and check a manifest; anything malformed raises CheckpointError (the
-        checkpoint is then walked past like a corrupt one)."""
-        try:
-            raw = json.loads(data)
-        except (ValueError, RecursionError) as e:
-            raise CheckpointError(f"manifest {where} is unreadable ({e}); it is corrupt") from e
-        if isinstance(raw, dict) and raw.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
-            raise CheckpointError(
-                f"manifest {where} has format version {raw.get('format_version')!r}; this "
-                f"trainer reads version {FORMAT_VERSION}. Resume with a matching trainer version."
-            )
-        try:
-            return cls._checked(raw)
-        except (TypeError, ValueError, KeyError) as e:
-            raise CheckpointError(
-                f"manifest {where} is malformed ({e}); it is corrupt or was not written by "
-                "this trainer"
-            ) from e
-
-    @classmethod
-    def _checked(cls, raw: Any) -> Manifest:
-        if not isinstance(raw, dict):
-            raise TypeError("not a JSON object")
-        files = _typed(raw["files"], dict, "files")
-        if not files:
-            raise ValueError("it lists no files")
-        for filename, entry in files.items():
-            if not is_segment(filename) or filename == MANIFEST:
-                raise ValueError(f"file name {filename!r} is not a plain file name")
-            _check_file_entry(filename, _typed(entry, dict, f"files[{filename!r}]"))
-        created = _typed(raw["created_at"], (int, float), "created_at")
-        if not math.isfinite(created):
-            raise ValueError(f"created_at is {created!r}")
-        return cls(
-            name=_segment(raw["name"], "name"),
-            step=_count(raw["step"], "step"),
-            attempt=_count(raw["attempt"], "attempt"),
-            files=files,
-            parent=_segment(raw.get("parent"), "parent", optional=True),
-            created_at=created,
-            meta=_typed(raw.get("meta", {}), dict, "meta"),
-            format_version=_typed(raw.get("format_version", FORMAT_VERSION), int,
-                                  "format_version"),
-            experiment=_typed(raw.get("experiment"), str, "experiment", optional=True),
-            run=_typed(raw.get("run"), str, "run", optional=True),
-        )
-
-    @property
-    def total_size(self) -> int:
-        return sum(int(f["size"]) for f in self.files.values())
-
-    @property
-    def sha256(self) -> str:
-        """One digest for the whole checkpoint: the hash of its manifest's file list."""
-        body = json.dumps(self.files, sort_keys=True).encode()
-        return hashlib.sha256(body).hexdigest()
-
-
-def _check_file_entry(filename: str, entry: dict[str, Any]) -> None:
-    size = _count(entry["size"], f"{filename}.size")
-    if not (isinstance(entry["sha256"], str) and _HEX64.fullmatch(entry["sha256"])):
-        raise ValueError(f"{filename}.sha256 is {entry['sha256']!r}, not a SHA-256 hex digest")
-    if "chunks" not in entry and "chunk_size" not in entry:
-        return
-    chunk_size = _typed(entry.get("chunk_size", CHUNK_SIZE), int, f"{filename}.chunk_size")
-    if chunk_size <= 0:
-        raise ValueError(f"{filename}.chunk_size is {chunk_size}; it must be positive")
-    chunks = _typed(entry.get("chunks"), list, f"{filename}.chunks")
-    if not all(isinstance(c, str) and _HEX64.fullmatch(c) for c in chunks):
-        raise ValueError(f"{filename}.chunks holds something that is not a SHA-256 hex digest")
-    want = max(1, -(-size // chunk_size))
-    if len(chunks) != want:
-        raise ValueError(f"{filename} lists {len(chunks)} chunk digests; {size} bytes in "
-                         f"chunks of {chunk_size} make {want}")
-
-
-@dataclass(frozen=True)
-class Best:
-    checkpoint: str
-    score: float | None
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """latest.json: the run's current checkpoint and the ones before it, newest first.
-
-    `generation` grows by one with every move; `attempt` is the attempt that owns the run
-    (set by its claim, before it has committed anything)."""
-
-    generation: int = 0
-    checkpoint: str | None = None
-    step: int | None = None
-    attempt: int = 0
-    history: tuple[str, ...] = ()
-    best: Best | None = None
-    owner: str | None = None
-    updated_at: float | None = None
-
-    @property
-    def timeline(self) -> list[str]:
-        """Checkpoints the pointer has named, newest first."""
-        return [n for n in (self.checkpoint, *self.history) if n]
-
-    def to_json(self) -> bytes:
-        body = {**self.__dict__, "history": list(self.history),
-                "best": self.best.__dict__ if self.best else None}
-        return json.dumps(body, indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, where: str) -> Pointer:
-        """Parse and type-check latest.json; anything else raises CheckpointError.
-
-        Every name in it must be one plain path segment: a pointer naming '../other/..'
-        is damaged, and discovery scans the run's manifests instead of following it."""
-        try:
-            raw = json.loads(data)
-            if not isinstance(raw, dict) or "generation" not in raw:
-                raise ValueError("not a pointer object")
-            best = raw.get("best")
-            ptr = cls(
-                generation=_count(raw["generation"], "generation"),
-                checkpoint=_segment(raw.get("checkpoint"), "checkpoint", optional=True),
-                step=_count(raw.get("step"), "step", optional=True),
-                attempt=_count(raw.get("attempt") or 0, "attempt"),
-                history=tuple(_segment(h, "history[]") for h in
-                              _typed(raw.get("history") or [], list, "history")),
-                best=Best(_segment(best.get("checkpoint"), "best.checkpoint"),
-                          _typed(best.get("score"), (int, float), "best.score", optional=True))
-                if isinstance(best, dict) else None,
-                owner=_typed(raw.get("owner"), str, "owner", optional=True),
-                updated_at=_typed(raw.get("updated_at"), (int, float), "updated_at",
-                                  optional=True),
-            )
-        except (ValueError, TypeError, KeyError, RecursionError) as e:
-            raise CheckpointError(f"{where} is unreadable ({e})") from e
-        return ptr
-
-
-def _typed(value: Any, tp: type | tuple[type, ...], what: str, optional: bool = False) -> Any:
-    if value is None and optional:
-        return None
-    if not isinstance(value, tp) or isinstance(value, bool):
-        names = "/".join(t.__name__ for t in (tp if isinstance(tp, tuple) else (tp,)))
-        raise TypeError(f"{what} is {value!r}, expected {names}")
-    return value
-
-
-def _count(value: Any, what: str, optional: bool = False) -> Any:
-    n = _typed(value, int, what, optional)
-    if n is not None and n < 0:
-        raise ValueError(f"{what} is {n}; it cannot be negative")
-    return n
-
-
-def _segment(value: Any, what: str, optional: bool = False) -> Any:
-    if value is None and optional:
-        return None
-    if not is_segment(value):
-        raise ValueError(f"{what} is {value!r}, not a plain checkpoint name")
-    return value
 
 
 @dataclass

@@ -46,8 +46,9 @@ from trainer.code_version import ckpt_assets_version, code_version_of
 from trainer.config import CheckpointConfig, check_triggers, from_mapping
 from trainer.dataset import check_same_data, dataset_manifest
 from trainer.errors import AlreadyExistsError, ConfigError, DivergedError
+from trainer.manifest import Manifest
 from trainer.records import CheckpointRecord, Lineage
-from trainer.repo import CheckpointRepo, Manifest
+from trainer.repo import CheckpointRepo
 from trainer.report import Reporter, report_failure
 from trainer.signals import StopRequest
 from trainer.storage import open_store, split_uri
