@@ -9,7 +9,6 @@ ever with `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
-import json
 import logging
 import pickle
 import random
@@ -58,20 +57,6 @@ class RNGState:
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class JSONValues:
-    """A user's plain JSON-serializable values, restored into the same dict in place."""
-
-    def __init__(self, values: dict[str, Any]):
-        self.values = values
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"json": json.dumps(self.values)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.values.clear()
-        self.values.update(json.loads(state["json"]))
 
 
 def _snapshot(obj: Any) -> Any:
