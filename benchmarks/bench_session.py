@@ -3,12 +3,12 @@
 (a) Per-step overhead of `CheckpointSession.step`: the same training loop of a small model
     without the session and with `ckpt.step(step, loss=...)` after every optimizer step,
     with triggers that never fire (no interval, no timer, no epoch end, no best, no final
-    step; the heartbeat, which cannot be off, at its longest interval). Both loops run in alternating blocks of steps, and each pair of
-    adjacent blocks gives one ratio (time with session) / (bare time), so that a change in
-    the machine's load hits both sides of a ratio alike; the figure is the median of those
-    ratios, in CPU time of the training thread (what the loop costs, whatever else the
-    machine runs) and in wall-clock time. Both loops call
-    `loss.item()`, as any loop that logs its loss does. Target: <= 1.01.
+    step; the heartbeat, which cannot be off, at its longest interval). Both loops run in
+    alternating blocks of steps, and each pair of adjacent blocks gives one ratio (time
+    with session) / (bare time), so that a change in the machine's load hits both sides of
+    a ratio alike; the figure is the median of those ratios, in CPU time of the training
+    thread (what the loop costs, whatever else the machine runs) and in wall-clock time.
+    Both loops call `loss.item()`, as any loop that logs its loss does. Target: <= 1.01.
     The cost of one `step` call, timed inside the loop (with its caches as cold as the
     training work leaves them), is printed too: for another model the overhead is about
     that over its own step time.
