@@ -210,3 +210,14 @@ def test_the_config_is_stored_once_and_manifests_only_reference_it(tmp_path):
         ref = json.loads(raw)["meta"]["config"]
         stored = repo.store.read_bytes(f"e/r/configs/{ref['sha256']}.json")
         assert json.loads(stored) == big
+
+
+def test_a_session_seed_seeds_every_generator_the_session_saves(tmp_path):
+    import random
+
+    import numpy as np
+
+    _session(tmp_path, seed=3)
+    first = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    _session(tmp_path, seed=3)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == first

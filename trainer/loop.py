@@ -11,11 +11,9 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import random
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from trainer.config import OptimConfig, TrainConfig
@@ -23,7 +21,7 @@ from trainer.data import ResumableLoader
 from trainer.device import autocast, grad_scaler, resolve_device
 from trainer.errors import ConfigError
 from trainer.progress import Progress
-from trainer.session import CheckpointSession
+from trainer.session import CheckpointSession, seed_all
 from trainer.task import Task, build_task, resolve_task, task_optimizer, task_scheduler
 
 
@@ -46,9 +44,7 @@ def seed_everything(cfg: TrainConfig) -> None:
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it
     torch.use_deterministic_algorithms(cfg.deterministic)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    seed_all(cfg.seed)
 
 
 def optimizer_and_scheduler(cfg: TrainConfig, task: Task):

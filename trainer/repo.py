@@ -291,8 +291,9 @@ class CheckpointRepo:
             data = self.store.read_bytes(key)
         except FileNotFoundError as e:
             raise CheckpointNotFoundError(
-                f"checkpoint {self.uri(name)} does not exist (no {MANIFEST}); list the run's "
-                f"checkpoints or use --resume auto"
+                f"checkpoint {self.uri(name)} does not exist (no {MANIFEST}); pass one of the "
+                f"run's checkpoints, or resume from the newest that verifies (`auto`, the "
+                f"default of --resume and of CheckpointSession)"
             ) from e
         where = self.store.uri_for(key)
         m = Manifest.from_json(data, where)

@@ -34,11 +34,13 @@ import json
 import logging
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainer.checkpointer import Checkpointer, RNGState
@@ -105,6 +107,14 @@ def _as_part(name: str, obj: Any) -> Any:
                       "of plain values")
 
 
+def seed_all(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators: the session saves all three, so a
+    script that seeds only one would still write different bytes on every fresh start."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def _from_env(orchestrated: bool, env: str, given: Any, default: Any = None) -> Any:
     """The orchestrator's value wins when it started us; otherwise the argument, then env."""
     if orchestrated and os.environ.get(env):
@@ -118,7 +128,9 @@ class CheckpointSession:
                  max_steps: int | None = None, best_metric: str = "loss",
                  config: dict[str, Any] | None = None, dataset: str | None = None,
                  data_version: str | None = None, code_path: str | None = None,
-                 install_signals: bool = True, **triggers: Any):
+                 seed: int | None = None, install_signals: bool = True, **triggers: Any):
+        if seed is not None:
+            seed_all(seed)
         orchestrated = bool(os.environ.get("CKPT_RUN"))
         self.run = _from_env(orchestrated, "CKPT_RUN", run, "run")
         self.experiment = _from_env(orchestrated, "CKPT_EXPERIMENT", experiment, "default")
