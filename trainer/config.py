@@ -1,8 +1,9 @@
-"""Training config: a JSON/YAML file checked strictly against these dataclasses.
+"""Training config: a JSON/YAML file checked strictly against these pydantic models.
 
 Unknown keys, wrong types and values out of range are refused with the path of the
 offending key, so a typo never silently trains with a default and a value the optimizer
-would refuse never gets as far as a traceback.
+would refuse never gets as far as a traceback. The models are also the source of the
+orchestrator's typed launch form: their descriptions and defaults are what it shows.
 
 A config runs one of two ways: a `task` (`package.module:function`, the trainer owns the
 loop) or a `command` (the user's own script, which owns its loop and checkpoints through
@@ -11,202 +12,178 @@ loop) or a `command` (the user's own script, which owns its loop and checkpoints
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.errors import ConfigError
 from trainer.storage import validate_name
 
-
-@dataclass
-class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-
-
 MAX_HEARTBEAT_S = 60.0
 
 
-@dataclass
-class CheckpointConfig:
-    every_steps: int | None = 50
-    every_seconds: float | None = None
-    on_epoch_end: bool = True
-    on_best: bool = True
-    keep_last: int = 3
-    keep_best: bool = True
-    async_save: bool = False
+class Section(BaseModel):
+    """Strict: no unknown keys, no coercion (\"32\" is not 32, 1.5 is not an integer), no
+    NaN or infinity."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              validate_default=True)
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-3, gt=0, description="peak learning rate (default optimizer)")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.999],
+                               description="AdamW betas, two numbers in [0, 1)")
+    warmup_steps: int = Field(20, ge=0, description="linear warm-up steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1,
+                                description="cosine decay floor, as a fraction of lr")
+    grad_clip: float = Field(1.0, ge=0, description="gradient norm clip (0: off)")
+
+    @field_validator("betas")
+    @classmethod
+    def _two_betas(cls, v: list[float]) -> list[float]:
+        if len(v) != 2 or not all(0 <= b < 1 for b in v):
+            raise ValueError("must be two numbers in [0, 1)")
+        return v
+
+
+class CheckpointConfig(Section):
+    every_steps: int | None = Field(50, ge=1, description="commit every N steps (null: off)")
+    every_seconds: float | None = Field(None, gt=0,
+                                        description="commit every T seconds (null: off)")
+    on_epoch_end: bool = Field(True, description="commit at the end of each epoch")
+    on_best: bool = Field(True, description="commit when evaluation gives a new best loss")
+    keep_last: int = Field(3, ge=1, description="retention: the last K checkpoints")
+    keep_best: bool = Field(True, description="retention: also keep the best one")
+    async_save: bool = Field(False, description="persist on a background thread")
     # Liveness: the reconciler declares a run dead when its heartbeat is older than
-    # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional. 0: every step.
-    heartbeat_seconds: float = 5.0
+    # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional.
+    heartbeat_seconds: float = Field(5.0, description="liveness heartbeat interval, 0 to "
+                                     f"{MAX_HEARTBEAT_S:.0f} s (0: every step)")
+
+    @field_validator("heartbeat_seconds")
+    @classmethod
+    def _heartbeat_on(cls, v: float) -> float:
+        if not 0 <= v <= MAX_HEARTBEAT_S:
+            raise ValueError(f"must be between 0 (every step) and {MAX_HEARTBEAT_S:.0f}: the "
+                             "orchestrator declares a run dead when its heartbeat stops, so "
+                             "it cannot be turned off")
+        return v
 
 
-@dataclass
-class DataConfig:
-    shuffle: bool = True  # false: the dataset's own order (text read in sequence)
-    num_workers: int = 0  # DataLoader worker processes
+class DataConfig(Section):
+    shuffle: bool = Field(True, description="false: the dataset's own order (text in sequence)")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
 
 
-@dataclass
-class AmpConfig:
-    dtype: str | None = None  # bfloat16 (CPU and CUDA) or float16 (with a GradScaler)
+class AmpConfig(Section):
+    dtype: Literal["bfloat16", "float16"] | None = Field(
+        None, description="autocast dtype: bfloat16 (CPU and CUDA) or float16 (with a "
+                          "GradScaler); null: full precision")
 
 
-@dataclass
-class TrainConfig:
-    run: str = "run"
-    experiment: str = "default"
-    task: str = "trainer.tasks.toy:build"
-    task_args: dict[str, Any] = field(default_factory=dict)
-    # The data the run trains on: a path, file:///abs/path or s3://bucket/prefix; null when
-    # the task generates its own. Versioned by a content manifest (trainer.dataset).
-    dataset: str | None = None
-    seed: int = 0
-    max_steps: int = 200
-    batch_size: int = 32
-    grad_accum_steps: int = 1
-    eval_every: int = 50
-    threads: int = 1
-    deterministic: bool = True
-    device: str = "auto"
-    amp: AmpConfig = field(default_factory=AmpConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    # Command mode (instead of `task`): the user's script, run by the orchestrator with the
-    # checkpoint to resume from passed as `resume_flag URI` and in $`resume_env`.
-    command: list[str] | None = None
-    cwd: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    resume_flag: str | None = "--resume-from"
-    resume_env: str | None = "CKPT_RESUME_FROM"
+class TrainConfig(Section):
+    run: str = Field("run", description="run name (the partition key under Dagster)")
+    experiment: str = Field("default", description="experiment the run belongs to")
+    task: str = Field("trainer.tasks.toy:build",
+                      description="package.module:function returning a trainer.task.Task")
+    task_args: dict[str, Any] = Field(default_factory=dict,
+                                      description="arguments the task function receives")
+    dataset: str | None = Field(None, description="data by reference: a path, "
+                                "file:///abs/path or s3://bucket/prefix (null: the task "
+                                "generates its own)")
+    seed: int = Field(0, description="seeds Python, NumPy and torch")
+    max_steps: int = Field(200, ge=1, description="optimizer steps to train")
+    batch_size: int = Field(32, ge=1, description="samples per batch")
+    grad_accum_steps: int = Field(1, ge=1, description="batches per optimizer step")
+    eval_every: int = Field(50, ge=0, description="evaluate every N steps (0: only at the end)")
+    threads: int = Field(1, ge=1, description="torch CPU threads")
+    deterministic: bool = Field(True, description="torch.use_deterministic_algorithms")
+    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
+    amp: AmpConfig = Field(default_factory=AmpConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    command: list[str] | None = Field(None, description="command mode: the script to run "
+                                      "instead of a task, e.g. [python, train.py]")
+    cwd: str | None = Field(None, description="command mode: working directory")
+    env: dict[str, str] = Field(default_factory=dict,
+                                description="command mode: environment variables added")
+    resume_flag: str | None = Field("--resume-from", description="command mode: the flag "
+                                    "that hands over the checkpoint to resume from")
+    resume_env: str | None = Field("CKPT_RESUME_FROM", description="command mode: the "
+                                   "variable that hands over the checkpoint to resume from")
+
+    @field_validator("run", "experiment")
+    @classmethod
+    def _safe_name(cls, v: str, info) -> str:
+        return validate_name(v, f"{info.field_name} name")
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> TrainConfig:
+        if self.command is not None:
+            if not self.command or not all(self.command):
+                raise ValueError("config key 'command' must be a non-empty list of arguments, "
+                                 "e.g. [python, train.py, --epochs, '3']")
+        elif ":" not in self.task:
+            raise ValueError(f"config key 'task' is {self.task!r}: expected "
+                             "'package.module:function'")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
 
-def _check(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _check(value, a, path)
-            except ConfigError:
-                pass
-        raise ConfigError(f"config key {path!r}: expected {tp}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        return from_mapping(tp, value, path)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"config key {path!r}: expected a list, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_check(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key {path!r}: expected a mapping, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"config key {path!r}: expected a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ConfigError(f"config key {path!r}: expected a finite number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key {path!r}: expected an integer, got {value!r}")
-        return value
-    if tp is bool or tp is str:
-        if not isinstance(value, tp):
-            raise ConfigError(f"config key {path!r}: expected {tp.__name__}, got {value!r}")
-        return value
-    return value
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false",
+               "string": "a string", "list": "a list", "dict": "a mapping"}
 
 
-def from_mapping(cls: type, raw: Any, path: str = "") -> Any:
-    """An instance of config dataclass `cls` from `raw`, checked strictly (ConfigError)."""
+def _message(err: dict[str, Any], model: type[BaseModel], prefix: str) -> str:
+    """One line for one pydantic error, naming the key by its dotted path."""
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join([prefix, *loc] if prefix else loc)
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        parent = model
+        for part in loc[:-1]:
+            parent = parent.model_fields[part].annotation
+        where = f" in {'.'.join([prefix, *loc[:-1]] if prefix else loc[:-1])!r}" \
+            if len(loc) > 1 or prefix else ""
+        return (f"unknown config key(s){where}: {loc[-1]}. Allowed: "
+                f"{', '.join(sorted(parent.model_fields))}")
+    if kind == "finite_number":
+        return f"config key {path!r}: expected a finite number, got {err['input']!r}"
+    if kind.endswith("_type") and kind[:-5] in _TYPE_WORDS:
+        return f"config key {path!r}: expected {_TYPE_WORDS[kind[:-5]]}, got {err['input']!r}"
+    if kind == "greater_than":
+        rule = "positive" if ctx.get("gt") == 0 else f"greater than {ctx.get('gt')}"
+        return f"config key {path!r} must be {rule}"
+    if kind == "greater_than_equal":
+        return f"config key {path!r} must be at least {ctx.get('ge')}"
+    if kind == "less_than_equal":
+        return f"config key {path!r} must be at most {ctx.get('le')}"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if msg.startswith("config key"):
+        return msg
+    return f"config key {path!r}: {msg} (got {err['input']!r})" if loc else msg
+
+
+def parse(model: type[Section], raw: Any, prefix: str = "") -> Any:
+    """`raw` checked against `model`; ConfigError names the first offending key."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"config {path or 'file'}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        where = f" in {path!r}" if path else ""
-        raise ConfigError(
-            f"unknown config key(s){where}: {', '.join(unknown)}. Allowed: {', '.join(sorted(names))}"
-        )
-    kwargs = {k: _check(v, hints[k], f"{path}.{k}" if path else k) for k, v in raw.items()}
-    return cls(**kwargs)
-
-
-def _require(ok: bool, key: str, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key {key!r} must be {rule}")
-
-
-def _check_ranges(cfg: TrainConfig) -> None:
-    """Values the types allow but training would refuse (or silently misuse)."""
-    _require(cfg.max_steps >= 1, "max_steps", "at least 1")
-    _require(cfg.batch_size >= 1, "batch_size", "at least 1")
-    _require(cfg.grad_accum_steps >= 1, "grad_accum_steps", "at least 1")
-    _require(cfg.eval_every >= 0, "eval_every", "0 (never) or more")
-    _require(cfg.threads >= 1, "threads", "at least 1")
-    _require(cfg.data.num_workers >= 0, "data.num_workers", "0 or more")
-    _require(cfg.amp.dtype in (None, "bfloat16", "float16"), "amp.dtype",
-             "bfloat16, float16 or null")
-    o = cfg.optim
-    _require(o.lr > 0, "optim.lr", "positive")
-    _require(o.weight_decay >= 0, "optim.weight_decay", "0 or more")
-    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
-             "two numbers in [0, 1)")
-    _require(o.warmup_steps >= 0, "optim.warmup_steps", "0 or more")
-    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "between 0 and 1")
-    _require(o.grad_clip >= 0, "optim.grad_clip", "0 (off) or more")
-    check_triggers(cfg.checkpoint)
-
-
-def check_triggers(ck: CheckpointConfig) -> CheckpointConfig:
-    _require(ck.every_steps is None or ck.every_steps >= 1, "checkpoint.every_steps",
-             "at least 1 (or null)")
-    _require(ck.every_seconds is None or ck.every_seconds > 0, "checkpoint.every_seconds",
-             "positive (or null)")
-    _require(ck.keep_last >= 1, "checkpoint.keep_last", "at least 1")
-    _require(0 <= ck.heartbeat_seconds <= MAX_HEARTBEAT_S, "checkpoint.heartbeat_seconds",
-             f"between 0 (every step) and {MAX_HEARTBEAT_S:.0f}: the orchestrator declares a "
-             "run dead when its heartbeat stops, so it cannot be turned off")
-    return ck
+        raise ConfigError(f"config {prefix or 'file'}: expected a mapping, got {raw!r}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_message(e.errors()[0], model, prefix)) from None
 
 
 def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
-    cfg = from_mapping(TrainConfig, raw)
-    validate_name(cfg.experiment, "experiment name")
-    validate_name(cfg.run, "run name")
-    _check_ranges(cfg)
-    if cfg.command is not None:
-        if not cfg.command or not all(isinstance(a, str) and a for a in cfg.command):
-            raise ConfigError("config key 'command' must be a non-empty list of arguments, "
-                              "e.g. [python, train.py, --epochs, '3']")
-    elif ":" not in cfg.task:
-        raise ConfigError(
-            f"config key 'task' is {cfg.task!r}: expected 'package.module:function'"
-        )
-    return cfg
+    return parse(TrainConfig, raw)
 
 
 class _NoAliasLoader(yaml.SafeLoader):

@@ -114,7 +114,7 @@ def train(cfg: TrainConfig, store_uri: str, resume: str = "auto") -> int:
     session = CheckpointSession(
         run=cfg.run, experiment=cfg.experiment, store=store_uri, resume=resume,
         max_steps=cfg.max_steps, config=cfg.to_dict(), dataset=cfg.dataset,
-        **cfg.to_dict()["checkpoint"])
+        **cfg.checkpoint.model_dump())
     try:
         with session:
             _run(cfg, session)

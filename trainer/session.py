@@ -45,7 +45,7 @@ import torch
 
 from trainer.checkpointer import Checkpointer, RNGState
 from trainer.code_version import ckpt_assets_version, code_version_of
-from trainer.config import CheckpointConfig, check_triggers, from_mapping
+from trainer.config import CheckpointConfig, parse
 from trainer.dataset import check_same_data, dataset_manifest
 from trainer.errors import AlreadyExistsError, ConfigError, DivergedError
 from trainer.manifest import Manifest
@@ -143,8 +143,7 @@ class CheckpointSession:
         if orchestrated and os.environ.get("CKPT_HEARTBEAT_SECONDS"):
             # The orchestrator judges liveness by heartbeats: its interval holds.
             triggers["heartbeat_seconds"] = float(os.environ["CKPT_HEARTBEAT_SECONDS"])
-        self.triggers: CheckpointConfig = check_triggers(
-            from_mapping(CheckpointConfig, triggers, "checkpoint"))
+        self.triggers: CheckpointConfig = parse(CheckpointConfig, triggers, "checkpoint")
         self.max_steps = max_steps
         self.best_metric = best_metric
         self.config = config
