@@ -27,6 +27,7 @@ from ckpt_assets.attempt import (
     AttemptReport,
     failure_description,
     record_end,
+    record_unseen_checkpoints,
 )
 from ckpt_assets.datasets import DatasetRecord, describe_dataset, refuse_changed_data
 from ckpt_assets.failures import TrainingFailure, bad_input, storage_unavailable
@@ -109,6 +110,8 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
                      context.run.tags.get(TAG_ROOT_RUN_ID) or context.run.run_id, git_commit())
     dataset = DatasetRecord.from_dict({k: v for k, v in training_dataset.items()
                                        if k != "manifest"})
+    # Before this attempt commits anything: what earlier attempts committed unseen.
+    late = record_unseen_checkpoints(context, repo, reg.run)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     report = AttemptReport(reg.run, ids.attempt)
     env = base_env(reg, store.uri, ids, dataset, trainer, checkpoint_store.aws_env())
@@ -128,6 +131,10 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
         except StorageError as e:
             raise storage_unavailable(str(e), reg.run) from e
 
+    # Once more at the end: an orphaned trainer of an earlier attempt may have committed
+    # after the first look and before this attempt's trainer claimed the run.
+    record_unseen_checkpoints(context, repo, reg.run,
+                              known={r.name for r in (*late, *report.checkpoints)})
     ended = report.outcome(repo, proc.returncode, context)
     record_end(context, ended, proc.interrupted is not None,
                {"parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),

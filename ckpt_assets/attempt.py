@@ -6,7 +6,9 @@ training process turned into Dagster events, and how the attempt ended.
 * the end of the attempt -> an ASSET_OBSERVATION `attempt_ended` (also on success and on
   cancellation) with the fields of `TrainingFailure`;
 * a non-zero exit -> `dagster.Failure` carrying a `TrainingFailure`, which the resume
-  sensor reads back from the STEP_FAILURE event.
+  sensor reads back from the STEP_FAILURE event;
+* before an attempt starts, checkpoints that earlier attempts committed but never reported
+  (their orchestrator died first) -> late materializations (`record_unseen_checkpoints`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import dagster as dg
 from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure, failure_class_for, signal_name
 from ckpt_assets.lineage import MlflowTracker
 from ckpt_assets.metadata import checkpoint_metadata, to_metadata
-from trainer.errors import CheckpointError, StorageError
+from trainer.errors import CheckpointError, StorageError, TrainerError
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 
@@ -115,3 +117,73 @@ def failure_description(ended: TrainingFailure) -> str:
     return (f"training process exited {ended.exit_code} ({ended.failure_class}{sig}) in "
             f"attempt {ended.attempt} of training run {ended.training_run}; last committed "
             f"step {ended.last_committed_step}{where}{msg}")
+
+
+def materialized_checkpoint_names(instance: dg.DagsterInstance, run: str) -> set[str]:
+    """Names of the checkpoints the partition's model_checkpoint materializations record."""
+    flt = dg.AssetRecordsFilter(asset_key=MODEL_CHECKPOINT_KEY, asset_partitions=[run])
+    names: set[str] = set()
+    cursor = None
+    while True:
+        page = instance.fetch_materializations(flt, limit=1000, cursor=cursor)
+        for rec in page.records:
+            mat = rec.asset_materialization
+            name = mat.metadata.get("name") if mat else None
+            if name is not None:
+                names.add(str(name.value))
+        if not page.has_more:
+            return names
+        cursor = page.cursor
+
+
+def record_unseen_checkpoints(context, repo: CheckpointRepo, run: str,
+                              known: set[str] | frozenset[str] = frozenset()
+                              ) -> list[CheckpointRecord]:
+    """Materialize the run's committed checkpoints that Dagster never saw, oldest first
+    (`known`: names this step already recorded, whose events may not be stored yet).
+
+    A trainer reports each checkpoint over Pipes after committing it; when its run worker
+    is killed, the trainer still commits on the way out (SIGTERM through PR_SET_PDEATHSIG),
+    but nobody reads that report. Without a record the next checkpoint's parent link would
+    point at nothing in Dagster. The pointer's timeline (the line this run continues) is
+    compared with the partition's materializations; each missing checkpoint is logged with
+    the usual lineage metadata, `recorded_late: true` and who committed it. Best-effort: an
+    unreadable store is the trainer's to report, so nothing here fails the attempt.
+    """
+    try:
+        ptr = repo.read_pointer()
+    except TrainerError:
+        return []
+    names = ptr.timeline[::-1] if ptr else []
+    if not names:
+        return []
+    seen = materialized_checkpoint_names(context.instance, run) | set(known)
+    late = []
+    for name in names:
+        if name in seen:
+            continue
+        try:
+            m = repo.read_manifest(name)
+        except TrainerError:  # removed by retention since, or unreadable: nothing to record
+            continue
+        rec = CheckpointRecord.from_manifest(m, repo.uri(m.name))
+        lin = rec.lineage
+        if lin and lin.dagster_run_id == context.run.run_id:
+            how = "by this attempt's trainer, which exited before reporting it"
+        elif lin and lin.dagster_run_id:
+            how = f"by attempt {rec.attempt} (Dagster run {lin.dagster_run_id}) after its " \
+                  "orchestrator died"
+        else:
+            how = f"by attempt {rec.attempt} outside Dagster"
+        context.log_event(dg.AssetMaterialization(
+            asset_key=MODEL_CHECKPOINT_KEY, partition=run,
+            description=f"checkpoint step {rec.step} committed {how}; recorded late by "
+                        f"Dagster run {context.run.run_id}",
+            metadata={**checkpoint_metadata(rec), **to_metadata({
+                "recorded_late": True, "recorded_by_run_id": context.run.run_id})}))
+        late.append(rec)
+    if late:
+        context.log.warning(
+            f"recorded {len(late)} checkpoint(s) that earlier attempts committed but never "
+            f"reported: {', '.join(r.name for r in late)}")
+    return late

@@ -290,27 +290,48 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
             ended[rec.run_id] = md
         elif md.get("event") == "resume_decision":
             decisions[md.get("failed_run_id")] = md.get("reason")
-    for a in attempts:
+    repo = CheckpointRepo(store, reg.experiment, run_key)
+    timeline = checkpoint_timeline(repo)
+    stored = {c["name"] for c in timeline}
+    # Every committed checkpoint was materialized (those an attempt committed after its
+    # orchestrator died, late, by the next attempt), so the history outlives retention.
+    # (The step's own output materializes the final checkpoint once more: one row each.)
+    # A checkpoint belongs to the Dagster run that launched its trainer (its lineage), not
+    # to the run that logged the event: a late record is logged by the next attempt. The
+    # first record of a name is its own; a later one (the final output) repeats it.
+    checkpoints: dict[str, dict[str, Any]] = {}
+    for md, rec in _partition_events(instance, run_key, observations=False):
+        if not md.get("name") or md["name"] in checkpoints:
+            continue
+        checkpoints[md["name"]] = {
+            "name": md.get("name"), "uri": md.get("uri"), "step": md.get("step"),
+            "attempt": md.get("attempt"), "parent": md.get("parent"),
+            "sha256": md.get("sha256"), "size": md.get("size"), "loss": md.get("loss"),
+            "dagster_run_id": md.get("dagster_run_id") or rec.run_id,
+            "stored": md.get("name") in stored, "recorded_late": bool(md.get("recorded_late")),
+            **{k: md.get(k) for k in ("resumed_from_step", "code_version", "data_version")}}
+    checkpoints = list(checkpoints.values()) + [
+        dict(c, stored=True, recorded_late=False, unrecorded=True)
+        for c in timeline if c["name"] not in checkpoints]
+    checkpoints.sort(key=lambda c: (c.get("step") or 0, c.get("attempt") or 0))
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for c in checkpoints:
+        if c.get("dagster_run_id"):
+            by_run.setdefault(c["dagster_run_id"], []).append(c)
+    for position, a in enumerate(attempts, start=1):
         e = ended.get(a["dagster_run_id"], {})
-        a["attempt"] = a["attempt"] or e.get("attempt")
+        own = by_run.get(a["dagster_run_id"], [])
         a.update(exit_code=e.get("exit_code"), failure_class=e.get("failure_class"),
                  last_committed_step=e.get("last_committed_step"),
                  decision=decisions.get(a["dagster_run_id"]))
-    repo = CheckpointRepo(store, reg.experiment, run_key)
-    stored = {c["name"] for c in checkpoint_timeline(repo)}
-    # Every committed checkpoint was materialized, so the history outlives retention.
-    # (The step's own output materializes the final checkpoint once more: one row each.)
-    checkpoints = {md["name"]: {"name": md.get("name"), "uri": md.get("uri"), "step": md.get("step"),
-                    "attempt": md.get("attempt"), "parent": md.get("parent"),
-                    "sha256": md.get("sha256"), "size": md.get("size"), "loss": md.get("loss"),
-                    "dagster_run_id": rec.run_id, "stored": md.get("name") in stored,
-                    **{k: md.get(k) for k in ("resumed_from_step", "code_version",
-                                              "data_version")}}
-                   for md, rec in _partition_events(instance, run_key, observations=False)
-                   if md.get("name")}
-    checkpoints = list(checkpoints.values()) + [
-        dict(c, stored=True) for c in checkpoint_timeline(repo) if c["name"] not in checkpoints]
-    checkpoints.sort(key=lambda c: (c.get("step") or 0, c.get("attempt") or 0))
+        # The attempt number the trainer claimed (on its checkpoints) is the truth; the tag
+        # is what the orchestrator asked for; a run launched by hand and lost before it
+        # reported anything is numbered by its place among the partition's runs.
+        a["attempt"] = (e.get("attempt") or next((c["attempt"] for c in own if c.get("attempt")),
+                                                 None) or a["attempt"] or position)
+        a["end"] = _attempt_end(a, e, own)
+        if a["last_committed_step"] is None and own:
+            a["last_committed_step"] = max(c.get("step") or 0 for c in own)
     try:
         ptr = repo.read_pointer()
     except CheckpointError:
@@ -332,6 +353,22 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
             "final_model": final}
 
 
+WORKER_LOST = "worker_lost"  # the run ended without its step reporting how the trainer exited
+
+
+def _attempt_end(a: dict[str, Any], ended: dict[str, Any], own: list[dict[str, Any]]) -> str | None:
+    """How an attempt ended: its trainer's failure class when the step recorded the exit;
+    `worker_lost` when the run ended without that record (its run worker died: the
+    trainer's exit is unknown); None while the run is still going."""
+    if ended.get("exit_code") is not None:
+        return ended.get("failure_class") or "exited"
+    if a["status"] in ("FAILURE", "CANCELED"):
+        return WORKER_LOST
+    if a["status"] == "SUCCESS":
+        return "success"
+    return None
+
+
 def _partition_events(instance: dg.DagsterInstance, run_key: str, observations: bool):
     """(metadata values, record) of model_checkpoint events of one partition, oldest first."""
     flt = dg.AssetRecordsFilter(asset_key=dg.AssetKey("model_checkpoint"),
@@ -348,12 +385,16 @@ def format_lineage(rep: dict[str, Any]) -> str:
     lines = [f"training run {rep['run']} (experiment {rep['experiment']})",
              f"  config: {rep['config_uri']}", "  attempts:"]
     for a in rep["attempts"]:
-        lines.append(f"    attempt {a['attempt'] or '?'}: dagster run {a['dagster_run_id']} "
+        lines.append(f"    attempt {a['attempt']}: dagster run {a['dagster_run_id']} "
                      f"{a['status']} (root {a['root_run_id'][:8]}, parent "
                      f"{(a['parent_run_id'] or '-')[:8]})")
         if a.get("exit_code") is not None:
             lines.append(f"      trainer exit {a['exit_code']} ({a['failure_class']}), last "
                          f"committed step {a['last_committed_step']}")
+        elif a.get("end") == WORKER_LOST:
+            lines.append(f"      worker lost: the run ended {a['status']} without recording the "
+                         f"trainer's exit (exit unknown), last committed step "
+                         f"{a['last_committed_step']}")
         if a.get("decision"):
             lines.append(f"      {a['decision']}")
     lines.append("  checkpoints (oldest first):")
@@ -363,6 +404,10 @@ def format_lineage(rep: dict[str, Any]) -> str:
             continue
         mark = " <- latest" if c["name"] == rep["latest_checkpoint"] else (
             "" if c.get("stored", True) else " (removed by retention)")
+        if c.get("recorded_late"):
+            mark += " (recorded late: its orchestrator died first)"
+        elif c.get("unrecorded"):
+            mark += " (not yet in Dagster)"
         loss = f"{c['loss']:.4f}" if isinstance(c.get("loss"), float) else c.get("loss")
         lines.append(f"    {c['name']} step {c['step']} attempt {c['attempt']} loss {loss} "
                      f"parent {c['parent'] or '-'}{mark}")
