@@ -194,21 +194,26 @@ class CheckpointSession:
         else:
             self.reporter.log(f"starting {self.experiment}/{self.run} from scratch "
                               f"(attempt {attempt})")
-        self.lineage = Lineage(
-            experiment=self.experiment, run=self.run, attempt=attempt,
-            dagster_run_id=os.environ.get("CKPT_DAGSTER_RUN_ID"),
-            root_run_id=os.environ.get("CKPT_ROOT_RUN_ID"),
-            resumed_from_step=manifest.step if manifest else None,
-            code_version=ckpt_assets_version(),
-            user_code_version=code_version_of(self.code_path) if self.code_path else None,
-            data_version=data_version, dataset=self.dataset)
+        self.lineage = self._lineage(attempt, manifest, data_version)
         self._config_ref = self._store_config()
-        self.reporter.event("started", attempt=attempt, resumed_from_step=self.lineage.resumed_from_step,
+        self.reporter.event("started", attempt=attempt,
+                            resumed_from_step=self.lineage.resumed_from_step,
                             resumed_from=repo.uri(manifest.name) if manifest else None,
                             skipped=[{"checkpoint": n, "reason": r} for n, r in skipped],
                             max_steps=self.max_steps, lineage=self.lineage.to_dict())
         self._last_save_t = time.monotonic()
         return self.loop.step
+
+    def _lineage(self, attempt: int, resumed: Manifest | None,
+                 data_version: str | None) -> Lineage:
+        return Lineage(
+            experiment=self.experiment, run=self.run, attempt=attempt,
+            dagster_run_id=os.environ.get("CKPT_DAGSTER_RUN_ID"),
+            root_run_id=os.environ.get("CKPT_ROOT_RUN_ID"),
+            resumed_from_step=resumed.step if resumed else None,
+            code_version=ckpt_assets_version(),
+            user_code_version=code_version_of(self.code_path) if self.code_path else None,
+            data_version=data_version, dataset=self.dataset)
 
     @property
     def data_version(self) -> str | None:
