@@ -248,11 +248,8 @@ def cmd_stop(args) -> int:
     import dagster as dg
 
     from ckpt_assets.partitions import validate_partition_key
+    from ckpt_assets.sensors import TAG_NO_RESUME
 
-    try:
-        from ckpt_assets.sensors import TAG_NO_RESUME
-    except ImportError:
-        TAG_NO_RESUME = "ckpt/no_resume"
     validate_partition_key(args.name)
     instance = _instance()
     active = _active_runs(instance, args.name)

@@ -9,11 +9,7 @@ from ckpt_assets.checks import TRAINING_CHECKS
 from ckpt_assets.io_managers import CheckpointIOManager
 from ckpt_assets.jobs import train_job
 from ckpt_assets.resources import CheckpointStore, MLflowResource, TrainerResource
-
-try:  # the resume sensor and the reconciler live in their own module (another issue)
-    from ckpt_assets.sensors import SENSORS
-except ImportError:
-    SENSORS = []
+from ckpt_assets.sensors import SENSORS
 
 
 def make_resources(store_uri: str | None = None, *, tracking_uri: str | None = None,

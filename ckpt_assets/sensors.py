@@ -17,6 +17,7 @@ one active run per partition.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict
@@ -125,7 +126,9 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
     an observation on the training run's partition."""
     tags = {TAG_DECISION: "resume" if decision.resume else "stop",
             TAG_DECISION_REASON: decision.reason[:400], TAG_FAILURE_KIND: decision.kind,
-            TAG_DECIDED_AT: f"{time.time():.1f}", TAG_RESUME_DELAY: f"{decision.delay_s:.0f}",
+            # Rounded down: a decision time in the future would make it look not yet due.
+            TAG_DECIDED_AT: f"{math.floor(time.time() * 10) / 10:.1f}",
+            TAG_RESUME_DELAY: f"{decision.delay_s:.0f}",
             TAG_NEXT_BUDGET: json.dumps(asdict(decision.budget))}
     instance.add_run_tags(run.run_id, tags)
     instance.report_runless_asset_event(dg.AssetObservation(
@@ -188,11 +191,11 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: Checkpoint
     decided_at = float(run.tags.get(TAG_DECIDED_AT, "0"))
     delay = float(run.tags.get(TAG_RESUME_DELAY, "0"))
     now = time.time()
-    if now < decided_at + delay:
-        return None
-    if not sweep and delay > 0:
-        return None
-    if sweep and delay == 0 and now < decided_at + LAUNCH_GRACE_S:
+    # The failure sensors launch an immediate resume without looking at the clock at all.
+    if delay > 0:
+        if not sweep or now < decided_at + delay:
+            return None  # a back-off: the reconciler launches it once due
+    elif sweep and now < decided_at + LAUNCH_GRACE_S:
         return None  # the failure sensor's launch may still be on its way
     return resume_request(run, failure_of(instance, run, store), store)
 

@@ -1,0 +1,395 @@
+"""Every decision of the resume sensors and the reconciler, in seconds and without a daemon.
+
+Each test builds real DagsterRun records in an ephemeral instance: a failed attempt is a
+tiny `train_job` whose `model_checkpoint` step raises the same structured failure the
+real asset raises; a lost run worker is a run marked failed with no step event; a stuck
+run is one whose RUN_START lies in the past. The sensors are then evaluated through
+Dagster's own test contexts, exactly as the daemon would call them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import dagster as dg
+import pytest
+from dagster._core.events import DagsterEvent, DagsterEventType
+from dagster._core.events.log import EventLogEntry
+from dagster._core.test_utils import create_run_for_test
+
+from ckpt_assets import sensors
+from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure
+from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM, TAG_ROOT_RUN_ID
+from ckpt_assets.partitions import PARTITION_TAG, register_training_run
+from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.sensors import (
+    TAG_BUDGET,
+    TAG_DECIDED_AT,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_FAILURE_KIND,
+    TAG_NO_RESUME,
+    reconcile_training_runs,
+    resume_failed_training,
+    resume_terminated_training,
+)
+from trainer.repo import CheckpointRepo
+
+KEY = "run-a"
+
+
+@pytest.fixture(autouse=True)
+def timeouts(monkeypatch):
+    """The shipped defaults, whatever the environment of the test process says."""
+    monkeypatch.setattr(sensors, "LAUNCH_GRACE_S", 45.0)
+    monkeypatch.setattr(sensors, "HEARTBEAT_TIMEOUT_S", 120.0)
+
+
+@pytest.fixture
+def instance():
+    with dg.DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+@pytest.fixture
+def store(tmp_path) -> CheckpointStore:
+    """The run's store with its config registered and step 20 committed by attempt 1."""
+    cs = CheckpointStore(uri=str(tmp_path / "store"))
+    reg = register_training_run(cs.open(), KEY, {"max_steps": 100})
+    repo = CheckpointRepo(cs.open(), reg.experiment, KEY)
+    repo.claim(None, at_least=1)
+    pending = repo.begin(20, 1)
+    with repo.write_file(pending, "state.pt") as w:
+        w.write(b"state at step 20")
+    repo.commit(pending, {})
+    return cs
+
+
+def _repo(store: CheckpointStore) -> CheckpointRepo:
+    return CheckpointRepo(store.open(), "default", KEY)
+
+
+def beat(store: CheckpointStore, age_s: float) -> None:
+    """The trainer's heartbeat file as it looks `age_s` seconds after its last beat."""
+    repo = _repo(store)
+    body = {"time": time.time() - age_s, "step": 20, "attempt": 1, "pid": 1}
+    repo.store.write_overwrite(f"{repo.prefix}/heartbeat.json", json.dumps(body).encode())
+
+
+# -- runs as the sensors find them ------------------------------------------------------------
+
+def failed_run(instance, *, exit_code: int, failure_class: str, step: int | None = 20,
+               attempt: int = 1, tags: dict | None = None) -> dg.DagsterRun:
+    """A training run whose model_checkpoint step failed with a structured TrainingFailure."""
+
+    @dg.op(name="model_checkpoint")
+    def model_checkpoint():
+        raise TrainingFailure(exit_code, failure_class, KEY, attempt=attempt,
+                              last_committed_step=step).to_dagster("attempt failed")
+
+    @dg.job(name="train_job")
+    def train_job():
+        model_checkpoint()
+
+    result = train_job.execute_in_process(
+        instance=instance, raise_on_error=False, tags={PARTITION_TAG: KEY, **(tags or {})})
+    assert result.dagster_run.status == dg.DagsterRunStatus.FAILURE
+    return result.dagster_run
+
+
+def started_run(instance, started_ago: float = 0.0, tags: dict | None = None) -> dg.DagsterRun:
+    """A training run in STARTED, its RUN_START event `started_ago` seconds in the past."""
+    run = create_run_for_test(instance, job_name="train_job",
+                              tags={PARTITION_TAG: KEY, **(tags or {})})
+    instance.handle_new_event(EventLogEntry(
+        error_info=None, level=logging.DEBUG, user_message="", run_id=run.run_id,
+        timestamp=time.time() - started_ago,
+        dagster_event=DagsterEvent(DagsterEventType.RUN_START.value, job_name="train_job")))
+    run = instance.get_run_by_id(run.run_id)
+    assert run.status == dg.DagsterRunStatus.STARTED
+    return run
+
+
+def lost_worker_run(instance, tags: dict | None = None) -> dg.DagsterRun:
+    """A run whose worker died: marked failed from outside, no step failure in its log."""
+    run = started_run(instance, tags=tags)
+    instance.report_run_failed(run, "run worker lost")
+    return instance.get_run_by_id(run.run_id)
+
+
+def canceled_run(instance, tags: dict | None = None) -> dg.DagsterRun:
+    run = started_run(instance, tags=tags)
+    instance.report_run_canceled(run, "terminated from Dagster")
+    return instance.get_run_by_id(run.run_id)
+
+
+def launched(instance, req: dg.RunRequest) -> dg.DagsterRun:
+    """What the daemon does with a RunRequest: a new run of the partition, with its tags."""
+    return create_run_for_test(instance, job_name="train_job", tags={
+        PARTITION_TAG: req.partition_key, "dagster/run_key": req.run_key, **req.tags})
+
+
+# -- evaluating the sensors -------------------------------------------------------------------
+
+def _end_event(instance, run: dg.DagsterRun) -> DagsterEvent:
+    kinds = (DagsterEventType.RUN_FAILURE, DagsterEventType.RUN_CANCELED)
+    for kind in kinds:
+        recs = instance.all_logs(run.run_id, of_type=kind)
+        if recs:
+            return recs[-1].dagster_event
+    raise AssertionError(f"run {run.run_id} has not ended")
+
+
+def on_failure(instance, run: dg.DagsterRun, store: CheckpointStore):
+    ctx = dg.build_run_status_sensor_context(
+        sensor_name="resume_failed_training", dagster_event=_end_event(instance, run),
+        dagster_instance=instance, dagster_run=instance.get_run_by_id(run.run_id),
+        resources={"checkpoint_store": store})
+    return resume_failed_training(ctx)
+
+
+def on_cancel(instance, run: dg.DagsterRun, store: CheckpointStore):
+    ctx = dg.build_run_status_sensor_context(
+        sensor_name="resume_terminated_training", dagster_event=_end_event(instance, run),
+        dagster_instance=instance, dagster_run=instance.get_run_by_id(run.run_id),
+        resources={"checkpoint_store": store})
+    return resume_terminated_training(ctx)
+
+
+def sweep(instance, store: CheckpointStore) -> list[dg.RunRequest]:
+    out = reconcile_training_runs(dg.build_sensor_context(
+        instance=instance, resources={"checkpoint_store": store}))
+    return [] if isinstance(out, dg.SkipReason) else list(out)
+
+
+def tags_of(instance, run: dg.DagsterRun) -> dict:
+    return dict(instance.get_run_by_id(run.run_id).tags)
+
+
+def decisions(instance) -> list[dict]:
+    recs = instance.fetch_observations(dg.AssetRecordsFilter(
+        asset_key=dg.AssetKey("model_checkpoint"), asset_partitions=[KEY]), limit=100).records
+    out = []
+    for r in recs:
+        md = {k: v.value for k, v in r.asset_observation.metadata.items()}
+        if md.get("event") == "resume_decision":
+            out.append(md)
+    return out
+
+
+def backdate_decision(instance, run: dg.DagsterRun, seconds: float) -> None:
+    decided = float(tags_of(instance, run)[TAG_DECIDED_AT])
+    instance.add_run_tags(run.run_id, {TAG_DECIDED_AT: f"{decided - seconds:.1f}"})
+
+
+# -- the code location ------------------------------------------------------------------------
+
+def test_the_code_location_holds_the_three_sensors_and_train_job():
+    from ckpt_assets.definitions import defs
+
+    repo = defs.get_repository_def()
+    assert {s.name for s in repo.sensor_defs} >= {
+        "resume_failed_training", "resume_terminated_training", "reconcile_training_runs"}
+    assert repo.has_job("train_job")
+
+
+# -- the failure sensors ----------------------------------------------------------------------
+
+def test_a_preempted_run_is_resumed_once_tagged_with_parent_root_attempt_checkpoint_and_budget(
+        instance, store):
+    run = failed_run(instance, exit_code=143, failure_class="preempted")
+    req = on_failure(instance, run, store)
+    assert isinstance(req, dg.RunRequest)
+    assert req.run_key == f"resume-{run.run_id}"
+    assert req.partition_key == KEY and req.job_name == "train_job"
+    assert req.tags[TAG_PARENT_RUN_ID] == run.run_id
+    assert req.tags[TAG_ROOT_RUN_ID] == run.run_id  # the first attempt is its own root
+    assert req.tags[TAG_ATTEMPT] == "2"
+    assert req.tags[TAG_RESUME_FROM] == _repo(store).uri("step-000000020-a1")
+    assert json.loads(req.tags[TAG_BUDGET]) == {
+        "preemptions": 1, "transient": 0, "stuck": 0, "resumed_from_step": 20, "high_step": 20}
+    tags = tags_of(instance, run)
+    assert tags[TAG_DECISION] == "resume" and tags[TAG_FAILURE_KIND] == "preempted"
+    (decision,) = decisions(instance)
+    assert decision["failed_run_id"] == run.run_id and decision["decision"] == "resume"
+
+
+def test_a_resume_of_a_resume_keeps_the_root_and_numbers_the_next_attempt(instance, store):
+    run = failed_run(instance, exit_code=143, failure_class="preempted", attempt=3,
+                     tags={TAG_ROOT_RUN_ID: "root-id", TAG_ATTEMPT: "3"})
+    req = on_failure(instance, run, store)
+    assert req.tags[TAG_ROOT_RUN_ID] == "root-id" and req.tags[TAG_ATTEMPT] == "4"
+
+
+def test_a_killed_trainer_is_resumed_at_once_within_its_budget(instance, store):
+    run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
+    req = on_failure(instance, run, store)
+    assert isinstance(req, dg.RunRequest)
+    assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
+    assert json.loads(req.tags[TAG_BUDGET])["transient"] == 1
+
+
+def test_a_killed_trainer_past_its_budget_is_not_resumed(instance, store, monkeypatch):
+    monkeypatch.setenv("CKPT_MAX_TRANSIENT_FAILURES", "3")
+    budget = {"transient": 3, "resumed_from_step": 10, "high_step": 10}
+    run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal",
+                     tags={TAG_BUDGET: json.dumps(budget)})
+    assert isinstance(on_failure(instance, run, store), dg.SkipReason)
+    tags = tags_of(instance, run)
+    assert tags[TAG_DECISION] == "stop" and tags[TAG_FAILURE_KIND] == "killed"
+    assert tags[TAG_DECISION_REASON] == ("not resumed: 4 transient failures, over the budget "
+                                         "of 3")
+    assert sweep(instance, store) == []
+
+
+def test_a_lost_run_worker_counts_as_killed_and_resumes_from_the_stores_latest(instance, store):
+    run = lost_worker_run(instance)
+    req = on_failure(instance, run, store)
+    assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
+    assert req.tags[TAG_RESUME_FROM] == _repo(store).uri("step-000000020-a1")
+    assert json.loads(req.tags[TAG_BUDGET])["resumed_from_step"] == 20
+
+
+@pytest.mark.parametrize("exit_code,failure_class,kind", [
+    (2, "bad_input", "bad_input"),
+    (1, "user_code_error", "bug"),
+    (4, "diverged", "diverged"),
+    (3, "checkpoint_unloadable", "checkpoint"),
+    (6, "superseded", "superseded"),
+    (0, NO_CHECKPOINT, "no_checkpoint"),
+])
+def test_failures_that_a_resume_cannot_fix_stop_with_their_reason_on_the_run(
+        instance, store, exit_code, failure_class, kind):
+    run = failed_run(instance, exit_code=exit_code, failure_class=failure_class)
+    skip = on_failure(instance, run, store)
+    assert isinstance(skip, dg.SkipReason)
+    tags = tags_of(instance, run)
+    assert tags[TAG_DECISION] == "stop" and tags[TAG_FAILURE_KIND] == kind
+    assert tags[TAG_DECISION_REASON].startswith("not resumed: ")
+    assert tags[TAG_DECISION_REASON] in skip.skip_message
+    (decision,) = decisions(instance)
+    assert decision["decision"] == "stop" and decision["failure_kind"] == kind
+    assert sweep(instance, store) == []  # and the reconciler does not overrule it
+
+
+def test_a_run_failing_again_at_the_step_it_resumed_from_stops_as_a_crash_loop(
+        instance, store, monkeypatch):
+    monkeypatch.setenv("CKPT_CRASH_LOOP_BUDGET", "2")
+    budget = {"transient": 1, "stuck": 1, "resumed_from_step": 20, "high_step": 20}
+    run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal", attempt=3,
+                     tags={TAG_BUDGET: json.dumps(budget), TAG_ATTEMPT: "3"})
+    assert isinstance(on_failure(instance, run, store), dg.SkipReason)
+    tags = tags_of(instance, run)
+    assert tags[TAG_DECISION] == "stop" and tags[TAG_FAILURE_KIND] == "crash_loop"
+    assert "crash loop" in tags[TAG_DECISION_REASON]
+
+
+def test_a_failed_run_that_is_not_the_newest_of_its_partition_is_ignored(instance, store):
+    older = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
+    started_run(instance)  # a newer run of the same training run (a resume, a relaunch)
+    skip = on_failure(instance, older, store)
+    assert isinstance(skip, dg.SkipReason)
+    assert TAG_DECISION not in tags_of(instance, older)
+    assert decisions(instance) == []
+    assert sweep(instance, store) == []
+
+
+def test_a_run_terminated_from_dagster_is_a_preemption_and_resumes(instance, store):
+    run = canceled_run(instance)
+    req = on_cancel(instance, run, store)
+    assert isinstance(req, dg.RunRequest) and req.run_key == f"resume-{run.run_id}"
+    tags = tags_of(instance, run)
+    assert tags[TAG_DECISION] == "resume" and tags[TAG_FAILURE_KIND] == "preempted"
+
+
+def test_a_run_stopped_with_ckpt_assets_stop_is_not_resumed(instance, store):
+    run = canceled_run(instance, tags={TAG_NO_RESUME: "true"})
+    assert isinstance(on_cancel(instance, run, store), dg.SkipReason)
+    tags = tags_of(instance, run)
+    assert tags[TAG_DECISION] == "stop" and tags[TAG_FAILURE_KIND] == "stopped_by_user"
+
+
+def test_a_decision_is_taken_once_and_its_resume_is_never_launched_twice(instance, store):
+    run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
+    first = on_failure(instance, run, store)
+    decided = tags_of(instance, run)
+    # Evaluated again before the launch: the same run_key (the daemon launches a run_key
+    # once per sensor), and the decision is neither retaken nor its budget spent twice.
+    again = on_failure(instance, run, store)
+    assert again.run_key == first.run_key and again.tags == first.tags
+    assert tags_of(instance, run) == decided
+    assert len(decisions(instance)) == 1
+    # Once launched, the resume is the partition's newest run: nothing acts on the failed
+    # one again, neither sensor nor the reconciler long after the grace period.
+    launched(instance, first)
+    assert isinstance(on_failure(instance, run, store), dg.SkipReason)
+    backdate_decision(instance, run, 3600)
+    assert sweep(instance, store) == []
+    assert len(decisions(instance)) == 1
+
+
+# -- the reconciler ---------------------------------------------------------------------------
+
+def test_a_resume_decided_but_never_launched_is_launched_by_the_reconciler_once(instance, store):
+    run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
+    lost = on_failure(instance, run, store)  # decided; its launch was lost (the tick errored)
+    # Within the grace period the failure sensor's launch may still be on its way.
+    assert sweep(instance, store) == []
+    backdate_decision(instance, run, sensors.LAUNCH_GRACE_S + 1)
+    (req,) = sweep(instance, store)
+    assert req.run_key == lost.run_key and req.tags == lost.tags
+    launched(instance, req)
+    assert sweep(instance, store) == []
+
+
+def test_a_failure_no_sensor_saw_is_decided_and_resumed_by_the_reconciler_after_the_grace(
+        instance, store, monkeypatch):
+    run = failed_run(instance, exit_code=143, failure_class="preempted")
+    assert sweep(instance, store) == []  # just ended: the failure sensors go first
+    assert TAG_DECISION not in tags_of(instance, run)
+    monkeypatch.setattr(sensors, "LAUNCH_GRACE_S", 0.0)
+    (req,) = sweep(instance, store)
+    assert req.run_key == f"resume-{run.run_id}"
+    assert tags_of(instance, run)[TAG_FAILURE_KIND] == "preempted"
+
+
+def test_a_backed_off_resume_is_launched_by_the_reconciler_only_once_it_is_due(
+        instance, store, monkeypatch):
+    monkeypatch.setenv("CKPT_BACKOFF_BASE_S", "30")
+    budget = {"transient": 1, "resumed_from_step": 10, "high_step": 10}
+    run = failed_run(instance, exit_code=5, failure_class="storage_unavailable",
+                     tags={TAG_BUDGET: json.dumps(budget)})
+    skip = on_failure(instance, run, store)  # the second transient failure: 30 s back-off
+    assert isinstance(skip, dg.SkipReason) and "after 30s" in skip.skip_message
+    assert tags_of(instance, run)[TAG_DECISION] == "resume"
+    assert sweep(instance, store) == []  # not due yet
+    backdate_decision(instance, run, 31)
+    (req,) = sweep(instance, store)
+    assert req.run_key == f"resume-{run.run_id}"
+    assert json.loads(req.tags[TAG_BUDGET])["transient"] == 2
+
+
+def test_a_started_run_whose_trainer_stopped_heartbeating_is_marked_failed(instance, store):
+    run = started_run(instance, started_ago=3600)
+    beat(store, age_s=3600)
+    sweep(instance, store)
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+    # Then it is an ended run like any other: the policy resumes a lost trainer.
+    req = on_failure(instance, run, store)
+    assert isinstance(req, dg.RunRequest)
+    assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
+
+
+def test_a_started_run_with_a_fresh_heartbeat_is_left_alone(instance, store):
+    run = started_run(instance, started_ago=3600)
+    beat(store, age_s=0)
+    assert sweep(instance, store) == []
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+
+
+def test_a_run_that_just_started_is_given_time_before_its_first_heartbeat(instance, store):
+    run = started_run(instance, started_ago=0)
+    sweep(instance, store)
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
