@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import dagster as dg
 from pydantic import Field
 
 from ckpt_assets.failures import bad_input, storage_unavailable
+from ckpt_assets.launch_form import TrainingForm, training_from_form
 from ckpt_assets.lineage import TAG_ATTEMPT
 from ckpt_assets.partitions import (
     PARTITION_TAG,
@@ -26,11 +25,14 @@ MODEL_CHECKPOINT_KEY = dg.AssetKey("model_checkpoint")
 class TrainingRunConfig(dg.Config):
     """Run config of the training assets. Needed only for a run's first launch."""
 
-    training: dict[str, Any] | None = Field(
+    # Typed from the trainer's own models (ckpt_assets.launch_form): the launchpad shows each
+    # key's help and default and refuses an unknown key. Optional: later launches, and every
+    # resume the sensors launch, carry none and read the registered config.
+    training: TrainingForm | None = Field(
         default=None,
-        description="Training config (the trainer's JSON/YAML config as a mapping). Registered "
-                    "on the first launch of the run; later launches may omit it and must not "
-                    "change it. 'run' is forced to the partition key.")
+        description="Training config (the trainer's JSON/YAML config). Registered on the first "
+                    "launch of the run; later launches may omit it and must not change it. "
+                    "Keys left out take the trainer's defaults.")
     experiment: str | None = Field(
         default=None, description="Experiment of the run (default: the config's, else 'default').")
 
@@ -45,7 +47,9 @@ def partition_key(context) -> str:
 def _given_config(context, config: TrainingRunConfig) -> tuple[dict | None, str | None]:
     """The training config this launch carries, on any of the run's training ops."""
     if config.training is not None:
-        return config.training, config.experiment
+        return training_from_form(config.training), config.experiment
+    # Another op's config, as submitted: the same keys (those left out normalize to the
+    # same defaults at registration).
     for op in (context.run.run_config or {}).get("ops", {}).values():
         other = (op or {}).get("config") or {}
         if other.get("training") is not None:
