@@ -163,6 +163,41 @@ class Daemon:
             return None
         return self.wait_until(done, f"{run} to finish successfully", timeout)
 
+    def sensor_ticks(self, name: str, after: float) -> list:
+        """Finished evaluations of sensor `name` that started after `after` (epoch seconds)."""
+        from dagster._core.scheduler.instigation import InstigatorType, TickStatus
+
+        done = [TickStatus.SUCCESS, TickStatus.SKIPPED, TickStatus.FAILURE]
+        ticks = []
+        for state in self.instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+            if state.instigator_name == name:
+                ticks += self.instance.get_ticks(state.instigator_origin_id, state.selector_id,
+                                                 after=after, statuses=done)
+        return ticks
+
+    def wait_for_ticks(self, counts: dict[str, int], timeout: float = 180) -> None:
+        """Return once each named sensor has finished `counts[name]` more evaluations from
+        now. A tick that raised, or a deadline that passes, fails the test: "nothing happened"
+        is only evidence once the sensors have demonstrably looked."""
+        from dagster._core.scheduler.instigation import TickStatus
+
+        since = time.time()
+        deadline = time.monotonic() + timeout
+        while True:
+            ticks = {name: self.sensor_ticks(name, since) for name in counts}
+            failed = [f"{name}: {t.error.message if t.error else '?'}"
+                      for name, ts in ticks.items() for t in ts if t.status == TickStatus.FAILURE]
+            if failed:
+                raise AssertionError("sensor ticks failed: " + "; ".join(failed) + "\n"
+                                     + self.log_tail())
+            if all(len(ticks[name]) >= n for name, n in counts.items()):
+                return
+            if time.monotonic() > deadline:
+                seen = {name: len(ts) for name, ts in ticks.items()}
+                raise AssertionError(f"timed out after {timeout}s waiting for sensor ticks "
+                                     f"{counts}; finished: {seen}\n" + self.log_tail())
+            time.sleep(0.5)
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text().splitlines()[-n:])

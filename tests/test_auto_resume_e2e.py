@@ -17,6 +17,11 @@ from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, t
 
 pytestmark = pytest.mark.slow
 
+# Evaluations after which a wrong resume would have been launched: each failure sensor
+# once more, and two reconciler sweeps (the first may have started before the decision).
+SWEEPS = {"resume_failed_training": 1, "resume_terminated_training": 1,
+          "reconcile_training_runs": 2}
+
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
@@ -55,6 +60,20 @@ def _check_resumed_once_and_identical(daemon, name, uninterrupted, failed_runs: 
     assert daemon.max_active[name] == 1
     got = training_state(final_state(Path(daemon.store), run=name))
     assert_bitwise_equal(uninterrupted, got)
+    # Nothing committed is missing from Dagster's lineage: every parent link resolves,
+    # across the seam between the attempts too.
+    mats = _checkpoint_materializations(daemon, name)
+    names = {m["name"] for m in mats}
+    dangling = [(m["name"], m["parent"]) for m in mats if m["parent"] and m["parent"] not in names]
+    assert dangling == [], dangling
+
+
+def _checkpoint_materializations(daemon, name) -> list[dict]:
+    from dagster import AssetKey, AssetRecordsFilter
+
+    recs = daemon.instance.fetch_materializations(AssetRecordsFilter(
+        asset_key=AssetKey("model_checkpoint"), asset_partitions=[name]), limit=1000).records
+    return [{k: v.value for k, v in r.asset_materialization.metadata.items()} for r in recs]
 
 
 def test_sigkill_of_the_trainer_is_resumed_once_and_ends_bitwise_identical(
@@ -87,6 +106,21 @@ def test_sigkill_of_the_run_worker_stops_its_trainer_and_is_resumed_once(
     # The orphaned trainer did not train on: it stopped when its parent died.
     with pytest.raises(FileNotFoundError):
         Path(f"/proc/{hb['pid']}/stat").read_text()
+    # What it committed on the way out was recorded by the next attempt, and the lineage
+    # report numbers the lost attempt and says how it ended.
+    from ckpt_assets.lineage import format_lineage, lineage_report
+    from trainer.storage import open_store
+
+    late = [m for m in _checkpoint_materializations(daemon, "kill-worker")
+            if m.get("recorded_late")]
+    # (An earlier checkpoint whose report the worker had not read yet is recorded late too.)
+    assert late and all(m["attempt"] == 1 for m in late), late
+    assert late[-1]["reason"] == "preempted", late  # the commit on SIGTERM, on the way out
+    rep = lineage_report(daemon.instance, open_store(daemon.store), "kill-worker")
+    lost = rep["attempts"][0]
+    assert (lost["attempt"], lost["end"]) == (1, "worker_lost"), lost
+    assert lost["last_committed_step"] == late[-1]["step"]
+    assert "attempt ?" not in format_lineage(rep)
 
 
 def test_terminating_the_run_from_dagster_is_a_preemption_that_resumes(
@@ -125,10 +159,8 @@ def test_a_bug_in_training_code_is_not_resumed_and_the_partition_says_why(daemon
     decisions = daemon.wait_until(lambda: _decisions(daemon, "bug"), "the decision record")
     assert decisions[0]["decision"] == "stop" and "exception in the training code" in \
         decisions[0]["reason"]
-    # Give the sensors and one reconciler sweep their chance to (wrongly) resume.
-    import time
-
-    time.sleep(30)
+    # Give both failure sensors and two reconciler sweeps their chance to (wrongly) resume.
+    daemon.wait_for_ticks(SWEEPS)
     assert len(daemon.runs("bug")) == 1
 
 
@@ -146,8 +178,6 @@ def test_a_run_that_crashes_at_the_same_step_every_time_stops_at_the_crash_loop_
     # Attempt 1 reached step 20 (progress), attempts 2 and 3 died at 25 without committing
     # anything new: the budget of 2 failures in a row stops it there.
     assert len(runs) == 3, [(r.run_id[:8], r.tags.get("ckpt/decision")) for r in runs]
-    import time
-
-    time.sleep(25)
+    daemon.wait_for_ticks(SWEEPS)
     assert len(daemon.runs("crash-loop")) == 3
     assert daemon.max_active["crash-loop"] == 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import uuid
 
 import boto3
@@ -54,7 +53,9 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
         daemon.wait_until(lambda: len(daemon.runs("s3run")) == 3, "the reconciler's resume")
         started = daemon.dagster("sensor", "start", "resume_failed_training", "-w", "workspace.yaml")
         assert started.returncode == 0, started.stdout + started.stderr
-        time.sleep(6)  # the re-enabled sensor's first tick only sets its cursor
+        # The re-enabled sensor's first tick only sets its cursor: failures before it are
+        # not its to see. Wait for that tick, not for a guess at its interval.
+        daemon.wait_for_ticks({"resume_failed_training": 1})
         now = daemon.heartbeat("s3run")
         assert now["attempt"] == 3 and now["step"] < 130, now
         hb = daemon.wait_for_step("s3run", now["step"] + 5, attempt=3)
