@@ -72,7 +72,8 @@ def _checkpoint_materializations(daemon, name) -> list[dict]:
     from dagster import AssetKey, AssetRecordsFilter
 
     recs = daemon.instance.fetch_materializations(AssetRecordsFilter(
-        asset_key=AssetKey("model_checkpoint"), asset_partitions=[name]), limit=1000).records
+        asset_key=AssetKey("model_checkpoint"), asset_partitions=[name]), limit=1000,
+        ascending=True).records
     return [{k: v.value for k, v in r.asset_materialization.metadata.items()} for r in recs]
 
 
