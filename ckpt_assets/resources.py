@@ -18,6 +18,7 @@ from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore, open_store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+S3_MAX_ATTEMPTS = 5  # the trainer's too (trainer.storage.s3.default_client)
 
 
 def default_store_uri() -> str:
@@ -73,31 +74,32 @@ class CheckpointStore(dg.ConfigurableResource):
             return S3Store(parsed.netloc, parsed.path.strip("/"), client=self.s3_client())
         return open_store(uri)
 
-    def s3_client(self):
-        """A boto3 S3 client with this resource's endpoint and credentials (else the
-        standard AWS environment): for the store, and for datasets on S3."""
-        if not self.aws_env():
-            from trainer.storage.s3 import default_client
+    def s3_resource(self):
+        """dagster-aws's S3Resource with this resource's endpoint, region and credentials
+        (each unset one comes from the standard AWS environment, as for the trainer)."""
+        from dagster_aws.s3 import S3Resource
 
-            return default_client()
-        return _s3_client(self.endpoint_url, self.region_name, self.aws_access_key_id,
-                          self.aws_secret_access_key)
+        return S3Resource(endpoint_url=self.endpoint_url, region_name=self._region(),
+                          aws_access_key_id=self.aws_access_key_id,
+                          aws_secret_access_key=self.aws_secret_access_key,
+                          max_attempts=S3_MAX_ATTEMPTS)
+
+    def s3_client(self):
+        """An S3 client for the store and for datasets on S3, built by S3Resource: retries in
+        botocore's standard mode, like the trainer's own client."""
+        return self.s3_resource().get_client()
+
+    def _region(self) -> str:
+        # As the trainer's client: the configured region, else the environment's or the
+        # profile's, else us-east-1 (which any S3-compatible server accepts for signing).
+        if self.region_name:
+            return self.region_name
+        import boto3
+
+        return boto3.session.Session().region_name or "us-east-1"
 
     def repo(self, experiment: str, run: str) -> CheckpointRepo:
         return CheckpointRepo(self.open(), experiment, run)
-
-
-def _s3_client(endpoint_url, region, key_id, secret):
-    import boto3
-    from botocore.config import Config
-
-    session = boto3.session.Session(aws_access_key_id=key_id, aws_secret_access_key=secret,
-                                    region_name=region)
-    return session.client(
-        "s3", endpoint_url=endpoint_url, region_name=session.region_name or "us-east-1",
-        config=Config(retries={"mode": "standard", "max_attempts": 5}, connect_timeout=10,
-                      read_timeout=120),
-    )
 
 
 class TrainerResource(dg.ConfigurableResource):
