@@ -1,5 +1,6 @@
-"""`train_job`: the three training assets of one partition, in the run worker's process.
+"""The jobs: `train_job`, the `train_demo` preset of it, and `stop_training_run`.
 
+`train_job`: the three training assets of one partition, in the run worker's process.
 `in_process_executor` on purpose: the asset body (and the Pipes session that owns the
 trainer) runs in the run worker itself, so killing the run worker kills the step too, and
 the trainer (started with PR_SET_PDEATHSIG and CKPT_EXIT_WITH_PARENT=1) commits and stops.
@@ -9,19 +10,111 @@ events into a run that Dagster already marked failed.
 Dagster's own run retries stay off (`dagster/max_retries: 0`, and run_retries is disabled
 in dagster_home/dagster.yaml): resuming is the resume sensor's decision, made once per
 failure.
+
+`train_demo` is `train_job` with scripts/demo_config.json as its default run config: the
+launchpad opens with the demo config filled in. It is a second job, not a default config on
+`train_job`, because a job's default config is applied to every run of the job that does
+not override it: the sensors' resumes and `ckpt-assets launch` of a registered run carry no
+config, and would all register the demo config (refused for any other run, so every resume
+would fail as bad input). A failed `train_demo` run is resumed as a `train_job` run.
+
+`stop_training_run` stops a training run for good from the UI (ckpt_assets.stop).
+
+No `from __future__ import annotations`: Dagster reads the op's config annotation as a
+class, not a string.
 """
 
-from __future__ import annotations
+import warnings
 
 import dagster as dg
+from pydantic import Field, ValidationError
 
 from ckpt_assets.assets import TRAINING_ASSETS
+from ckpt_assets.launch_form import TrainingForm
+from ckpt_assets.resources import REPO_ROOT
+from ckpt_assets.stop import is_known, stop_training_run
+from trainer.config import read_config_file
+from trainer.errors import ConfigError
 
-train_job = dg.define_asset_job(
-    "train_job",
-    selection=dg.AssetSelection.assets(*TRAINING_ASSETS),
+DEMO_CONFIG = REPO_ROOT / "scripts" / "demo_config.json"
+TRAINING_TAGS = {"dagster/max_retries": "0", "dagster/retry_on_asset_or_op_failure": "false",
+                 "ckpt/job": "train"}
+
+
+def _training_job(name: str, description: str, config=None):
+    return dg.define_asset_job(
+        name,
+        selection=dg.AssetSelection.assets(*TRAINING_ASSETS),
+        executor_def=dg.in_process_executor,
+        tags=TRAINING_TAGS,
+        config=config,
+        description=description,
+    )
+
+
+train_job = _training_job(
+    "train_job", "Train (or resume) one training run: dataset -> trainer via Pipes -> final model.")
+
+
+def demo_run_config() -> dg.RunConfig:
+    """scripts/demo_config.json on the training_dataset op (where a first launch's config
+    goes), as written: the launchpad shows the keys the demo sets, the form the rest."""
+    demo = read_config_file(DEMO_CONFIG)
+    TrainingForm(**demo)  # typed here, so that a broken file is reported at load
+    return dg.RunConfig(ops={"training_dataset": {"config": {"training": demo}}})
+
+
+def _train_demo():
+    try:
+        config = demo_run_config()
+    except (ConfigError, ValidationError, dg.DagsterError) as e:
+        # A broken demo file must not take the code location (and auto-resume) down with it.
+        warnings.warn(f"train_demo is not defined: {DEMO_CONFIG}: {e}", stacklevel=2)
+        return None
+    return _training_job(
+        "train_demo", "train_job with the demo config (scripts/demo_config.json) filled in: "
+                      "pick or add a partition (the run name) and launch.", config)
+
+
+train_demo = _train_demo()
+
+
+class StopTrainingRunConfig(dg.Config):
+    training_run: str = Field(description="the training run (partition key) to stop")
+    reason: str | None = Field(default=None, description="why; kept on the stopped runs' tags")
+    force: bool = Field(default=False, description="also mark its runs canceled at once, for a "
+                        "run worker that is gone (as the UI's force termination does)")
+
+
+@dg.op(description="Tags the training run's active runs not to be resumed, then terminates "
+                   "them; withdraws a resume that is still pending.")
+def stop_training_run_op(context: dg.OpExecutionContext, config: StopTrainingRunConfig) -> None:
+    name = config.training_run
+    try:
+        if not is_known(context.instance, name):
+            raise ConfigError(f"there is no training run {name!r} (no partition, no runs)")
+        actions = stop_training_run(context.instance, name, config.reason, force=config.force)
+    except ConfigError as e:
+        raise dg.Failure(description=str(e), allow_retries=False) from None
+    # Findable from the run list: which training run this stop was for.
+    context.instance.add_run_tags(context.run_id, {"ckpt/stop_target": name})
+    if not actions:
+        context.log.info(f"training run {name!r} has nothing to stop: no active run, and no "
+                         "resume pending")
+    for action in actions:
+        context.log.info(str(action))
+
+
+@dg.job(
+    name="stop_training_run",
     executor_def=dg.in_process_executor,
-    tags={"dagster/max_retries": "0", "dagster/retry_on_asset_or_op_failure": "false",
-          "ckpt/job": "train"},
-    description="Train (or resume) one training run: dataset -> trainer via Pipes -> final model.",
+    tags={"dagster/max_retries": "0", "ckpt/job": "stop"},
+    description="Stop a training run for good: its active runs are terminated and never resumed.",
 )
+def stop_training_run_job():
+    stop_training_run_op()
+
+
+JOBS = [job for job in (train_job, train_demo, stop_training_run_job) if job is not None]
+# Runs of these jobs are training runs (their failures are the resume sensors' business).
+TRAINING_JOB_NAMES = frozenset(j.name for j in (train_job, train_demo) if j is not None)
