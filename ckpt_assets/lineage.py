@@ -278,7 +278,9 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
         raise KeyError(run_key)
     attempts = []
     for r in dagster_runs_of(instance, run_key):
+        record = instance.get_run_record_by_id(r.run_id)
         attempts.append({"dagster_run_id": r.run_id, "status": r.status.value,
+                         "started": bool(record and record.start_time),
                          "attempt": r.tags.get(TAG_ATTEMPT),
                          "root_run_id": r.tags.get(TAG_ROOT_RUN_ID, r.run_id),
                          "parent_run_id": r.tags.get(TAG_PARENT_RUN_ID),
@@ -327,9 +329,10 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
         # The attempt number the trainer claimed (on its checkpoints) is the truth; the tag
         # is what the orchestrator asked for; a run launched by hand and lost before it
         # reported anything is numbered by its place among the partition's runs.
+        tag = str(a["attempt"] or "")
         a["attempt"] = (e.get("attempt") or next((c["attempt"] for c in own if c.get("attempt")),
-                                                 None) or a["attempt"] or position)
-        a["end"] = _attempt_end(a, e, own)
+                                                 None) or (int(tag) if tag.isdigit() else position))
+        a["end"] = _attempt_end(a, e)
         if a["last_committed_step"] is None and own:
             a["last_committed_step"] = max(c.get("step") or 0 for c in own)
     try:
@@ -356,14 +359,15 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
 WORKER_LOST = "worker_lost"  # the run ended without its step reporting how the trainer exited
 
 
-def _attempt_end(a: dict[str, Any], ended: dict[str, Any], own: list[dict[str, Any]]) -> str | None:
+def _attempt_end(a: dict[str, Any], ended: dict[str, Any]) -> str | None:
     """How an attempt ended: its trainer's failure class when the step recorded the exit;
-    `worker_lost` when the run ended without that record (its run worker died: the
-    trainer's exit is unknown); None while the run is still going."""
+    `worker_lost` when a run that started ended without that record (its run worker died:
+    the trainer's exit is unknown); `not_started` for one canceled or failed before it
+    started; None while the run is still going."""
     if ended.get("exit_code") is not None:
         return ended.get("failure_class") or "exited"
     if a["status"] in ("FAILURE", "CANCELED"):
-        return WORKER_LOST
+        return WORKER_LOST if a["started"] else "not_started"
     if a["status"] == "SUCCESS":
         return "success"
     return None
@@ -395,6 +399,8 @@ def format_lineage(rep: dict[str, Any]) -> str:
             lines.append(f"      worker lost: the run ended {a['status']} without recording the "
                          f"trainer's exit (exit unknown), last committed step "
                          f"{a['last_committed_step']}")
+        elif a.get("end") == "not_started":
+            lines.append(f"      ended {a['status']} before it started")
         if a.get("decision"):
             lines.append(f"      {a['decision']}")
     lines.append("  checkpoints (oldest first):")
@@ -405,7 +411,7 @@ def format_lineage(rep: dict[str, Any]) -> str:
         mark = " <- latest" if c["name"] == rep["latest_checkpoint"] else (
             "" if c.get("stored", True) else " (removed by retention)")
         if c.get("recorded_late"):
-            mark += " (recorded late: its orchestrator died first)"
+            mark += " (recorded late: its report was lost)"
         elif c.get("unrecorded"):
             mark += " (not yet in Dagster)"
         loss = f"{c['loss']:.4f}" if isinstance(c.get("loss"), float) else c.get("loss")

@@ -14,14 +14,14 @@ import subprocess
 
 import dagster as dg
 import pytest
-from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets.datasets import describe_dataset
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.lineage import format_lineage, lineage_report
-from ckpt_assets.partitions import PARTITION_TAG, PARTITIONS_NAME, register_training_run
+from ckpt_assets.partitions import PARTITIONS_NAME, register_training_run
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import PYTHON, ROOT, materializations, materialize_run
+from tests.dagster_runs import lost_worker_run
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow
@@ -51,11 +51,7 @@ def lost_then_resumed(tmp_path_factory, shared_mlflow_db):
     with dg.DagsterInstance.ephemeral() as instance:
         reg = register_training_run(open_store(store), KEY, cfg)
         instance.add_dynamic_partitions(PARTITIONS_NAME, [KEY])
-        dead = create_run_for_test(instance, job_name="train_job", tags={PARTITION_TAG: KEY},
-                                   status=dg.DagsterRunStatus.STARTED)
-        # How a lost run worker ends: marked failed by the reconciler or run monitoring,
-        # with no STEP_FAILURE (and no attempt_ended observation) in its event log.
-        instance.report_run_failed(dead, "run worker lost")
+        dead = lost_worker_run(instance, KEY)
         _commit_as_lost_attempt(store, reg, dead.run_id, steps=20)
         resources = make_resources(store, tracking_uri=shared_mlflow_db)
         second = materialize_run(instance, KEY, resources)

@@ -10,13 +10,11 @@ Dagster's own test contexts, exactly as the daemon would call them.
 from __future__ import annotations
 
 import json
-import logging
 import time
 
 import dagster as dg
 import pytest
 from dagster._core.events import DagsterEvent, DagsterEventType
-from dagster._core.events.log import EventLogEntry
 from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets import sensors
@@ -35,6 +33,7 @@ from ckpt_assets.sensors import (
     resume_failed_training,
     resume_terminated_training,
 )
+from tests import dagster_runs
 from trainer.repo import CheckpointRepo
 
 KEY = "run-a"
@@ -99,30 +98,16 @@ def failed_run(instance, *, exit_code: int, failure_class: str, step: int | None
     return result.dagster_run
 
 
-def started_run(instance, started_ago: float = 0.0, tags: dict | None = None) -> dg.DagsterRun:
-    """A training run in STARTED, its RUN_START event `started_ago` seconds in the past."""
-    run = create_run_for_test(instance, job_name="train_job",
-                              tags={PARTITION_TAG: KEY, **(tags or {})})
-    instance.handle_new_event(EventLogEntry(
-        error_info=None, level=logging.DEBUG, user_message="", run_id=run.run_id,
-        timestamp=time.time() - started_ago,
-        dagster_event=DagsterEvent(DagsterEventType.RUN_START.value, job_name="train_job")))
-    run = instance.get_run_by_id(run.run_id)
-    assert run.status == dg.DagsterRunStatus.STARTED
-    return run
+def started_run(instance, started_ago: float = 0.0, tags: dict | None = None):
+    return dagster_runs.started_run(instance, KEY, started_ago, tags)
 
 
-def lost_worker_run(instance, tags: dict | None = None) -> dg.DagsterRun:
-    """A run whose worker died: marked failed from outside, no step failure in its log."""
-    run = started_run(instance, tags=tags)
-    instance.report_run_failed(run, "run worker lost")
-    return instance.get_run_by_id(run.run_id)
+def lost_worker_run(instance, tags: dict | None = None):
+    return dagster_runs.lost_worker_run(instance, KEY, tags)
 
 
-def canceled_run(instance, tags: dict | None = None) -> dg.DagsterRun:
-    run = started_run(instance, tags=tags)
-    instance.report_run_canceled(run, "terminated from Dagster")
-    return instance.get_run_by_id(run.run_id)
+def canceled_run(instance, tags: dict | None = None):
+    return dagster_runs.canceled_run(instance, KEY, tags)
 
 
 def launched(instance, req: dg.RunRequest) -> dg.DagsterRun:

@@ -1,0 +1,45 @@
+"""DagsterRun records in the states the sensors and the lineage report meet them, built in a
+(test) instance without running anything."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import dagster as dg
+from dagster._core.events import DagsterEvent, DagsterEventType
+from dagster._core.events.log import EventLogEntry
+from dagster._core.test_utils import create_run_for_test
+
+from ckpt_assets.partitions import PARTITION_TAG
+
+
+def started_run(instance: dg.DagsterInstance, partition: str, started_ago: float = 0.0,
+                tags: dict | None = None) -> dg.DagsterRun:
+    """A train_job run of `partition` in STARTED, its RUN_START `started_ago` seconds ago."""
+    run = create_run_for_test(instance, job_name="train_job",
+                              tags={PARTITION_TAG: partition, **(tags or {})})
+    instance.handle_new_event(EventLogEntry(
+        error_info=None, level=logging.DEBUG, user_message="", run_id=run.run_id,
+        timestamp=time.time() - started_ago,
+        dagster_event=DagsterEvent(DagsterEventType.RUN_START.value, job_name="train_job")))
+    run = instance.get_run_by_id(run.run_id)
+    assert run.status == dg.DagsterRunStatus.STARTED
+    return run
+
+
+def lost_worker_run(instance: dg.DagsterInstance, partition: str,
+                    tags: dict | None = None) -> dg.DagsterRun:
+    """A run whose worker died: marked failed from outside (the reconciler, run monitoring),
+    with no STEP_FAILURE and no attempt_ended observation in its event log."""
+    run = started_run(instance, partition, tags=tags)
+    instance.report_run_failed(run, "run worker lost")
+    return instance.get_run_by_id(run.run_id)
+
+
+def canceled_run(instance: dg.DagsterInstance, partition: str,
+                 tags: dict | None = None) -> dg.DagsterRun:
+    """A run terminated from Dagster while it ran."""
+    run = started_run(instance, partition, tags=tags)
+    instance.report_run_canceled(run, "terminated from Dagster")
+    return instance.get_run_by_id(run.run_id)
