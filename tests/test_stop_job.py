@@ -1,0 +1,117 @@
+"""`stop_training_run`: a training run stopped from the UI ends and is never resumed.
+
+Fast: run records of train_job on a temporary instance (no worker behind them), the stop
+job executed in process, and the sensors' own decision function asked afterwards."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import dagster as dg
+import pytest
+from dagster._core.remote_origin import (
+    RegisteredCodeLocationOrigin,
+    RemoteJobOrigin,
+    RemoteRepositoryOrigin,
+)
+
+from ckpt_assets.jobs import stop_training_run_job
+from ckpt_assets.partitions import PARTITION_TAG, PARTITIONS_NAME
+from ckpt_assets.sensors import (
+    TAG_DECIDED_AT,
+    TAG_DECISION,
+    TAG_NO_RESUME,
+    TAG_RESUME_DELAY,
+    consider,
+)
+from ckpt_assets.stop import TAG_STOP_REASON
+
+S = dg.DagsterRunStatus
+
+
+@pytest.fixture
+def instance():
+    # On disk, with the DefaultRunLauncher a deployment has (an ephemeral instance's
+    # in-memory launcher cannot terminate anything).
+    with dg.instance_for_test() as inst:
+        yield inst
+
+
+def _training_run(instance: dg.DagsterInstance, partition: str, status: dg.DagsterRunStatus,
+                  tags: dict | None = None) -> dg.DagsterRun:
+    if not instance.has_dynamic_partition(PARTITIONS_NAME, partition):
+        instance.add_dynamic_partitions(PARTITIONS_NAME, [partition])
+    # Where a launched run comes from (a queued run must say; nothing is loaded from it).
+    origin = RemoteJobOrigin(RemoteRepositoryOrigin(
+        RegisteredCodeLocationOrigin("ckpt_assets"), "__repository__"), "train_job")
+    return instance.add_run(dg.DagsterRun(
+        job_name="train_job", run_id=str(uuid.uuid4()), status=status,
+        tags={PARTITION_TAG: partition, **(tags or {})}, remote_job_origin=origin))
+
+
+def _stop(instance: dg.DagsterInstance, name: str, **config) -> dg.ExecuteInJobResult:
+    return stop_training_run_job.execute_in_process(
+        instance=instance, raise_on_error=False,
+        run_config={"ops": {"stop_training_run_op": {"config": {"training_run": name, **config}}}})
+
+
+def _resumed(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    """Whether the failure sensors or the reconciler would launch a resume of `run`."""
+    run = instance.get_run_by_id(run.run_id)
+    return any(consider(instance, run, None, sweep=sweep) is not None for sweep in (False, True))
+
+
+def test_a_stopped_queued_run_is_canceled_tagged_and_never_resumed(instance):
+    run = _training_run(instance, "queued-run", S.QUEUED)
+    other = _training_run(instance, "other-run", S.QUEUED)
+    result = _stop(instance, "queued-run", reason="wrong learning rate")
+    assert result.success
+    stopped = instance.get_run_by_id(run.run_id)
+    assert stopped.status == S.CANCELED
+    assert stopped.tags[TAG_NO_RESUME] == "true"
+    assert stopped.tags[TAG_STOP_REASON] == "wrong learning rate"
+    assert not _resumed(instance, stopped)
+    assert instance.get_run_by_id(run.run_id).tags[TAG_DECISION] == "stop"
+    # Another training run is left alone; the stop job's own run is findable by its target.
+    assert instance.get_run_by_id(other.run_id).status == S.QUEUED
+    assert instance.get_run_by_id(result.run_id).tags["ckpt/stop_target"] == "queued-run"
+    assert PARTITION_TAG not in instance.get_run_by_id(result.run_id).tags
+
+
+def test_a_stopped_started_run_is_tagged_asked_to_terminate_and_never_resumed(instance):
+    run = _training_run(instance, "started-run", S.STARTED)
+    assert _stop(instance, "started-run").success
+    stopped = instance.get_run_by_id(run.run_id)
+    # Termination was requested; with no worker to reach, run monitoring would finish it.
+    assert stopped.status == S.CANCELING
+    assert stopped.tags[TAG_NO_RESUME] == "true"
+    instance.report_run_canceled(stopped)  # what run monitoring does after its timeout
+    assert not _resumed(instance, stopped)
+
+
+def test_a_forced_stop_marks_a_started_run_canceled_at_once(instance):
+    run = _training_run(instance, "gone-worker", S.STARTED)
+    assert _stop(instance, "gone-worker", force=True).success
+    stopped = instance.get_run_by_id(run.run_id)
+    assert stopped.status == S.CANCELED and stopped.tags[TAG_NO_RESUME] == "true"
+    assert not _resumed(instance, stopped)
+
+
+def test_a_stop_during_a_resume_back_off_withdraws_the_pending_resume(instance):
+    long_ago = f"{time.time() - 3600:.1f}"
+    run = _training_run(instance, "backing-off", S.FAILURE, tags={
+        TAG_DECISION: "resume", TAG_DECIDED_AT: long_ago, TAG_RESUME_DELAY: "30"})
+    assert _resumed(instance, run)  # due: the reconciler's next sweep would resume it
+    assert _stop(instance, "backing-off").success
+    assert not _resumed(instance, run)
+    assert instance.get_run_by_id(run.run_id).tags[TAG_DECISION] == "stop"
+
+
+def test_stopping_a_training_run_that_does_not_exist_fails_with_its_name(instance):
+    result = _stop(instance, "no-such-run")
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert "no-such-run" in failure.step_failure_data.user_failure_data.description
+    result = _stop(instance, "Bad/Name")
+    assert not result.success
