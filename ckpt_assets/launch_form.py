@@ -88,13 +88,14 @@ def _form_type(tp: Any, path: str) -> Any:
                     "ckpt_assets.launch_form")
 
 
-def _form_field(key: str, info: FieldInfo, tp: Any) -> tuple[Any, FieldInfo]:
-    """(annotation, field) of the form's key `key`, from the trainer's field `info`."""
+def _form_field(key: str, info: FieldInfo, tp: Any, top: bool) -> tuple[Any, FieldInfo]:
+    """(annotation, field) of the form's key `key`, from the trainer's field `info`; `top`:
+    a key of the training config itself, not of one of its sections."""
     description = info.description or ""
     rng = _range_words(info)
     if rng:
         description = f"{description} ({rng})" if description else rng
-    if key in LAUNCH_DECIDES:
+    if top and key in LAUNCH_DECIDES:
         return tp | None, Field(default=None, description=f"{description}; {LAUNCH_DECIDES[key]}")
     if isinstance(tp, type) and issubclass(tp, dg.Config):
         # A section: its defaults are those of its own keys, shown nested in the launchpad.
@@ -111,7 +112,8 @@ def _form_field(key: str, info: FieldInfo, tp: Any) -> tuple[Any, FieldInfo]:
 def form_class(model: type[BaseModel]) -> type[dg.Config]:
     """A `dg.Config` with the keys, types, descriptions and defaults of `model`."""
     stem = model.__name__.removesuffix("Config")
-    fields = {key: _form_field(key, info, _form_type(info.annotation, f"{stem}.{key}"))
+    fields = {key: _form_field(key, info, _form_type(info.annotation, f"{stem}.{key}"),
+                               top=model is TrainConfig)
               for key, info in model.model_fields.items()}
     return create_model(f"{stem}Form", __base__=dg.Config,
                         __module__=__name__, __doc__=model.__doc__, **fields)
@@ -124,7 +126,8 @@ def training_from_form(form: dg.Config) -> dict[str, Any]:
     """The training config a filled-in form stands for, as the mapping the trainer reads.
 
     Keys the launch decides and the form left out are dropped, so registration sees exactly
-    what it would see for the same config given as a file.
+    what it would see for the same config given as a file (the form's other defaults are
+    the trainer's, which registration fills in anyway).
     """
     raw = form.model_dump(mode="json")
     return {k: v for k, v in raw.items() if not (k in LAUNCH_DECIDES and v is None)}
