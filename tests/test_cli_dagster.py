@@ -168,7 +168,7 @@ def test_interrupting_the_run_stops_the_trainer_which_commits_before_it_exits(
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
+    assert proc.returncode == 1  # `dagster asset materialize`: "Materialization failed."
     _wait(lambda: not pid_alive(trainer_pid), 30, "the trainer to exit")
     repo = CheckpointRepo(open_store(store_uri), "default", "stopped")
     m = repo.read_manifest(repo.read_pointer().checkpoint)
