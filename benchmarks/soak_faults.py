@@ -166,8 +166,14 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
         proxy.clear()
         expected, got = 5, rc
     elif kind == "race":
+        # Slow steps (not state: the run still ends identical) so that the two lifetimes
+        # overlap however far apart the two processes happen to start.
+        slow = write_config(work / "slow.json", max_steps=MAX_STEPS,
+                            checkpoint={"every_steps": EVERY, "keep_last": 50,
+                                        "on_epoch_end": False},
+                            task_args={"step_delay": 0.1})
         env2 = {**env, "CKPT_ATTEMPT": "50"}
-        procs = [start_trainer(config, store, env2) for _ in range(2)]
+        procs = [start_trainer(slow, store, env2) for _ in range(2)]
         rcs = sorted(follow(p)[0] for p in procs)
         expected, got = [0, 6], rcs
 

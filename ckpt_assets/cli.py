@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stop", parents=[common],
                         help="terminate the run's active Dagster run and mark it not to be resumed")
     st.add_argument("name")
+    st.add_argument("--reason", default=None, help="why (recorded on the run)")
+    st.add_argument("--force", action="store_true",
+                    help="also mark runs canceled whose run worker cannot be reached")
 
     li = sub.add_parser("list", parents=[common], help="training runs with state, attempts and latest checkpoint")
     li.add_argument("--json", action="store_true")
@@ -130,17 +133,6 @@ def cmd_register(args) -> int:
     return EXIT_OK
 
 
-def _active_runs(instance, name: str):
-    import dagster as dg
-
-    from ckpt_assets.partitions import PARTITION_TAG
-
-    active = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
-              dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED,
-              dg.DagsterRunStatus.CANCELING]
-    return instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: name}, statuses=active))
-
-
 def cmd_launch(args) -> int:
     from ckpt_assets.partitions import (
         PARTITION_TAG,
@@ -173,7 +165,9 @@ def cmd_launch(args) -> int:
                            "pass --config FILE the first time")
         if not instance.has_dynamic_partition(PARTITIONS_NAME, args.name):
             instance.add_dynamic_partitions(PARTITIONS_NAME, [args.name])
-    active = _active_runs(instance, args.name)
+    from ckpt_assets.stop import active_runs
+
+    active = active_runs(instance, args.name)
     if active and not args.force:
         ids = ", ".join(f"{r.run_id} ({r.status.value})" for r in active)
         raise CliError(f"training run {args.name!r} already has an active Dagster run: {ids}; "
@@ -243,28 +237,18 @@ def cmd_lineage(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    """Tag active runs `ckpt/no_resume=true` first (the resume sensors read it), then
-    terminate them: the trainer gets SIGTERM, commits a checkpoint and exits 143."""
-    import dagster as dg
+    """Stop the training run for good (`ckpt_assets.stop`): its active runs are tagged not to
+    be resumed, then canceled or terminated (the trainer commits a checkpoint and exits)."""
+    from ckpt_assets.stop import NOT_REACHED, stop_training_run
 
-    from ckpt_assets.partitions import validate_partition_key
-    from ckpt_assets.sensors import TAG_NO_RESUME
-
-    validate_partition_key(args.name)
-    instance = _instance()
-    active = _active_runs(instance, args.name)
-    if not active:
+    actions = stop_training_run(_instance(), args.name, args.reason, force=args.force)
+    if not actions:
         raise CliError(f"training run {args.name!r} has no queued or running Dagster run")
-    for run in active:
-        instance.add_run_tags(run.run_id, {TAG_NO_RESUME: "true"})
-        if run.status == dg.DagsterRunStatus.QUEUED:
-            instance.run_coordinator.cancel_run(run.run_id)
-            print(f"canceled queued run {run.run_id}")
-        elif instance.run_launcher.terminate(run.run_id):
-            print(f"terminating run {run.run_id}: the trainer commits a checkpoint and exits")
-        else:
-            raise CliError(f"could not terminate run {run.run_id} ({run.status.value}); "
-                           "terminate it from the Dagster UI", EXIT_ERROR)
+    for action in actions:
+        print(action)
+    if any(a.action == NOT_REACHED for a in actions):
+        raise CliError("a run worker could not be reached; retry with --force, or terminate "
+                       "it from the Dagster UI", EXIT_ERROR)
     return EXIT_OK
 
 

@@ -7,7 +7,7 @@ import dagster as dg
 from ckpt_assets.assets import TRAINING_ASSETS
 from ckpt_assets.checks import TRAINING_CHECKS
 from ckpt_assets.io_managers import CheckpointIOManager
-from ckpt_assets.jobs import train_job
+from ckpt_assets.jobs import JOBS
 from ckpt_assets.resources import CheckpointStore, MLflowResource, TrainerResource
 from ckpt_assets.sensors import SENSORS
 
@@ -30,7 +30,7 @@ def make_resources(store_uri: str | None = None, *, tracking_uri: str | None = N
 defs = dg.Definitions(
     assets=TRAINING_ASSETS,
     asset_checks=TRAINING_CHECKS,
-    jobs=[train_job],
+    jobs=JOBS,
     sensors=list(SENSORS),
     resources=make_resources(),
     # Also for implicit jobs (`dagster asset materialize`, the UI's Materialize button): the

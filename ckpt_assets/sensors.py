@@ -26,7 +26,7 @@ import dagster as dg
 
 from ckpt_assets.assets import MODEL_CHECKPOINT_KEY
 from ckpt_assets.failures import TrainingFailure
-from ckpt_assets.jobs import train_job
+from ckpt_assets.jobs import TRAINING_JOB_NAMES, train_job
 from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM, TAG_ROOT_RUN_ID
 from ckpt_assets.partitions import PARTITION_TAG, read_registration
 from ckpt_assets.policy import Budget, Decision, Failure, PolicyConfig, decide
@@ -64,7 +64,7 @@ def policy_config() -> PolicyConfig:
 def is_training_run(run: dg.DagsterRun) -> bool:
     if PARTITION_TAG not in run.tags:
         return False
-    if run.job_name == train_job.name:
+    if run.job_name in TRAINING_JOB_NAMES:
         return True
     return bool(run.asset_selection and MODEL_CHECKPOINT_KEY in run.asset_selection)
 

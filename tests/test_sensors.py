@@ -171,13 +171,21 @@ def backdate_decision(instance, run: dg.DagsterRun, seconds: float) -> None:
 
 # -- the code location ------------------------------------------------------------------------
 
-def test_the_code_location_holds_the_three_sensors_and_train_job():
+def test_the_code_location_holds_the_three_sensors_and_the_training_jobs():
     from ckpt_assets.definitions import defs
 
     repo = defs.get_repository_def()
     assert {s.name for s in repo.sensor_defs} >= {
         "resume_failed_training", "resume_terminated_training", "reconcile_training_runs"}
-    assert repo.has_job("train_job")
+    assert all(repo.has_job(j) for j in ("train_job", "train_demo", "stop_training_run"))
+
+
+def test_a_run_of_the_demo_preset_is_a_training_run_the_sensors_resume():
+    run = dg.DagsterRun(job_name="train_demo", run_id="r1", tags={PARTITION_TAG: "demo-1"})
+    assert sensors.is_training_run(run)
+    stop = dg.DagsterRun(job_name="stop_training_run", run_id="r2",
+                         tags={PARTITION_TAG: "demo-1"})
+    assert not sensors.is_training_run(stop)
 
 
 # -- the failure sensors ----------------------------------------------------------------------
