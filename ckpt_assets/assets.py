@@ -25,16 +25,19 @@ import dagster as dg
 from ckpt_assets.attempt import (
     MODEL_CHECKPOINT_KEY,
     AttemptReport,
+    attempt_failure,
     failure_description,
+    link_resume,
     record_end,
     record_unseen_checkpoints,
 )
 from ckpt_assets.datasets import DatasetRecord, describe_dataset, refuse_changed_data
 from ckpt_assets.failures import TrainingFailure, bad_input, storage_unavailable
+from ckpt_assets.history import history_metadata
 from ckpt_assets.io_managers import CHECKPOINT_KEY
 from ckpt_assets.launch import AttemptIds, base_env, command_launch, task_launch
 from ckpt_assets.lineage import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID, MlflowTracker
-from ckpt_assets.metadata import checkpoint_metadata, to_metadata
+from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.partitions import training_runs
 from ckpt_assets.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.runs import TrainingRunConfig, attempt_number, resolve_registration
@@ -110,6 +113,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
                      context.run.tags.get(TAG_ROOT_RUN_ID) or context.run.run_id, git_commit())
     dataset = DatasetRecord.from_dict({k: v for k, v in training_dataset.items()
                                        if k != "manifest"})
+    link_resume(context.instance, context.run, context.log)
     # Before this attempt commits anything: what earlier attempts committed unseen.
     late = record_unseen_checkpoints(context, repo, reg.run)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
@@ -123,7 +127,8 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
             proc = run_under_pipes(
                 context, launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
                 on_messages=partial(report.handle, context, tracker),
-                after_start=partial(_open_tracking, context, tracker, repo, ids, dataset),
+                after_start=partial(_open_tracking, context, tracker, repo, ids, dataset,
+                                    reg.config),
                 extras={"training_run": reg.run, "experiment": reg.experiment,
                         "attempt": ids.attempt})
         except LaunchError as e:
@@ -138,7 +143,11 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     ended = report.outcome(repo, proc.returncode, context)
     record_end(context, ended, proc.interrupted is not None,
                {"parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),
-                "mlflow_run_id": tracker.run_id})
+                "mlflow_run_id": tracker.run_id,
+                **links({"checkpoint_uri": ended.checkpoint_uri, "mlflow_run": tracker.run_url})})
+    if ended.failure_class != "success":
+        tracker.on_failure(ended.attempt, ended.failure_class, failure_description(ended),
+                           (report.failed or {}).get("traceback"))
     if proc.interrupted is not None:
         tracker.finish("KILLED")
         context.log.warning(f"run interrupted; the training process exited "
@@ -147,12 +156,14 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
         raise proc.interrupted
     if ended.failure_class != "success":
         tracker.finish("FAILED")
-        raise ended.to_dagster(failure_description(ended))
-    yield _final_output(repo, ended, tracker, context)
+        raise attempt_failure(ended, report)
+    # The run's history across attempts, on the output people open last.
+    yield _final_output(repo, ended, tracker, context, history_metadata(
+        context.instance, reg.run, [*late, *report.checkpoints], context.log))
 
 
 def _open_tracking(context, tracker: MlflowTracker, repo: CheckpointRepo, ids: AttemptIds,
-                   dataset: DatasetRecord) -> None:
+                   dataset: DatasetRecord, config: dict) -> None:
     """Called right after the process started: MLflow's start-up overlaps the trainer's,
     and no message is handled before the MLflow run is open."""
     run_id = tracker.start({
@@ -161,14 +172,15 @@ def _open_tracking(context, tracker: MlflowTracker, repo: CheckpointRepo, ids: A
         "attempt": ids.attempt, "attempts": ids.attempt, "code_version": ids.code_version,
         "data_version": dataset.version, "store": repo.store.uri})
     if run_id:
-        context.log.info(f"MLflow run {run_id} ({tracker.resource.resolved_tracking_uri})")
+        context.log.info(f"MLflow run {run_id} ({tracker.run_url or tracker.resource.resolved_tracking_uri})")
+        tracker.log_config(config)
         if tracker.backfill(repo):
             context.log.info("MLflow: logged committed checkpoints that no earlier attempt "
                              "reported")
 
 
 def _final_output(repo: CheckpointRepo, ended: TrainingFailure, tracker: MlflowTracker,
-                  context) -> dg.Output:
+                  context, extra: dict) -> dg.Output:
     """The run's final checkpoint (the one the pointer names) as the step's output."""
     m = repo.read_manifest(repo.read_pointer().checkpoint)
     rec = CheckpointRecord.from_manifest(m, repo.uri(m.name))
@@ -179,7 +191,7 @@ def _final_output(repo: CheckpointRepo, ended: TrainingFailure, tracker: MlflowT
         "checkpoint_dagster_run_id": rec.lineage.dagster_run_id if rec.lineage else None,
         "checkpoint_attempt": rec.attempt,
         "checkpoints_this_attempt": ended.checkpoints_this_attempt,
-        "mlflow_run_id": tracker.run_id}))
+        "mlflow_run_id": tracker.run_id}) | links({"mlflow_run": tracker.run_url}) | extra)
     return dg.Output(rec.to_dict(), data_version=dg.DataVersion(rec.sha256), metadata=md)
 
 
@@ -226,7 +238,7 @@ def final_model(context: dg.AssetExecutionContext, config: TrainingRunConfig,
             "training_run": reg.run, "data_version": data_version,
             "code_version": git_commit(), "fallback_skipped": ck.get("skipped") or None,
             "mlflow_run_id": mlflow_run_id, "mlflow_model_version": model_version,
-        }),
+        }) | links({"checkpoint_uri": ck.get("uri"), "mlflow_run": tracker.run_url}),
     )
 
 

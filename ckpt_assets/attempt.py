@@ -5,8 +5,10 @@ training process turned into Dagster events, and how the attempt ended.
   partition, with the lineage metadata (`ckpt_assets.metadata.CHECKPOINT_METADATA_KEYS`);
 * the end of the attempt -> an ASSET_OBSERVATION `attempt_ended` (also on success and on
   cancellation) with the fields of `TrainingFailure`;
-* a non-zero exit -> `dagster.Failure` carrying a `TrainingFailure`, which the resume
-  sensor reads back from the STEP_FAILURE event;
+* a non-zero exit -> `dagster.Failure` carrying a `TrainingFailure` (and the user's
+  traceback, as one Markdown code block), which the resume sensor reads back from the
+  STEP_FAILURE event; the `failed` report itself -> ONE error log entry with the traceback;
+* a resume's start -> a link both ways between it and the run it resumes (`link_resume`);
 * before an attempt starts, checkpoints that earlier attempts committed but never reported
   (their orchestrator died first) -> late materializations (`record_unseen_checkpoints`).
 """
@@ -20,13 +22,15 @@ from typing import Any
 import dagster as dg
 
 from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure, failure_class_for, signal_name
-from ckpt_assets.lineage import MlflowTracker
+from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY, MlflowTracker
 from ckpt_assets.metadata import checkpoint_metadata, to_metadata
 from trainer.errors import CheckpointError, StorageError, TrainerError
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 
 MODEL_CHECKPOINT_KEY = dg.AssetKey("model_checkpoint")
+TAG_RESUME_REASON = "ckpt/resume_reason"  # on a resume run (set by the sensors)
+TRACEBACK_MAX_CHARS = 20_000  # the end of a traceback is where the error is
 
 
 @dataclass
@@ -60,6 +64,7 @@ class AttemptReport:
             tracker.on_eval(msg)
         elif kind == "started":
             self.started = msg
+            tracker.on_started(msg)
             resumed = msg.get("resumed_from_step")
             context.log.info(f"attempt {msg.get('attempt')} started" + (
                 f", resumed from step {resumed} ({msg.get('resumed_from')})"
@@ -67,7 +72,14 @@ class AttemptReport:
             for s in msg.get("skipped") or []:
                 context.log.warning(f"CHECKPOINT FALLBACK: {s.get('checkpoint')} skipped: "
                                     f"{s.get('reason')}")
-        elif kind in ("failed", "stopped", "finished"):
+        elif kind == "failed":
+            self.failed = msg
+            # One entry for the whole traceback: the UI shows it as one event, not one per line.
+            what = f"{msg.get('failure_class')}: {msg.get('error_type')}: {msg.get('message')}"
+            tb = msg.get("traceback")
+            context.log.error(f"training process failed: {what}" + (
+                f"\n{tb[-TRACEBACK_MAX_CHARS:]}" if tb else ""))
+        elif kind in ("stopped", "finished"):
             setattr(self, kind, msg)
         elif kind == "progress":
             context.log.debug(f"progress: step {msg.get('step')} loss {msg.get('loss')}")
@@ -117,6 +129,41 @@ def failure_description(ended: TrainingFailure) -> str:
     return (f"training process exited {ended.exit_code} ({ended.failure_class}{sig}) in "
             f"attempt {ended.attempt} of training run {ended.training_run}; last committed "
             f"step {ended.last_committed_step}{where}{msg}")
+
+
+def attempt_failure(ended: TrainingFailure, report: AttemptReport) -> dg.Failure:
+    """The step's Failure: the TrainingFailure record, plus the user's traceback (when the
+    trainer reported one) as one Markdown code block the UI shows whole."""
+    md = to_metadata(dataclasses.asdict(ended))
+    tb = (report.failed or {}).get("traceback")
+    if tb:
+        md["traceback"] = dg.MetadataValue.md(f"```\n{tb[-TRACEBACK_MAX_CHARS:]}\n```")
+    return dg.Failure(description=failure_description(ended), metadata=md)
+
+
+def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log) -> str | None:
+    """A resume run, once it runs, links itself and the failed run it resumes both ways.
+
+    The sensor decides on the failed run and writes its decision there, but the resume's
+    run id exists only after the daemon launched it: so the resume says it, here, in its
+    own log (`/runs/<parent>`) and on the failed run (an engine event and the tag
+    `ckpt/resumed_by`). Returns the parent's run id; best-effort (never fails the step)."""
+    parent_id = run.tags.get(TAG_PARENT_RUN_ID)
+    if not parent_id:
+        return None
+    try:
+        parent = instance.get_run_by_id(parent_id)
+        reason = run.tags.get(TAG_RESUME_REASON) or ""
+        log.info(f"resuming failed run {parent_id} (/runs/{parent_id}) as attempt "
+                 f"{run.tags.get(TAG_ATTEMPT, '?')}" + (f": {reason}" if reason else ""))
+        if parent is not None and parent.tags.get(TAG_RESUMED_BY) != run.run_id:
+            instance.add_run_tags(parent_id, {TAG_RESUMED_BY: run.run_id})
+            instance.report_engine_event(
+                f"resumed by run {run.run_id} (/runs/{run.run_id}), attempt "
+                f"{run.tags.get(TAG_ATTEMPT, '?')}", dagster_run=parent)
+    except Exception as e:  # a missing or unwritable parent record must not stop training
+        log.warning(f"could not link resume {run.run_id} to run {parent_id}: {e}")
+    return parent_id
 
 
 def materialized_checkpoint_names(instance: dg.DagsterInstance, run: str) -> set[str]:

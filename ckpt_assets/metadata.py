@@ -1,9 +1,17 @@
-"""Plain values and typed records as Dagster metadata."""
+"""Plain values and typed records as Dagster metadata.
+
+Links: every URI a person may want to open is also recorded under a `<key>_link` key, typed
+so that the Dagster UI renders it as one (`url` for s3:// and http(s) addresses, `path` for
+a local file). The plain string keys stay as they are: the lineage report, the sensors
+and users' own code read them with `.value`, and a `path` value would have to drop the
+`file://` of the store's URI, changing what they compare.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import dagster as dg
 
@@ -24,6 +32,31 @@ def to_metadata(values: dict[str, Any]) -> dict[str, Any]:
             out[k] = dg.MetadataValue.json(v)
         else:
             out[k] = v
+    return out
+
+
+def link(uri: str | None) -> dg.MetadataValue | None:
+    """`uri` as a link the Dagster UI renders: url for s3:// and http(s), path for a
+    local file (file:// or an absolute path); None for anything else."""
+    if not uri or not isinstance(uri, str):
+        return None
+    parsed = urlparse(uri)
+    if parsed.scheme in ("s3", "http", "https"):
+        return dg.MetadataValue.url(uri)
+    if parsed.scheme == "file":
+        return dg.MetadataValue.path(unquote(parsed.path))
+    if uri.startswith("/"):
+        return dg.MetadataValue.path(uri)
+    return None
+
+
+def links(values: dict[str, str | None]) -> dict[str, dg.MetadataValue]:
+    """{key_link: link} for each value that is a link (the rest are left out)."""
+    out = {}
+    for k, v in values.items():
+        lv = link(v)
+        if lv is not None:
+            out[f"{k}_link"] = lv
     return out
 
 
@@ -51,4 +84,4 @@ def checkpoint_metadata(rec: CheckpointRecord) -> dict[str, Any]:
         "user_code_version": lin.user_code_version if lin else None,
         "data_version": lin.data_version if lin else None,
         "dataset": lin.dataset if lin else None,
-    })
+    }) | links({"uri": rec.uri, "dataset": lin.dataset if lin else None})

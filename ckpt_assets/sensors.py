@@ -17,12 +17,14 @@ one active run per partition.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from dataclasses import asdict
 
 import dagster as dg
+from dagster._core.events import EngineEventData
 
 from ckpt_assets.assets import MODEL_CHECKPOINT_KEY
 from ckpt_assets.failures import TrainingFailure
@@ -141,6 +143,32 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
                   "last_committed_step": failure.last_committed_step,
                   "attempt": failure.attempt, "delay_s": decision.delay_s,
                   "budget": dg.MetadataValue.json(asdict(decision.budget))}))
+    # And in words, in the failed run's own log, where whoever opens that run looks first.
+    # The resume's run id does not exist yet (the daemon assigns it at launch): the resume
+    # links back to this run, and tags it `ckpt/resumed_by`, once it starts.
+    run_key = f"{RESUME_KEY_PREFIX}{run.run_id}"
+    if not decision.resume:
+        words = f"Not resumed ({decision.kind}): {decision.reason}"
+    elif decision.delay_s > 0:
+        words = (f"Will be resumed after a back-off of {decision.delay_s:.0f}s "
+                 f"({decision.kind}): {decision.reason}. The resume's run key is {run_key}.")
+    else:
+        words = (f"Resuming now ({decision.kind}): {decision.reason}. The resume's run key is "
+                 f"{run_key}; it records its run id on this run when it starts.")
+    try:
+        instance.report_engine_event(words, dagster_run=run, engine_event_data=EngineEventData(
+            metadata={"decision": tags[TAG_DECISION], "failure_kind": decision.kind,
+                      "reason": decision.reason, "delay_s": float(decision.delay_s),
+                      "resume_run_key": run_key if decision.resume else "",
+                      "exit_code": dg.MetadataValue.int(failure.exit_code)
+                      if failure.exit_code is not None else dg.MetadataValue.null(),
+                      "failure_class": failure.failure_class or "",
+                      "last_committed_step": dg.MetadataValue.int(failure.last_committed_step)
+                      if failure.last_committed_step is not None else dg.MetadataValue.null(),
+                      "attempt": failure.attempt}))
+    except Exception:  # the tags above are the record the sensors act on; this is for people
+        logging.getLogger(__name__).warning("could not log the resume decision on run %s",
+                                            run.run_id, exc_info=True)
 
 
 def resume_request(run: dg.DagsterRun, failure: Failure,
