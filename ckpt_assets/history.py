@@ -68,11 +68,8 @@ def history_frame(instance: dg.DagsterInstance, run: str,
         rows.setdefault(rec.name, _row(rec.name, rec.step, rec.attempt, rec.loss, rec.eval,
                                        rec.lineage.resumed_from_step if rec.lineage else None,
                                        False))
-    evals: list[str] = []
-    for r in rows.values():
-        for k in r["eval"]:
-            if k not in evals and len(evals) < MAX_EVAL_COLUMNS:
-                evals.append(k)
+    # Sorted: the same columns in the same order whatever order a task reported them in.
+    evals = sorted({k for r in rows.values() for k in r["eval"]})[:MAX_EVAL_COLUMNS]
     records = []
     for r in rows.values():
         rec = {k: v for k, v in r.items() if k != "eval"}

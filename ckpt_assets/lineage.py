@@ -169,7 +169,9 @@ class MlflowTracker:
                     f"attempt_{n}.resumed_from_step": resumed,
                     f"attempt_{n}.resumed_from": msg.get("resumed_from"),
                     f"attempt_{n}.start": "resumed" if resumed is not None else "fresh"}
-            self.set_tags(tags)
+            for k, v in tags.items():
+                if v is not None:
+                    self.client.set_tag(self.run_id, k, str(v)[:TAG_VALUE_MAX])
             if resumed is not None:
                 # Not through _log: a resume may land on a step already marked (a second
                 # resume from the same checkpoint), and each resume is a fact of its own.

@@ -1,0 +1,146 @@
+"""What a training run's MLflow run carries besides metrics: the config as params, resume
+markers, failure tags, and the registered model; against a real local MLflow sqlite store,
+without training anything."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from ckpt_assets.lineage import MlflowTracker, flatten_params, mlflow_run_url
+from ckpt_assets.resources import MLflowResource
+
+
+class Log:
+    def __init__(self):
+        self.warnings: list[str] = []
+
+    def warning(self, msg):
+        self.warnings.append(msg)
+
+    def info(self, msg):
+        pass
+
+
+@pytest.fixture(scope="module")
+def resource(tmp_path_factory) -> MLflowResource:
+    # One database for the module: creating one costs seconds (schema migrations).
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    return MLflowResource(tracking_uri=f"sqlite:///{db}")
+
+
+def tracker(resource, run: str, experiment: str = "exp", log=None) -> MlflowTracker:
+    t = MlflowTracker(resource, experiment, run, log or Log())
+    assert t.start({"attempt": 1})
+    return t
+
+
+def _run(resource, t: MlflowTracker):
+    return MlflowClient(tracking_uri=resource.resolved_tracking_uri).get_run(t.run_id)
+
+
+def test_a_nested_config_flattens_to_dotted_string_params_without_nulls():
+    flat = flatten_params({"optim": {"lr": 0.1, "betas": [0.9, 0.99]}, "seed": 3,
+                           "task": "pkg.mod:build", "command": None, "we!rd": True})
+    assert flat == {"optim.lr": "0.1", "optim.betas": "[0.9, 0.99]", "seed": "3",
+                    "task": "pkg.mod:build", "we_rd": "True"}
+
+
+def test_the_config_is_logged_once_and_a_resumed_attempt_skips_what_is_already_there(resource):
+    cfg = {"max_steps": 40, "optim": {"lr": 0.05}, "task_args": {"hidden": 32}}
+    first = tracker(resource, "params-once")
+    assert first.log_config(cfg) == 3
+    # The next attempt opens the same MLflow run and logs the same config again.
+    second = tracker(resource, "params-once")
+    assert second.run_id == first.run_id
+    assert second.log_config(cfg) == 0
+    params = _run(resource, second).data.params
+    assert params == {"max_steps": "40", "optim.lr": "0.05", "task_args.hidden": "32"}
+
+
+def test_a_param_logged_with_another_value_keeps_the_first_and_warns_without_raising(resource):
+    log = Log()
+    t = tracker(resource, "params-changed", log=log)
+    t.log_config({"optim": {"lr": 0.05}})
+    assert t.log_config({"optim": {"lr": 0.5}, "seed": 1}) == 1
+    assert _run(resource, t).data.params == {"optim.lr": "0.05", "seed": "1"}
+    assert any("optim.lr" in w and "immutable" in w for w in log.warnings)
+
+
+def test_a_resumed_attempt_marks_its_seam_with_a_metric_at_that_step_and_tags_per_attempt(
+        resource):
+    t = tracker(resource, "resume-marker")
+    t.on_started({"attempt": 1, "resumed_from_step": None,
+                  "lineage": {"dagster_run_id": "run-1"}})
+    t.on_started({"attempt": 2, "resumed_from_step": 20, "resumed_from": "file:///s/step-20",
+                  "lineage": {"dagster_run_id": "run-2"}})
+    run = _run(resource, t)
+    assert run.data.tags["attempt_1.start"] == "fresh"
+    assert run.data.tags["attempt_2.start"] == "resumed"
+    assert run.data.tags["attempt_2.resumed_from_step"] == "20"
+    assert run.data.tags["attempt_2.resumed_from"] == "file:///s/step-20"
+    assert run.data.tags["attempt_2.dagster_run_id"] == "run-2"
+    hist = MlflowClient(tracking_uri=resource.resolved_tracking_uri).get_metric_history(
+        t.run_id, "resumed_at_step")
+    assert [(m.step, m.value) for m in hist] == [(20, 20.0)]
+
+
+def test_a_failed_attempt_records_its_class_and_reason_per_attempt_and_as_the_last_failure(
+        resource, tmp_path):
+    t = tracker(resource, "failure-tags")
+    t.on_failure(1, "killed_by_signal", "training process exited -9")
+    t.on_failure(2, "user_code_error", "ValueError: boom " + "x" * 9000,
+                 traceback="Traceback (most recent call last):\nValueError: boom\n")
+    tags = _run(resource, t).data.tags
+    assert tags["attempt_1.failure_class"] == "killed_by_signal"
+    assert tags["attempt_1.failure_reason"] == "training process exited -9"
+    assert tags["attempt_2.failure_class"] == tags["last_failure_class"] == "user_code_error"
+    assert tags["last_failure_reason"].startswith("ValueError: boom")
+    assert len(tags["last_failure_reason"]) <= 5000 and tags["last_failed_attempt"] == "2"
+    client = MlflowClient(tracking_uri=resource.resolved_tracking_uri)
+    path = client.download_artifacts(t.run_id, "failures/attempt_2.traceback.txt",
+                                     str(tmp_path))
+    assert "ValueError: boom" in open(path).read()
+
+
+def test_final_models_of_an_experiments_training_runs_are_versions_of_one_registered_model(
+        resource, tmp_path):
+    weights = tmp_path / "model.pt"
+    weights.write_bytes(b"weights")
+    client = MlflowClient(tracking_uri=resource.resolved_tracking_uri,
+                          registry_uri=resource.resolved_tracking_uri)
+    versions = {}
+    for run in ("reg-a", "reg-b"):
+        t = tracker(resource, run, experiment="regexp")
+        versions[run] = t.log_final_model(str(weights), {"eval_loss": 0.5}, 40, "d")
+    assert versions == {"reg-a": "regexp/1", "reg-b": "regexp/2"}
+    # final_model materialized again for the same training run: still its one version.
+    again = tracker(resource, "reg-a", experiment="regexp")
+    assert again.log_final_model(str(weights), {"eval_loss": 0.4}, 40, "again") == "regexp/1"
+    mvs = client.search_model_versions("name = 'regexp'")
+    assert sorted((str(mv.version), mv.tags["training_run"]) for mv in mvs) == [
+        ("1", "reg-a"), ("2", "reg-b")]
+    assert client.get_model_version("regexp", "1").description == "again"
+
+
+def test_mlflow_errors_are_warnings_and_never_reach_training(resource):
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*a, **k):
+                raise ConnectionError("tracking server down")
+            return fail
+
+    log = Log()
+    t = MlflowTracker(resource, "exp", "broken", log)
+    t.run_id, t.client = "some-run", Broken()
+    assert t.log_config({"a": 1}) == 0
+    t.on_started({"attempt": 2, "resumed_from_step": 10})
+    t.on_failure(2, "storage_unavailable", "S3 down", traceback="tb")
+    assert t.log_final_model("/nonexistent", {}, 1, "d") is None
+    assert len(log.warnings) == 4 and all("training is not affected" in w for w in log.warnings)
+
+
+def test_an_mlflow_run_link_exists_only_for_an_http_tracking_server():
+    assert mlflow_run_url("http://mlflow:5000/", "3", "abc") == (
+        "http://mlflow:5000/#/experiments/3/runs/abc")
+    assert mlflow_run_url("sqlite:///x.db", "3", "abc") is None
