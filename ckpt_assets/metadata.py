@@ -22,7 +22,9 @@ def to_metadata(values: dict[str, Any]) -> dict[str, Any]:
     """Plain values -> Dagster metadata (None -> null, dict/list -> JSON, inf/nan -> text)."""
     out: dict[str, Any] = {}
     for k, v in values.items():
-        if v is None:
+        if isinstance(v, dg.MetadataValue):  # typed already (a link); some are tuples
+            out[k] = v
+        elif v is None:
             out[k] = dg.MetadataValue.null()
         elif isinstance(v, bool):
             out[k] = dg.MetadataValue.bool(v)

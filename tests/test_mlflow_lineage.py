@@ -131,8 +131,35 @@ def test_the_mlflow_step_history_is_strictly_increasing_and_continuous_across_at
     # The final model is logged to the same run.
     assert [a.path for a in client.list_artifacts(run.info.run_id, "model")] == ["model/model.pt"]
     assert client.get_metric_history(run.info.run_id, "final_eval_loss")[0].step == 60
-    (version,) = client.search_model_versions(f"name='default.{KEY}'")
-    assert version.run_id == run.info.run_id
+    # One registered model per experiment; this training run is one version of it.
+    (version,) = client.search_model_versions("name='default'")
+    assert version.run_id == run.info.run_id and version.tags["training_run"] == KEY
+
+
+def test_the_mlflow_run_shows_the_config_the_resume_and_the_failed_attempt(resumed_run):
+    client, (run,) = _mlflow_runs(resumed_run["tracking"])
+    params, tags = run.data.params, run.data.tags
+    assert params["max_steps"] == "60" and params["checkpoint.keep_last"] == "20"
+    assert params["task_args.step_delay"] == "0.03"
+    resumed_from = _reported(resumed_run["second"])[0]["resumed_from_step"]
+    marks = client.get_metric_history(run.info.run_id, "resumed_at_step")
+    assert [(m.step, m.value) for m in marks] == [(resumed_from, float(resumed_from))]
+    assert tags["attempt_1.start"] == "fresh" and tags["attempt_2.start"] == "resumed"
+    assert tags["attempt_2.resumed_from_step"] == str(resumed_from)
+    assert tags["attempt_1.failure_class"] == tags["last_failure_class"] == "killed_by_signal"
+    assert "exited -9" in tags["last_failure_reason"]
+
+
+def test_the_final_checkpoint_output_shows_the_runs_history_across_attempts(resumed_run):
+    final = materializations(resumed_run["second"], "model_checkpoint")[-1]
+    rows = [r.data for r in final["metrics_history"].records]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps) and steps[-1] == 60 and {r["attempt"] for r in rows} == {1, 2}
+    (resumed,) = [r for r in rows if r["resumed"]]
+    assert resumed["attempt"] == 2 and resumed["resumed_from_step"] == min(
+        r["resumed_from_step"] for r in rows if r["attempt"] == 2)
+    assert final["loss_plot"].startswith("![loss versus step](data:image/png;base64,")
+    assert final["uri_link"] == final["uri"][len("file://"):]
 
 
 def test_the_lineage_command_shows_both_attempts_and_parent_links_across_them(

@@ -78,6 +78,14 @@ def test_a_checkpoints_uri_stays_a_string_and_is_also_a_path_link_for_a_local_st
         "/store/exp/hist-run/checkpoints/step-000000010-a1")
 
 
+def test_typed_values_such_as_links_pass_through_plain_values_to_metadata():
+    from ckpt_assets.metadata import links, to_metadata
+
+    md = to_metadata({"n": None, **links({"checkpoint_uri": "/tmp/x", "mlflow_run": None})})
+    assert md == {"n": dg.MetadataValue.null(),
+                  "checkpoint_uri_link": dg.MetadataValue.path("/tmp/x")}
+
+
 def test_a_checkpoint_on_s3_is_a_url_link():
     md = checkpoint_metadata(record(10, 1, 1.0, uri_root="s3://bucket/p/exp/hist-run/checkpoints"))
     assert md["uri_link"] == dg.MetadataValue.url(
