@@ -78,7 +78,7 @@ class AttemptReport:
             what = f"{msg.get('failure_class')}: {msg.get('error_type')}: {msg.get('message')}"
             tb = msg.get("traceback")
             context.log.error(f"training process failed: {what}" + (
-                f"\n{tb[-TRACEBACK_MAX_CHARS:]}" if tb else ""))
+                f"\n{tb[-TRACEBACK_MAX_CHARS:].rstrip()}" if tb else ""))
         elif kind in ("stopped", "finished"):
             setattr(self, kind, msg)
         elif kind == "progress":
