@@ -22,8 +22,9 @@ from typing import Any
 import dagster as dg
 
 from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure, failure_class_for, signal_name
-from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY, MlflowTracker
+from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from ckpt_assets.metadata import checkpoint_metadata, to_metadata
+from ckpt_assets.mlflow_tracking import MlflowTracker
 from trainer.errors import CheckpointError, StorageError, TrainerError
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo

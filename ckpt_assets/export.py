@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_assets.failures import TrainingFailure
-from ckpt_assets.lineage import MlflowTracker
+from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.partitions import Registration
 from trainer.errors import ConfigError
 

@@ -112,15 +112,15 @@ def _terminate(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
 
 def _withdraw_pending_resume(instance: dg.DagsterInstance, partition: str,
                              tags: dict[str, str], reason: str | None) -> list[StopAction]:
-    from ckpt_assets.sensors import TAG_DECISION, TAG_DECISION_REASON
+    from ckpt_assets.sensors import TAG_DECISION, TAG_DECISION_REASON, TAG_NO_RESUME
 
     runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}), limit=1)
     if not runs or runs[0].status not in ENDED_UNSUCCESSFULLY:
         return []
     newest = runs[0]
     decision = newest.tags.get(TAG_DECISION)
-    if decision == "stop":
-        return []
+    if decision == "stop" or newest.tags.get(TAG_NO_RESUME) == "true":
+        return []  # nothing pending: it was stopped already, or will never be resumed
     # Undecided: the sensors decide "stop" when they see the tag. Decided "resume" but not
     # launched (only the newest run of a partition is ever resumed): overwrite the decision.
     withdraw = dict(tags)

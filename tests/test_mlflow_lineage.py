@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from ckpt_assets.cli import main as cli_main
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.lineage import TRAINING_RUN_TAG
+from ckpt_assets.mlflow_tracking import TRAINING_RUN_TAG
 from tests.dagster_fixtures import (
     ROOT,
     TrainerKiller,
