@@ -201,6 +201,17 @@ def dagster_cli(*args: str, env: dict | None = None, timeout: float = 300) -> su
                           timeout=timeout)
 
 
+def stop_process_group(proc: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM a process started with start_new_session=True and its children; SIGKILL
+    whatever is left after `grace` seconds."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

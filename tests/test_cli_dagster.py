@@ -22,6 +22,7 @@ from tests.dagster_fixtures import (
     pid_alive,
     pointer_step,
     read_heartbeat_pid,
+    stop_process_group,
     training_config,
 )
 from trainer.repo import CheckpointRepo
@@ -125,12 +126,7 @@ def test_cli_launch_queues_one_train_job_run_per_partition_that_the_daemon_runs(
         assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS, \
             (tmp_path / "daemon.log").read_text()[-3000:]
     finally:
-        os.killpg(daemon.pid, signal.SIGTERM)
-        try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(daemon.pid, signal.SIGKILL)
-            daemon.wait()
+        stop_process_group(daemon)
         log.close()
     listed = json.loads(cli("list", "--json").stdout)
     assert listed[0]["state"] == "SUCCESS" and listed[0]["latest_step"] == 40

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from tests.dagster_fixtures import *  # noqa: F403
-from tests.dagster_fixtures import DAGSTER, ROOT, cli, training_config
+from tests.dagster_fixtures import DAGSTER, ROOT, cli, stop_process_group, training_config
 
 
 def test_pyproject_and_workspace_name_the_code_location_alike():
@@ -78,10 +77,5 @@ def test_a_run_launched_from_the_cli_while_dagster_dev_runs_is_run_by_its_daemon
         assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS, \
             log_path.read_text()[-3000:]
     finally:
-        os.killpg(dev.pid, signal.SIGTERM)
-        try:
-            dev.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(dev.pid, signal.SIGKILL)
-            dev.wait()
+        stop_process_group(dev, grace=60)
         log.close()
