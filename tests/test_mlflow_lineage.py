@@ -49,7 +49,15 @@ def resumed_run(tmp_path_factory):
         assert killer.killed_pid, "the trainer was not killed"
         second = materialize_run(instance, KEY, resources)
         yield {"first": first, "second": second, "tracking": tracking, "home": home,
+               "instance": instance,
                "store": store, "killed_at": killer.step_seen, "config": cfg}
+
+
+def _stored_steps(instance: dg.DagsterInstance, run_id: str) -> list[int]:
+    recs = instance.fetch_materializations(dg.AssetRecordsFilter(
+        asset_key=dg.AssetKey("model_checkpoint"), asset_partitions=[KEY]), limit=1000).records
+    return sorted(int(r.asset_materialization.metadata["step"].value) for r in recs
+                  if r.run_id == run_id)
 
 
 def _reported(result) -> list[dict]:
@@ -118,7 +126,9 @@ def test_the_mlflow_step_history_is_strictly_increasing_and_continuous_across_at
     assert steps == sorted(set(steps)), f"steps repeat or go back: {steps}"
     # Continuous: exactly the committed checkpoints of attempt 1 up to the one attempt 2
     # resumed from, then attempt 2's; no gap at the seam, nothing logged twice.
-    first = [m["step"] for m in materializations(resumed_run["first"], "model_checkpoint")]
+    # A failed step's materializations are in the instance, not in the result's events.
+    first = _stored_steps(resumed_run["instance"], resumed_run["first"].run_id)
+    assert first, "attempt 1 committed checkpoints before it was killed"
     second = [m["step"] for m in _reported(resumed_run["second"])[:-1]]
     resumed_from = _reported(resumed_run["second"])[0]["resumed_from_step"]
     assert set(first) <= set(steps[: len(steps) - len(second)])
