@@ -145,20 +145,12 @@ class Decoded(torch.utils.data.Dataset):
         return img, i % 10
 
 
-def first_batch_fresh(ds, batch_size: int) -> float:
+def first_batch(ds, batch_size: int, state: dict | None = None) -> float:
+    """Seconds to the first batch of a fresh loader, or of one restored from `state`."""
     t0 = time.perf_counter()
     loader = ResumableLoader(ds, batch_size, seed=0, num_workers=2)
-    it = iter(loader)
-    next(it)
-    dt = time.perf_counter() - t0
-    del it
-    return dt
-
-
-def first_batch_resumed(ds, batch_size: int, state: dict) -> float:
-    t0 = time.perf_counter()
-    loader = ResumableLoader(ds, batch_size, seed=0, num_workers=2)
-    loader.load_state_dict(state)
+    if state is not None:
+        loader.load_state_dict(state)
     it = iter(loader)
     next(it)
     dt = time.perf_counter() - t0
@@ -186,11 +178,11 @@ def bench_loader_resume(reps: int) -> None:
     source = ResumableLoader(ds, batch_size, seed=0)
     source.epoch, source.position = 3, source.batches_per_epoch // 2  # mid-epoch
     state = source.state_dict()
-    first_batch_fresh(ds, batch_size)  # warm up (imports, first fork)
+    first_batch(ds, batch_size)  # warm up (imports, first fork)
     fresh, resumed, skipping = [], [], []
     for rep in range(reps):
-        runs = [lambda: fresh.append(first_batch_fresh(ds, batch_size)),
-                lambda: resumed.append(first_batch_resumed(ds, batch_size, state)),
+        runs = [lambda: fresh.append(first_batch(ds, batch_size)),
+                lambda: resumed.append(first_batch(ds, batch_size, state)),
                 lambda: skipping.append(first_batch_skipping(ds, batch_size, state["position"]))]
         for k in range(3):
             runs[(rep + k) % 3]()

@@ -112,8 +112,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     repo = CheckpointRepo(store, reg.experiment, reg.run)
     ids = AttemptIds(attempt_number(context, repo), context.run.run_id,
                      context.run.tags.get(TAG_ROOT_RUN_ID) or context.run.run_id, git_commit())
-    dataset = DatasetRecord.from_dict({k: v for k, v in training_dataset.items()
-                                       if k != "manifest"})
+    dataset = DatasetRecord.from_dict(training_dataset)
     link_resume(context.instance, context.run, context.log)
     # Before this attempt commits anything: what earlier attempts committed unseen.
     late = record_unseen_checkpoints(context, repo, reg.run)

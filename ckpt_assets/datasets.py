@@ -17,7 +17,7 @@ from typing import Any
 from ckpt_assets.partitions import Registration
 from trainer.dataset import check_same_data, dataset_manifest
 from trainer.errors import CheckpointError
-from trainer.records import Lineage
+from trainer.records import Lineage, from_known_fields
 from trainer.repo import CheckpointRepo
 
 
@@ -35,7 +35,8 @@ class DatasetRecord:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DatasetRecord:
-        return cls(**raw)
+        """From the stored `training_dataset` value (which also holds the file manifest)."""
+        return from_known_fields(cls, raw)
 
     @property
     def trainer_env(self) -> dict[str, str]:

@@ -27,6 +27,7 @@ from trainer.errors import (
     EXIT_USER_ERROR,
     FAILURE_CLASSES,
 )
+from trainer.records import from_known_fields
 
 # Classes the orchestrator adds to the trainer's own (FAILURE_CLASSES).
 KILLED_BY_SIGNAL = "killed_by_signal"
@@ -106,9 +107,8 @@ class TrainingFailure:
         """The record in a step failure's metadata values; None if it is not one."""
         if "exit_code" not in md or "failure_class" not in md:
             return None
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in md.items() if k in names and v is not None}
-                   | {"training_run": md.get("training_run") or ""})
+        present = {k: v for k, v in md.items() if v is not None}
+        return from_known_fields(cls, {**present, "training_run": md.get("training_run") or ""})
 
 
 FAILURE_METADATA_KEYS = tuple(f.name for f in dataclasses.fields(TrainingFailure))

@@ -109,11 +109,11 @@ def normalize_training_config(raw: dict[str, Any] | None, run: str,
         raw["experiment"] = experiment
     cfg = config_from_dict(raw)
     if cfg.command is None:
-        _check_task(cfg.task, cfg.task_args)
+        _check_task(cfg.task)
     return json.loads(json.dumps(cfg.to_dict()))
 
 
-def _check_task(spec: str, task_args: dict[str, Any]) -> None:
+def _check_task(spec: str) -> None:
     """Refuse a task the trainer could not import (its arguments are the task's to check)."""
     from trainer.task import resolve_task
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dagster as dg
 from pydantic import Field
 
+from ckpt_assets.attempt import MODEL_CHECKPOINT_KEY
 from ckpt_assets.failures import bad_input, storage_unavailable
 from ckpt_assets.launch_form import TrainingForm, training_from_form
 from ckpt_assets.lineage import TAG_ATTEMPT
@@ -18,8 +19,6 @@ from ckpt_assets.partitions import (
 from ckpt_assets.resources import CheckpointStore
 from trainer.errors import ConfigError, StorageError
 from trainer.repo import CheckpointRepo
-
-MODEL_CHECKPOINT_KEY = dg.AssetKey("model_checkpoint")
 
 
 class TrainingRunConfig(dg.Config):

@@ -127,20 +127,21 @@ def _end_event(instance, run: dg.DagsterRun) -> DagsterEvent:
     raise AssertionError(f"run {run.run_id} has not ended")
 
 
-def on_failure(instance, run: dg.DagsterRun, store: CheckpointStore):
+def _evaluate(sensor, instance, run: dg.DagsterRun, store: CheckpointStore):
+    """One evaluation of a run-status sensor on `run`'s end event, as the daemon makes it."""
     ctx = dg.build_run_status_sensor_context(
-        sensor_name="resume_failed_training", dagster_event=_end_event(instance, run),
+        sensor_name=sensor.name, dagster_event=_end_event(instance, run),
         dagster_instance=instance, dagster_run=instance.get_run_by_id(run.run_id),
         resources={"checkpoint_store": store})
-    return resume_failed_training(ctx)
+    return sensor(ctx)
+
+
+def on_failure(instance, run: dg.DagsterRun, store: CheckpointStore):
+    return _evaluate(resume_failed_training, instance, run, store)
 
 
 def on_cancel(instance, run: dg.DagsterRun, store: CheckpointStore):
-    ctx = dg.build_run_status_sensor_context(
-        sensor_name="resume_terminated_training", dagster_event=_end_event(instance, run),
-        dagster_instance=instance, dagster_run=instance.get_run_by_id(run.run_id),
-        resources={"checkpoint_store": store})
-    return resume_terminated_training(ctx)
+    return _evaluate(resume_terminated_training, instance, run, store)
 
 
 def sweep(instance, store: CheckpointStore) -> list[dg.RunRequest]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from trainer.errors import EXIT_BAD_INPUT
@@ -41,9 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = args.store or os.environ.get("CKPT_STORE_URI") or os.path.abspath("checkpoints")
-    resume = (args.resume or os.environ.get("CKPT_RESUME_FROM")
-              or os.environ.get("CHECKPOINT_PATH") or "auto")
 
     # Imported here so that `--help` and argument errors answer without loading torch.
     from trainer.config import load_config
@@ -52,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reporter = Reporter.shared()
     try:
-        code = train(load_config(args.config), store, resume)
+        code = train(load_config(args.config), args.store, args.resume)
     except Exception as e:  # before training began: the config
         code = report_failure(e, reporter)
     reporter.close()

@@ -108,7 +108,7 @@ def train_step(cfg: TrainConfig, task: Task, batches: Iterator[Any], optimizer, 
     return total / accum if accum > 1 else total
 
 
-def train(cfg: TrainConfig, store_uri: str, resume: str = "auto") -> int:
+def train(cfg: TrainConfig, store_uri: str | None = None, resume: str | None = None) -> int:
     """Run (or continue) training; return the exit code (0 done, 143 stopped, else failed)."""
     seed_everything(cfg)
     session = CheckpointSession(

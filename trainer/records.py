@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from trainer.manifest import Manifest
 
 
-def _from_dict(cls: type, raw: dict[str, Any] | None) -> Any:
+def from_known_fields(cls: type, raw: dict[str, Any] | None) -> Any:
+    """An instance of dataclass `cls` from the keys of `raw` it has fields for (records
+    gain fields over time: a reader ignores what it does not know)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in (raw or {}).items() if k in names})
 
@@ -39,7 +41,7 @@ class Lineage:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> Lineage:
-        return _from_dict(cls, {"experiment": "", "run": "", "attempt": 0, **(raw or {})})
+        return from_known_fields(cls, {"experiment": "", "run": "", "attempt": 0, **(raw or {})})
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class CheckpointRecord:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> CheckpointRecord:
-        rec = _from_dict(cls, raw)
+        rec = from_known_fields(cls, raw)
         lin = raw.get("lineage")
         return dataclasses.replace(rec, lineage=Lineage.from_dict(lin) if lin else None,
                                    eval=dict(raw.get("eval") or {}))
