@@ -23,7 +23,6 @@ from pathlib import Path
 import dagster as dg
 
 from ckpt_assets.attempt import (
-    MODEL_CHECKPOINT_KEY,
     AttemptReport,
     attempt_failure,
     failure_description,
@@ -32,6 +31,7 @@ from ckpt_assets.attempt import (
     record_unseen_checkpoints,
 )
 from ckpt_assets.datasets import DatasetRecord, describe_dataset, refuse_changed_data
+from ckpt_assets.events import MODEL_CHECKPOINT_KEY
 from ckpt_assets.failures import TrainingFailure, bad_input, storage_unavailable
 from ckpt_assets.history import history_metadata
 from ckpt_assets.io_managers import CHECKPOINT_KEY
@@ -41,6 +41,7 @@ from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.partitions import training_runs
 from ckpt_assets.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
+from ckpt_assets.run_state import RunState, State, run_state, state_observation
 from ckpt_assets.runs import TrainingRunConfig, attempt_number, resolve_registration
 from ckpt_assets.trainer_process import LaunchError, run_under_pipes
 from trainer.errors import ConfigError, StorageError
@@ -101,8 +102,9 @@ def training_dataset(context: dg.AssetExecutionContext, config: TrainingRunConfi
     kinds={"pytorch"},
     metadata={"ckpt/load": "checkpoint_state"},
     description="Trains (or resumes) the run: `python -m trainer` on its task, or its own "
-                "command, as a process under Dagster Pipes. One materialization per committed "
-                "checkpoint; as an input it loads the newest valid checkpoint's verified state.",
+                "command, as a process under Dagster Pipes. Each committed checkpoint is an "
+                "observation (step, loss, lineage); a finished run materializes the partition "
+                "with its final checkpoint. As an input it loads the newest valid checkpoint.",
 )
 def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfig,
                      training_dataset: dict, checkpoint_store: CheckpointStore,
@@ -114,6 +116,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
                      context.run.tags.get(TAG_ROOT_RUN_ID) or context.run.run_id, git_commit())
     dataset = DatasetRecord.from_dict(training_dataset)
     link_resume(context.instance, context.run, context.log)
+    context.log_event(state_observation(run_state(context.instance, reg.run)))
     # Before this attempt commits anything: what earlier attempts committed unseen.
     late = record_unseen_checkpoints(context, repo, reg.run)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
@@ -157,6 +160,9 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     if ended.failure_class != "success":
         tracker.finish("FAILED")
         raise attempt_failure(ended, report)
+    context.log_event(state_observation(RunState(
+        reg.run, State.FINISHED, f"attempt {ended.attempt} trained to step "
+        f"{ended.last_committed_step}", context.run.run_id, ended.attempt)))
     # The run's history across attempts, on the output people open last.
     yield _final_output(repo, ended, tracker, context, history_metadata(
         context.instance, reg.run, [*late, *report.checkpoints], context.log))

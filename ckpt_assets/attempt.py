@@ -1,8 +1,9 @@
 """One attempt of a training run, as the orchestrator sees it: the Pipes messages of the
 training process turned into Dagster events, and how the attempt ended.
 
-* each committed checkpoint -> an ASSET_MATERIALIZATION of model_checkpoint for the
+* each committed checkpoint -> an ASSET_OBSERVATION `checkpoint` of model_checkpoint for the
   partition, with the lineage metadata (`ckpt_assets.metadata.CHECKPOINT_METADATA_KEYS`);
+  only a finished run materializes the partition (`ckpt_assets.events` says why);
 * the end of the attempt -> an ASSET_OBSERVATION `attempt_ended` (also on success and on
   cancellation) with the fields of `TrainingFailure`;
 * a non-zero exit -> `dagster.Failure` carrying a `TrainingFailure` (and the user's
@@ -10,7 +11,7 @@ training process turned into Dagster events, and how the attempt ended.
   STEP_FAILURE event; the `failed` report itself -> ONE error log entry with the traceback;
 * a resume's start -> a link both ways between it and the run it resumes (`link_resume`);
 * before an attempt starts, checkpoints that earlier attempts committed but never reported
-  (their orchestrator died first) -> late materializations (`record_unseen_checkpoints`).
+  (their orchestrator died first) -> late checkpoint observations (`record_unseen_checkpoints`).
 """
 
 from __future__ import annotations
@@ -21,16 +22,21 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.events import (
+    ATTEMPT_ENDED,
+    CHECKPOINT,
+    MODEL_CHECKPOINT_KEY,
+    recorded_checkpoint_names,
+)
 from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure, failure_class_for, signal_name
 from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from ckpt_assets.metadata import checkpoint_metadata, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
+from ckpt_assets.run_state import TAG_DECISION_REASON
 from trainer.errors import CheckpointError, StorageError, TrainerError
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 
-MODEL_CHECKPOINT_KEY = dg.AssetKey("model_checkpoint")
-TAG_RESUME_REASON = "ckpt/resume_reason"  # on a resume run (set by the sensors)
 TRACEBACK_MAX_CHARS = 20_000  # the end of a traceback is where the error is
 
 
@@ -56,10 +62,8 @@ class AttemptReport:
         if kind == "checkpoint":
             rec = CheckpointRecord.from_dict(msg)
             self.checkpoints.append(rec)
-            context.log_event(dg.AssetMaterialization(
-                asset_key=MODEL_CHECKPOINT_KEY, partition=self.run,
-                description=f"checkpoint step {rec.step} committed (loss {rec.loss})",
-                metadata=checkpoint_metadata(rec)))
+            context.log_event(checkpoint_event(
+                rec, self.run, f"checkpoint step {rec.step} committed (loss {rec.loss})"))
             tracker.on_checkpoint(rec)
         elif kind == "eval":
             tracker.on_eval(msg)
@@ -113,7 +117,7 @@ def record_end(context, ended: TrainingFailure, interrupted: bool,
                extra: dict[str, Any]) -> None:
     context.log_event(dg.AssetObservation(
         asset_key=MODEL_CHECKPOINT_KEY, partition=ended.training_run,
-        metadata=to_metadata({"event": "attempt_ended", **dataclasses.asdict(ended),
+        metadata=to_metadata({"event": ATTEMPT_ENDED, **dataclasses.asdict(ended),
                               "interrupted": interrupted, **extra}),
         description=f"attempt {ended.attempt} ended: exit {ended.exit_code} "
                     f"({ended.failure_class})"))
@@ -154,7 +158,7 @@ def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log) -> str | 
         return None
     try:
         parent = instance.get_run_by_id(parent_id)
-        reason = run.tags.get(TAG_RESUME_REASON) or ""
+        reason = parent.tags.get(TAG_DECISION_REASON, "") if parent is not None else ""
         log.info(f"resuming failed run {parent_id} (/runs/{parent_id}) as attempt "
                  f"{run.tags.get(TAG_ATTEMPT, '?')}" + (f": {reason}" if reason else ""))
         if parent is not None and parent.tags.get(TAG_RESUMED_BY) != run.run_id:
@@ -167,34 +171,25 @@ def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log) -> str | 
     return parent_id
 
 
-def materialized_checkpoint_names(instance: dg.DagsterInstance, run: str) -> set[str]:
-    """Names of the checkpoints the partition's model_checkpoint materializations record."""
-    flt = dg.AssetRecordsFilter(asset_key=MODEL_CHECKPOINT_KEY, asset_partitions=[run])
-    names: set[str] = set()
-    cursor = None
-    while True:
-        page = instance.fetch_materializations(flt, limit=1000, cursor=cursor)
-        for rec in page.records:
-            mat = rec.asset_materialization
-            name = mat.metadata.get("name") if mat else None
-            if name is not None:
-                names.add(str(name.value))
-        if not page.has_more:
-            return names
-        cursor = page.cursor
+def checkpoint_event(rec: CheckpointRecord, run: str, description: str,
+                     extra: dict[str, Any] | None = None) -> dg.AssetObservation:
+    """A committed checkpoint, as the partition's `checkpoint` observation."""
+    return dg.AssetObservation(
+        asset_key=MODEL_CHECKPOINT_KEY, partition=run, description=description,
+        metadata={"event": CHECKPOINT, **checkpoint_metadata(rec), **to_metadata(extra or {})})
 
 
 def record_unseen_checkpoints(context, repo: CheckpointRepo, run: str,
                               known: set[str] | frozenset[str] = frozenset()
                               ) -> list[CheckpointRecord]:
-    """Materialize the run's committed checkpoints that Dagster never saw, oldest first
+    """Record the run's committed checkpoints that Dagster never saw, oldest first
     (`known`: names this step already recorded, whose events may not be stored yet).
 
     A trainer reports each checkpoint over Pipes after committing it; when its run worker
     is killed, the trainer still commits on the way out (SIGTERM through PR_SET_PDEATHSIG),
     but nobody reads that report. Without a record the next checkpoint's parent link would
     point at nothing in Dagster. The pointer's timeline (the line this run continues) is
-    compared with the partition's materializations; each missing checkpoint is logged with
+    compared with the partition's checkpoint observations; each missing checkpoint is logged with
     the usual lineage metadata, `recorded_late: true` and who committed it. Best-effort: an
     unreadable store is the trainer's to report, so nothing here fails the attempt.
     """
@@ -205,7 +200,7 @@ def record_unseen_checkpoints(context, repo: CheckpointRepo, run: str,
     names = ptr.timeline[::-1] if ptr else []
     if not names:
         return []
-    seen = materialized_checkpoint_names(context.instance, run) | set(known)
+    seen = recorded_checkpoint_names(context.instance, run) | set(known)
     late = []
     for name in names:
         if name in seen:
@@ -223,12 +218,10 @@ def record_unseen_checkpoints(context, repo: CheckpointRepo, run: str,
                   "orchestrator died"
         else:
             how = f"by attempt {rec.attempt} outside Dagster"
-        context.log_event(dg.AssetMaterialization(
-            asset_key=MODEL_CHECKPOINT_KEY, partition=run,
-            description=f"checkpoint step {rec.step} committed {how}; recorded late by "
-                        f"Dagster run {context.run.run_id}",
-            metadata={**checkpoint_metadata(rec), **to_metadata({
-                "recorded_late": True, "recorded_by_run_id": context.run.run_id})}))
+        context.log_event(checkpoint_event(
+            rec, run, f"checkpoint step {rec.step} committed {how}; recorded late by "
+                      f"Dagster run {context.run.run_id}",
+            {"recorded_late": True, "recorded_by_run_id": context.run.run_id}))
         late.append(rec)
     if late:
         context.log.warning(

@@ -197,8 +197,8 @@ def cmd_launch(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from ckpt_assets.lineage import run_summary
     from ckpt_assets.partitions import PARTITIONS_NAME
+    from ckpt_assets.run_state import run_summary
 
     store = _store(args.store)
     instance = _instance()
@@ -216,8 +216,10 @@ def cmd_list(args) -> int:
                          f"/{r['max_steps'] or '?'}", r["latest_checkpoint"] or "-")
                         for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
-    for row in table:
+    for row, r in zip(table, [None, *rows], strict=True):
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+        if r and r["detail"]:  # the reason, or what happens next, under the run's line
+            print(f"    {r['detail']}")
     return EXIT_OK
 
 

@@ -2,10 +2,9 @@
 
 Shown on the final `model_checkpoint` output: one row per committed checkpoint of the
 training run (step, loss, eval metrics, attempt, checkpoint, and where an attempt resumed),
-from the partition's materializations in the instance plus what this attempt reported
-(its own materializations are stored only when the step yields its output, after this is
-built). The instance, not the store, is the source: retention deletes old checkpoints,
-their materializations stay. Bounded to the last `MAX_ROWS` checkpoints by step.
+from the partition's checkpoint observations in the instance plus what this attempt
+reported (its own observations may not be stored yet when this is built). The instance,
+not the store, is the source: retention deletes old checkpoints, their observations stay. Bounded to the last `MAX_ROWS` checkpoints by step.
 
 The plot is a PNG (matplotlib, Agg) embedded as a base64 data URI in Markdown metadata,
 which the Dagster UI renders inline; no file has to outlive the run for it to show.
@@ -21,7 +20,7 @@ from typing import Any
 
 import dagster as dg
 
-from ckpt_assets.attempt import MODEL_CHECKPOINT_KEY
+from ckpt_assets.events import CHECKPOINT, partition_events
 from trainer.records import CheckpointRecord
 
 MAX_ROWS = 1000
@@ -40,22 +39,16 @@ def _row(name: str, step: Any, attempt: Any, loss: Any, ev: Any, resumed_from: A
 
 
 def _instance_rows(instance: dg.DagsterInstance, run: str, limit: int) -> list[dict[str, Any]]:
-    """The partition's newest checkpoint materializations (the final output repeats a
-    checkpoint's name: the first record of a name is its own)."""
-    flt = dg.AssetRecordsFilter(asset_key=MODEL_CHECKPOINT_KEY, asset_partitions=[run])
-    # Newest first, bounded: each checkpoint appears at most twice (its own event and a
-    # final output that names it), so twice the row limit covers the newest rows.
-    recs = instance.fetch_materializations(flt, limit=2 * limit, ascending=False).records
+    """The partition's newest `limit` checkpoint observations, oldest first (a checkpoint
+    recorded twice, e.g. late and by its own attempt, is one row)."""
     rows: dict[str, dict[str, Any]] = {}
-    for rec in reversed(recs):
-        mat = rec.asset_materialization
-        md = {k: v.value for k, v in mat.metadata.items()} if mat else {}
+    for md, _ in partition_events(instance, run, CHECKPOINT, newest_first=True, limit=2 * limit):
         name = md.get("name")
-        if not name or name in rows:
-            continue
-        rows[name] = _row(name, md.get("step"), md.get("attempt"), md.get("loss"),
-                          md.get("eval"), md.get("resumed_from_step"), md.get("recorded_late"))
-    return list(rows.values())
+        if name and len(rows) < limit:
+            rows[name] = _row(name, md.get("step"), md.get("attempt"), md.get("loss"),
+                              md.get("eval"), md.get("resumed_from_step"),
+                              md.get("recorded_late"))
+    return list(reversed(rows.values()))
 
 
 def history_frame(instance: dg.DagsterInstance, run: str,

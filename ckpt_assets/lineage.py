@@ -10,6 +10,7 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.events import ATTEMPT_ENDED, CHECKPOINT, RESUME_DECISION, partition_events
 from ckpt_assets.partitions import PARTITION_TAG, read_registration
 from trainer.errors import CheckpointError
 from trainer.repo import CheckpointRepo
@@ -49,34 +50,6 @@ def checkpoint_timeline(repo: CheckpointRepo) -> list[dict[str, Any]]:
     return out
 
 
-def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
-    """State of one training run from the instance (runs) and the store (checkpoints)."""
-    reg = read_registration(store, run_key)
-    runs = dagster_runs_of(instance, run_key)
-    latest = runs[-1] if runs else None
-    out: dict[str, Any] = {
-        "run": run_key, "experiment": reg.experiment if reg else None,
-        "registered": reg is not None,
-        "state": latest.status.value if latest else "NOT_LAUNCHED",
-        "dagster_runs": len(runs), "attempts": 0, "latest_step": None,
-        "latest_checkpoint": None, "max_steps": reg.config.get("max_steps") if reg else None,
-    }
-    if reg is None:
-        return out
-    repo = CheckpointRepo(store, reg.experiment, run_key)
-    try:
-        ptr = repo.read_pointer()
-    except CheckpointError as e:
-        out["error"] = str(e)
-        ptr = None
-    if ptr:
-        out["attempts"] = ptr.attempt
-        if ptr.checkpoint:
-            out["latest_step"] = ptr.step
-            out["latest_checkpoint"] = repo.uri(ptr.checkpoint)
-    return out
-
-
 def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
     """Attempts (Dagster runs), checkpoints with parent links, and the final model."""
     from ckpt_assets.io_managers import VersionedRepo
@@ -95,22 +68,20 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
                          "job": r.job_name})
     # What each attempt did and why it was (not) resumed: observations on the partition.
     ended, decisions = {}, {}
-    for md, rec in _partition_events(instance, run_key, observations=True):
-        if md.get("event") == "attempt_ended":
+    for md, rec in partition_events(instance, run_key):
+        if md.get("event") == ATTEMPT_ENDED:
             ended[rec.run_id] = md
-        elif md.get("event") == "resume_decision":
+        elif md.get("event") == RESUME_DECISION:
             decisions[md.get("failed_run_id")] = md.get("reason")
     repo = CheckpointRepo(store, reg.experiment, run_key)
     timeline = checkpoint_timeline(repo)
     stored = {c["name"] for c in timeline}
-    # Every committed checkpoint was materialized (those an attempt committed after its
+    # Every committed checkpoint was observed (those an attempt committed after its
     # orchestrator died, late, by the next attempt), so the history outlives retention.
-    # (The step's own output materializes the final checkpoint once more: one row each.)
     # A checkpoint belongs to the Dagster run that launched its trainer (its lineage), not
-    # to the run that logged the event: a late record is logged by the next attempt. The
-    # first record of a name is its own; a later one (the final output) repeats it.
+    # to the run that logged the event: a late record is logged by the next attempt.
     checkpoints: dict[str, dict[str, Any]] = {}
-    for md, rec in _partition_events(instance, run_key, observations=False):
+    for md, rec in partition_events(instance, run_key, CHECKPOINT):
         if not md.get("name") or md["name"] in checkpoints:
             continue
         checkpoints[md["name"]] = {
@@ -179,18 +150,6 @@ def _attempt_end(a: dict[str, Any], ended: dict[str, Any]) -> str | None:
     if a["status"] == "SUCCESS":
         return "success"
     return None
-
-
-def _partition_events(instance: dg.DagsterInstance, run_key: str, observations: bool):
-    """(metadata values, record) of model_checkpoint events of one partition, oldest first."""
-    flt = dg.AssetRecordsFilter(asset_key=dg.AssetKey("model_checkpoint"),
-                                asset_partitions=[run_key])
-    fetch = instance.fetch_observations if observations else instance.fetch_materializations
-    for rec in fetch(flt, limit=10_000, ascending=True).records:
-        entry = rec.event_log_entry
-        ev = entry.asset_observation if observations else entry.asset_materialization
-        if ev is not None:
-            yield {k: v.value for k, v in ev.metadata.items()}, rec
 
 
 def format_lineage(rep: dict[str, Any]) -> str:

@@ -18,8 +18,9 @@ the sensors (`ckpt_assets.sensors`) gather the facts and act on the decision.
 
 from __future__ import annotations
 
+import json
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ckpt_assets.failures import CLASS_KINDS, EXIT_KINDS, NEVER, RESUMABLE
 
@@ -59,6 +60,27 @@ class Budget:
     # after a walk-back past a corrupt checkpoint the pointer's step goes down, and a chain
     # that keeps re-committing the same steps must not pass for one that advances.
     high_step: int | None = None
+
+    def to_tag(self) -> str:
+        """`preemptions=1 transient=0 stuck=0 resumed_from_step=30 high_step=30`: readable in
+        a run's tags (None fields are left out)."""
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                        if getattr(self, f.name) is not None)
+
+    @classmethod
+    def from_tag(cls, text: str) -> Budget:
+        """Parse `to_tag`'s text (or the JSON older runs carry); anything unreadable is a
+        fresh budget, as for a run that carries none."""
+        text = (text or "").strip()
+        try:
+            if text.startswith("{"):
+                values = json.loads(text)
+            else:
+                values = dict(item.split("=", 1) for item in text.split())
+            known = {f.name for f in fields(cls)}
+            return cls(**{k: int(v) for k, v in values.items() if k in known and v is not None})
+        except (TypeError, ValueError):
+            return cls()
 
 
 @dataclass(frozen=True)

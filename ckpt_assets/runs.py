@@ -5,7 +5,7 @@ from __future__ import annotations
 import dagster as dg
 from pydantic import Field
 
-from ckpt_assets.attempt import MODEL_CHECKPOINT_KEY
+from ckpt_assets.events import MODEL_CHECKPOINT_KEY
 from ckpt_assets.failures import bad_input, storage_unavailable
 from ckpt_assets.launch_form import TrainingForm, training_from_form
 from ckpt_assets.lineage import TAG_ATTEMPT

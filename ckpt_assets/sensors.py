@@ -16,7 +16,6 @@ one active run per partition.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -26,23 +25,30 @@ from dataclasses import asdict
 import dagster as dg
 from dagster._core.events import EngineEventData
 
-from ckpt_assets.assets import MODEL_CHECKPOINT_KEY
+from ckpt_assets.events import MODEL_CHECKPOINT_KEY, RESUME_DECISION
 from ckpt_assets.failures import TrainingFailure
-from ckpt_assets.jobs import TRAINING_JOB_NAMES, train_job
+from ckpt_assets.jobs import train_job
 from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM, TAG_ROOT_RUN_ID
 from ckpt_assets.partitions import PARTITION_TAG, read_registration
 from ckpt_assets.policy import Budget, Decision, Failure, PolicyConfig, decide
 from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.run_state import (
+    TAG_DECIDED_AT,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_NO_RESUME,
+    TAG_RESUME_AT,
+    is_training_run,
+    iso,
+    newest_training_run,
+    parse_time,
+    report_state,
+)
 from trainer.repo import CheckpointRepo
 
-TAG_DECISION = "ckpt/decision"  # on a failed run: "resume" | "stop"
-TAG_DECISION_REASON = "ckpt/decision_reason"
-TAG_DECIDED_AT = "ckpt/decided_at"  # epoch seconds
-TAG_RESUME_DELAY = "ckpt/resume_delay_s"  # back-off: the reconciler launches it when due
 TAG_NEXT_BUDGET = "ckpt/next_budget"  # on a failed run: the budget its resume will carry
-TAG_BUDGET = "ckpt/budget"  # on a resume run: JSON Budget carried from attempt to attempt
+TAG_BUDGET = "ckpt/budget"  # on a resume run: the Budget carried from attempt to attempt
 TAG_FAILURE_KIND = "ckpt/failure_kind"
-TAG_NO_RESUME = "ckpt/no_resume"  # set by `ckpt-assets stop`: a termination that is meant
 RESUME_KEY_PREFIX = "resume-"
 
 # Reconciler: a resume the failure sensor decided and did not launch within this long was
@@ -61,19 +67,6 @@ def policy_config() -> PolicyConfig:
         backoff_base_s=float(env("CKPT_BACKOFF_BASE_S", "10")),
         backoff_max_s=float(env("CKPT_BACKOFF_MAX_S", "300")),
     )
-
-
-def is_training_run(run: dg.DagsterRun) -> bool:
-    if PARTITION_TAG not in run.tags:
-        return False
-    if run.job_name in TRAINING_JOB_NAMES:
-        return True
-    return bool(run.asset_selection and MODEL_CHECKPOINT_KEY in run.asset_selection)
-
-
-def newest_run_of(instance: dg.DagsterInstance, partition: str) -> dg.DagsterRun | None:
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}), limit=1)
-    return runs[0] if runs else None
 
 
 def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun,
@@ -116,27 +109,25 @@ def committed_step(store: CheckpointStore, partition: str) -> int | None:
 
 
 def budget_of(run: dg.DagsterRun, tag: str = TAG_BUDGET) -> Budget:
-    try:
-        return Budget(**json.loads(run.tags.get(tag, "{}")))
-    except (TypeError, ValueError):
-        return Budget()
+    return Budget.from_tag(run.tags.get(tag, ""))
 
 
 def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
            decision: Decision) -> None:
     """Write the decision where people and the reconciler look: the failed run's tags, and
     an observation on the training run's partition."""
+    # Whole seconds, rounded down: a decision time in the future would look not yet due.
+    decided = math.floor(time.time())
     tags = {TAG_DECISION: "resume" if decision.resume else "stop",
             TAG_DECISION_REASON: decision.reason[:400], TAG_FAILURE_KIND: decision.kind,
-            # Rounded down: a decision time in the future would make it look not yet due.
-            TAG_DECIDED_AT: f"{math.floor(time.time() * 10) / 10:.1f}",
-            TAG_RESUME_DELAY: f"{decision.delay_s:.0f}",
-            TAG_NEXT_BUDGET: json.dumps(asdict(decision.budget))}
+            TAG_DECIDED_AT: iso(decided), TAG_NEXT_BUDGET: decision.budget.to_tag(),
+            **({TAG_RESUME_AT: iso(decided + math.ceil(decision.delay_s))}
+               if decision.resume and decision.delay_s > 0 else {})}
     instance.add_run_tags(run.run_id, tags)
     instance.report_runless_asset_event(dg.AssetObservation(
         asset_key=MODEL_CHECKPOINT_KEY, partition=failure.partition,
         description=f"run {run.run_id[:8]} attempt {failure.attempt}: {decision.reason}",
-        metadata={"event": "resume_decision", "failed_run_id": run.run_id,
+        metadata={"event": RESUME_DECISION, "failed_run_id": run.run_id,
                   "decision": tags[TAG_DECISION], "reason": decision.reason,
                   "failure_kind": decision.kind, "exit_code": failure.exit_code,
                   "failure_class": failure.failure_class,
@@ -169,6 +160,7 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
     except Exception:  # the tags above are the record the sensors act on; this is for people
         logging.getLogger(__name__).warning("could not log the resume decision on run %s",
                                             run.run_id, exc_info=True)
+    report_state(instance, failure.partition)
 
 
 def resume_request(run: dg.DagsterRun, failure: Failure,
@@ -189,8 +181,7 @@ def resume_request(run: dg.DagsterRun, failure: Failure,
               TAG_ROOT_RUN_ID: run.tags.get(TAG_ROOT_RUN_ID, run.run_id),
               TAG_ATTEMPT: str(failure.attempt + 1),
               TAG_RESUME_FROM: resume_from or "latest",
-              TAG_BUDGET: run.tags.get(TAG_NEXT_BUDGET, "{}"),
-              "ckpt/resume_reason": run.tags.get(TAG_DECISION_REASON, "")},
+              TAG_BUDGET: run.tags.get(TAG_NEXT_BUDGET, "")},
     )
 
 
@@ -203,7 +194,7 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: Checkpoint
     """
     if not is_training_run(run):
         return None
-    newest = newest_run_of(instance, run.tags[PARTITION_TAG])
+    newest = newest_training_run(instance, run.tags[PARTITION_TAG])
     if newest is None or newest.run_id != run.run_id:
         return None  # a newer run of this partition exists (e.g. the resume): moot
     if TAG_DECISION not in run.tags:
@@ -216,12 +207,12 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: Checkpoint
         run = instance.get_run_by_id(run.run_id)
     if run.tags.get(TAG_DECISION) != "resume":
         return None
-    decided_at = float(run.tags.get(TAG_DECIDED_AT, "0"))
-    delay = float(run.tags.get(TAG_RESUME_DELAY, "0"))
+    decided_at = parse_time(run.tags.get(TAG_DECIDED_AT)) or 0.0
+    resume_at = parse_time(run.tags.get(TAG_RESUME_AT))
     now = time.time()
     # The failure sensors launch an immediate resume without looking at the clock at all.
-    if delay > 0:
-        if not sweep or now < decided_at + delay:
+    if resume_at is not None:
+        if not sweep or now < resume_at:
             return None  # a back-off: the reconciler launches it once due
     elif sweep and now < decided_at + LAUNCH_GRACE_S:
         return None  # the failure sensor's launch may still be on its way
@@ -231,10 +222,10 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: Checkpoint
 def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
     run = context.dagster_run
     req = consider(context.instance, run, store, sweep=False)
+    reason = context.instance.get_run_by_id(run.run_id).tags.get(TAG_DECISION_REASON)
     if req is None:
-        run = context.instance.get_run_by_id(run.run_id)
-        return dg.SkipReason(f"run {run.run_id[:8]}: {run.tags.get(TAG_DECISION_REASON, 'not a training run')}")
-    context.log.info(f"resuming {req.partition_key}: {req.tags['ckpt/resume_reason']}")
+        return dg.SkipReason(f"run {run.run_id[:8]}: {reason or 'not a training run'}")
+    context.log.info(f"resuming {req.partition_key}: {reason}")
     return req
 
 

@@ -9,9 +9,8 @@ A run that already ended with a resume still pending (a backed-off resume the re
 launches later, or a failure not decided yet) is withdrawn as well: without that, a stop
 issued during the back-off would be undone by the reconciler minutes later.
 
-Used by the `stop_training_run` job (ckpt_assets.jobs) and meant for `ckpt-assets stop`.
-The sensors module is imported inside the functions because it imports the jobs module,
-which imports this one.
+Used by the `stop_training_run` job (ckpt_assets.jobs) and by `ckpt-assets stop`. The
+partition's new state ("stopping" or "stopped by user") is recorded on it as an observation.
 """
 
 from __future__ import annotations
@@ -21,8 +20,13 @@ from dataclasses import dataclass
 import dagster as dg
 
 from ckpt_assets.partitions import PARTITION_TAG, PARTITIONS_NAME, validate_partition_key
-
-TAG_STOP_REASON = "ckpt/stop_reason"  # on each stopped run: why (free text from the user)
+from ckpt_assets.run_state import (
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_NO_RESUME,
+    TAG_STOP_REASON,
+    report_state,
+)
 
 ACTIVE_STATUSES = (dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
                    dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED,
@@ -68,8 +72,6 @@ def stop_training_run(instance: dg.DagsterInstance, partition: str, reason: str 
     `force`: a run whose termination was requested is also marked canceled at once (as the
     UI's "force termination" does), for a run worker that is gone.
     """
-    from ckpt_assets.sensors import TAG_NO_RESUME
-
     validate_partition_key(partition)
     tags = {TAG_NO_RESUME: "true", **({TAG_STOP_REASON: reason[:400]} if reason else {})}
     # First the newest ended run, then the active ones: a resume launched in between is
@@ -78,6 +80,8 @@ def stop_training_run(instance: dg.DagsterInstance, partition: str, reason: str 
     for run in active_runs(instance, partition):
         instance.add_run_tags(run.run_id, tags)  # before terminating: the sensors read it
         actions.append(StopAction(run.run_id, run.status.value, _end(instance, run, force)))
+    if actions:
+        report_state(instance, partition)
     return actions
 
 
@@ -112,8 +116,6 @@ def _terminate(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
 
 def _withdraw_pending_resume(instance: dg.DagsterInstance, partition: str,
                              tags: dict[str, str], reason: str | None) -> list[StopAction]:
-    from ckpt_assets.sensors import TAG_DECISION, TAG_DECISION_REASON, TAG_NO_RESUME
-
     runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}), limit=1)
     if not runs or runs[0].status not in ENDED_UNSUCCESSFULLY:
         return []

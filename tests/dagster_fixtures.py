@@ -117,13 +117,21 @@ def materializations(result: dg.ExecuteInJobResult, asset: str) -> list[dict[str
     return out
 
 
-def observations(result: dg.ExecuteInJobResult, asset: str) -> list[dict[str, Any]]:
+def observations(result: dg.ExecuteInJobResult, asset: str,
+                 event: str | None = None) -> list[dict[str, Any]]:
+    """Metadata of each ASSET_OBSERVATION of `asset` in a run (of one `event` kind), in order."""
     out = []
     for ev in result.all_events:
         if ev.event_type_value == "ASSET_OBSERVATION" and ev.asset_key == dg.AssetKey(asset):
-            md = ev.event_specific_data.asset_observation.metadata
-            out.append({k: v.value for k, v in md.items()})
+            md = {k: v.value for k, v in ev.event_specific_data.asset_observation.metadata.items()}
+            if event is None or md.get("event") == event:
+                out.append(md)
     return out
+
+
+def checkpoints(result: dg.ExecuteInJobResult) -> list[dict[str, Any]]:
+    """The checkpoints a run recorded (model_checkpoint's `checkpoint` observations)."""
+    return observations(result, "model_checkpoint", "checkpoint")
 
 
 def step_failure_metadata(result: dg.ExecuteInJobResult, step: str = "model_checkpoint"):

@@ -13,6 +13,7 @@ from ckpt_assets.policy import Failure, decide
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     ROOT,
+    checkpoints,
     materializations,
     materialize_run,
     step_failure_metadata,
@@ -44,7 +45,7 @@ def test_the_readme_regression_task_trains_through_dagster(instance, tmp_path, m
     res = materialize_run(instance, "regression", make_resources(str(tmp_path / "s")),
                           training=cfg)
     assert res.success
-    ckpts = materializations(res, "model_checkpoint")
+    ckpts = checkpoints(res)
     assert ckpts[-1]["step"] == cfg["max_steps"]
     assert ckpts[0]["user_code_version"]  # the repository holding trainer/tasks/regression.py
     assert materializations(res, "final_model")[0]["eval_loss"] < 10
@@ -55,8 +56,8 @@ def test_a_command_run_trains_through_dagster_with_its_own_loop(instance, tmp_pa
            "checkpoint": {"heartbeat_seconds": 0.5}}
     res = materialize_run(instance, "plain", make_resources(str(tmp_path / "s")), training=cfg)
     assert res.success, step_failure_metadata(res)
-    ckpts = materializations(res, "model_checkpoint")
-    assert [c["step"] for c in ckpts[:-1]] == [20, 40, 60]
+    ckpts = checkpoints(res)
+    assert [c["step"] for c in ckpts] == [20, 40, 60]
     assert all(c["training_run"] == "plain" and c["attempt"] == 1 for c in ckpts)
     assert ckpts[0]["user_code_version"]
     final = materializations(res, "final_model")[0]
@@ -133,7 +134,7 @@ def test_a_dataset_file_is_versioned_passed_by_uri_and_a_changed_byte_is_refused
     assert res.success, step_failure_metadata(res)
     ds = materializations(res, "training_dataset")[0]
     assert ds["kind"] == "uri" and ds["files"] == 1 and ds["uri"] == str(data)
-    ckpts = materializations(res, "model_checkpoint")
+    ckpts = checkpoints(res) + materializations(res, "model_checkpoint")
     assert {c["data_version"] for c in ckpts} == {ds["data_version"]}
     assert {c["dataset"] for c in ckpts} == {str(data)}
     committed = CheckpointRepo(open_store(store), "default", "data-run").committed()

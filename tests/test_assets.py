@@ -18,6 +18,7 @@ from ckpt_assets.resources import CheckpointStore, git_commit
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     check_results,
+    checkpoints,
     materializations,
     materialize_run,
     observations,
@@ -38,9 +39,10 @@ def _assert_trained_run(result, store_uri: str, key: str, experiment: str, max_s
     assert result.success
     run_id = result.run_id
     data_version = materializations(result, "training_dataset")[0]["data_version"]
-    ckpts = materializations(result, "model_checkpoint")
-    per_checkpoint, final = ckpts[:-1], ckpts[-1]
-    assert per_checkpoint, "every committed checkpoint is a materialization"
+    per_checkpoint = checkpoints(result)
+    assert per_checkpoint, "every committed checkpoint is an observation"
+    # One materialization, of the finished run: checkpoints never make the partition "done".
+    (final,) = materializations(result, "model_checkpoint")
     steps = [m["step"] for m in per_checkpoint]
     assert steps == sorted(set(steps)) and steps[-1] == max_steps
     for prev, m in zip([None, *per_checkpoint], per_checkpoint, strict=False):
@@ -56,7 +58,7 @@ def _assert_trained_run(result, store_uri: str, key: str, experiment: str, max_s
     assert final["step"] == max_steps and final["uri"] == per_checkpoint[-1]["uri"]
     assert final["data_version"] == data_version
     # The attempt's end is recorded with the failure contract's keys, also on success.
-    (ended,) = observations(result, "model_checkpoint")
+    (ended,) = observations(result, "model_checkpoint", "attempt_ended")
     assert set(FAILURE_METADATA_KEYS) <= set(ended)
     assert {k: ended[k] for k in CORE_FAILURE_KEYS} == {
         "exit_code": 0, "failure_class": "success", "last_committed_step": max_steps,
@@ -93,11 +95,13 @@ def test_a_new_partition_trains_end_to_end_on_the_local_store_with_lineage_metad
     _assert_exported_model_reproduces_eval(store, "local-run", "exp", fm, cfg)
     # The run's config was registered once, where the design says.
     assert (tmp_path / "store" / "exp" / "local-run" / "config.json").exists()
-    # The instance knows the partition's materializations (what the UI shows).
-    recs = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey("model_checkpoint"),
-                              asset_partitions=["local-run"]), limit=100).records
-    assert len(recs) == len(materializations(res, "model_checkpoint"))
+    # The instance knows the partition's checkpoints (what the UI shows), and that it is done.
+    flt = dg.AssetRecordsFilter(asset_key=dg.AssetKey("model_checkpoint"),
+                                asset_partitions=["local-run"])
+    recs = instance.fetch_observations(flt, limit=100).records
+    assert sum(r.event_log_entry.asset_observation.metadata["event"].value == "checkpoint"
+               for r in recs) == len(checkpoints(res))
+    assert len(instance.fetch_materializations(flt, limit=100).records) == 1
 
 
 def test_a_new_partition_trains_end_to_end_on_s3_served_by_moto(instance, s3_env, tmp_path, mlflow_uri):
@@ -131,7 +135,7 @@ def test_later_attempts_read_the_registered_config_and_continue_from_the_latest_
     # No config this time: the registered one is used; the finished run stays finished.
     second = materialize_run(instance, "again", res, with_checks=False)
     assert second.success
-    (ended,) = observations(second, "model_checkpoint")
+    (ended,) = observations(second, "model_checkpoint", "attempt_ended")
     assert ended["attempt"] == 2 and ended["resumed_from_step"] == 20
     assert ended["last_committed_step"] == 20 and ended["checkpoints_this_attempt"] == 0
     # A different config for a registered run is refused before anything trains.
@@ -175,8 +179,14 @@ def test_a_failed_trainer_raises_failure_with_the_metadata_contract_the_resume_s
     assert f"exited {exit_code}" in desc and failure_class in desc
     if exit_code < 0:
         assert md["signal"] == "SIGKILL"
-    # final_model did not run.
+    # final_model did not run, and the checkpoints committed on the way (observations) do
+    # not make the partition look done: nothing materialized it.
     assert not materializations(res, "final_model")
+    # (A failed step's events are in the instance, not all in its result.)
+    flt = dg.AssetRecordsFilter(asset_key=dg.AssetKey("model_checkpoint"),
+                                asset_partitions=["broken"])
+    assert instance.fetch_observations(flt, limit=1).records
+    assert not instance.fetch_materializations(flt, limit=1).records
 
 
 def test_the_final_model_falls_back_to_the_newest_checkpoint_that_verifies(instance, tmp_path, mlflow_uri):

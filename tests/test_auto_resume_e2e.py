@@ -62,19 +62,16 @@ def _check_resumed_once_and_identical(daemon, name, uninterrupted, failed_runs: 
     assert_bitwise_equal(uninterrupted, got)
     # Nothing committed is missing from Dagster's lineage: every parent link resolves,
     # across the seam between the attempts too.
-    mats = _checkpoint_materializations(daemon, name)
-    names = {m["name"] for m in mats}
-    dangling = [(m["name"], m["parent"]) for m in mats if m["parent"] and m["parent"] not in names]
+    recorded = _checkpoint_events(daemon, name)
+    names = {m["name"] for m in recorded}
+    dangling = [(m["name"], m["parent"]) for m in recorded if m["parent"] and m["parent"] not in names]
     assert dangling == [], dangling
 
 
-def _checkpoint_materializations(daemon, name) -> list[dict]:
-    from dagster import AssetKey, AssetRecordsFilter
+def _checkpoint_events(daemon, name) -> list[dict]:
+    from ckpt_assets.events import CHECKPOINT, partition_events
 
-    recs = daemon.instance.fetch_materializations(AssetRecordsFilter(
-        asset_key=AssetKey("model_checkpoint"), asset_partitions=[name]), limit=1000,
-        ascending=True).records
-    return [{k: v.value for k, v in r.asset_materialization.metadata.items()} for r in recs]
+    return [md for md, _ in partition_events(daemon.instance, name, CHECKPOINT)]
 
 
 def test_sigkill_of_the_trainer_is_resumed_once_and_ends_bitwise_identical(
@@ -112,7 +109,7 @@ def test_sigkill_of_the_run_worker_stops_its_trainer_and_is_resumed_once(
     from ckpt_assets.lineage import format_lineage, lineage_report
     from trainer.storage import open_store
 
-    late = [m for m in _checkpoint_materializations(daemon, "kill-worker")
+    late = [m for m in _checkpoint_events(daemon, "kill-worker")
             if m.get("recorded_late")]
     # (An earlier checkpoint whose report the worker had not read yet is recorded late too.)
     assert late and all(m["attempt"] == 1 for m in late), late
@@ -137,16 +134,9 @@ def test_terminating_the_run_from_dagster_is_a_preemption_that_resumes(
 
 
 def _decisions(daemon, name) -> list[dict]:
-    from dagster import AssetKey, AssetRecordsFilter
+    from ckpt_assets.events import RESUME_DECISION, partition_events
 
-    recs = daemon.instance.fetch_observations(AssetRecordsFilter(
-        asset_key=AssetKey("model_checkpoint"), asset_partitions=[name]), limit=100).records
-    out = []
-    for r in recs:
-        md = r.event_log_entry.asset_observation.metadata
-        if md.get("event") and md["event"].value == "resume_decision":
-            out.append({k: v.value for k, v in md.items()})
-    return out
+    return [md for md, _ in partition_events(daemon.instance, name, RESUME_DECISION)]
 
 
 def test_a_bug_in_training_code_is_not_resumed_and_the_partition_says_why(daemon, tmp_path):

@@ -91,7 +91,7 @@ def test_dagster_asset_materialize_trains_a_partition_registered_with_the_cli(
     listed = cli("list", "--json")
     assert listed.returncode == 0, listed.stderr
     (row,) = json.loads(listed.stdout)
-    assert row["state"] == "SUCCESS" and row["latest_step"] == 40 and row["attempts"] == 1
+    assert row["state"] == "finished" and row["latest_step"] == 40 and row["attempts"] == 1
     instance = dg.DagsterInstance.get()
     for key in ("training_dataset", "model_checkpoint", "final_model"):
         recs = instance.fetch_materializations(
@@ -129,7 +129,7 @@ def test_cli_launch_queues_one_train_job_run_per_partition_that_the_daemon_runs(
         stop_process_group(daemon)
         log.close()
     listed = json.loads(cli("list", "--json").stdout)
-    assert listed[0]["state"] == "SUCCESS" and listed[0]["latest_step"] == 40
+    assert listed[0]["state"] == "finished" and listed[0]["latest_step"] == 40
 
 
 def _start_materialize(tmp_path, name: str, **overrides) -> subprocess.Popen:

@@ -20,7 +20,7 @@ from ckpt_assets.definitions import make_resources
 from ckpt_assets.lineage import format_lineage, lineage_report
 from ckpt_assets.partitions import PARTITIONS_NAME, register_training_run
 from tests.dagster_fixtures import *  # noqa: F403
-from tests.dagster_fixtures import PYTHON, ROOT, materializations, materialize_run
+from tests.dagster_fixtures import PYTHON, ROOT, checkpoints, materialize_run
 from tests.dagster_runs import lost_worker_run
 from trainer.storage import open_store
 
@@ -60,11 +60,11 @@ def lost_then_resumed(tmp_path_factory, shared_mlflow_db):
         yield {"dead": dead, "second": second, "third": third, "report": report}
 
 
-def test_a_checkpoint_committed_after_its_orchestrator_died_is_materialized_late_by_the_next_attempt(
+def test_a_checkpoint_committed_after_its_orchestrator_died_is_recorded_late_by_the_next_attempt(
         lost_then_resumed):
     second = lost_then_resumed["second"]
     assert second.success
-    late, *reported = materializations(second, "model_checkpoint")
+    late, *reported = checkpoints(second)
     assert late["name"] == ORPHAN and late["step"] == 20 and late["attempt"] == 1
     assert late["recorded_late"] is True
     assert late["dagster_run_id"] == lost_then_resumed["dead"].run_id
@@ -77,10 +77,9 @@ def test_a_checkpoint_committed_after_its_orchestrator_died_is_materialized_late
 def test_the_late_record_says_which_attempt_committed_it_and_that_its_orchestrator_died(
         lost_then_resumed):
     second = lost_then_resumed["second"]
-    (desc,) = [ev.step_materialization_data.materialization.description
-               for ev in second.all_events
-               if ev.event_type_value == "ASSET_MATERIALIZATION"
-               and ev.step_materialization_data.materialization.metadata.get("recorded_late")]
+    (desc,) = [obs.description for obs in (
+        ev.event_specific_data.asset_observation for ev in second.all_events
+        if ev.event_type_value == "ASSET_OBSERVATION") if obs.metadata.get("recorded_late")]
     assert "committed by attempt 1" in desc and "orchestrator died" in desc
     assert lost_then_resumed["dead"].run_id in desc
 
@@ -88,7 +87,7 @@ def test_the_late_record_says_which_attempt_committed_it_and_that_its_orchestrat
 def test_a_checkpoint_dagster_has_already_recorded_is_not_recorded_again(lost_then_resumed):
     third = lost_then_resumed["third"]
     assert third.success
-    assert not any(m.get("recorded_late") for m in materializations(third, "model_checkpoint"))
+    assert not any(m.get("recorded_late") for m in checkpoints(third))
 
 
 def test_the_lineage_report_numbers_the_lost_attempt_and_says_its_worker_was_lost(

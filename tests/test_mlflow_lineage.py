@@ -13,10 +13,12 @@ from mlflow.tracking import MlflowClient
 
 from ckpt_assets.cli import main as cli_main
 from ckpt_assets.definitions import make_resources
+from ckpt_assets.events import CHECKPOINT, partition_events
 from ckpt_assets.mlflow_tracking import TRAINING_RUN_TAG
 from tests.dagster_fixtures import (
     ROOT,
     TrainerKiller,
+    checkpoints,
     materializations,
     materialize_run,
     step_failure_metadata,
@@ -54,17 +56,15 @@ def resumed_run(tmp_path_factory):
 
 
 def _stored_steps(instance: dg.DagsterInstance, run_id: str) -> list[int]:
-    recs = instance.fetch_materializations(dg.AssetRecordsFilter(
-        asset_key=dg.AssetKey("model_checkpoint"), asset_partitions=[KEY]), limit=1000).records
-    return sorted(int(r.asset_materialization.metadata["step"].value) for r in recs
-                  if r.run_id == run_id)
+    return sorted(int(md["step"]) for md, rec in partition_events(instance, KEY, CHECKPOINT)
+                  if rec.run_id == run_id)
 
 
 def _reported(result) -> list[dict]:
     """Checkpoints the run's own trainer reported. A checkpoint attempt 1 committed in the
     instant between its commit and its report (the killer acts on the pointer) is recorded
     late by attempt 2 instead, flagged `recorded_late`."""
-    return [m for m in materializations(result, "model_checkpoint") if not m.get("recorded_late")]
+    return [m for m in checkpoints(result) if not m.get("recorded_late")]
 
 
 def _mlflow_runs(tracking: str):
@@ -89,7 +89,7 @@ def test_the_first_attempt_failed_as_killed_and_the_second_resumed_and_finished(
     assert ckpts[-1]["step"] == 60
 
 
-def test_every_checkpoint_attempt_1_committed_is_materialized_exactly_once(resumed_run):
+def test_every_checkpoint_attempt_1_committed_is_recorded_exactly_once(resumed_run):
     from trainer.repo import CheckpointRepo
     from trainer.storage import open_store
 
@@ -97,10 +97,7 @@ def test_every_checkpoint_attempt_1_committed_is_materialized_exactly_once(resum
     committed = {n for n in repo.committed() if n.endswith("-a1")}
     # From the instance: a failed step's logged events are stored, not all in its result.
     with dg.DagsterInstance.from_config(str(resumed_run["home"])) as instance:
-        recs = instance.fetch_materializations(dg.AssetRecordsFilter(
-            asset_key=dg.AssetKey("model_checkpoint"), asset_partitions=[KEY]), limit=1000).records
-        mds = [(r.run_id, {k: v.value for k, v in r.asset_materialization.metadata.items()})
-               for r in recs]
+        mds = [(rec.run_id, md) for md, rec in partition_events(instance, KEY, CHECKPOINT)]
     # Reported by attempt 1's trainer, or (committed in the instant before it was killed)
     # recorded late by attempt 1's own step or by attempt 2: once either way.
     names = [md["name"] for _, md in mds if md["name"].endswith("-a1")]
@@ -126,10 +123,10 @@ def test_the_mlflow_step_history_is_strictly_increasing_and_continuous_across_at
     assert steps == sorted(set(steps)), f"steps repeat or go back: {steps}"
     # Continuous: exactly the committed checkpoints of attempt 1 up to the one attempt 2
     # resumed from, then attempt 2's; no gap at the seam, nothing logged twice.
-    # A failed step's materializations are in the instance, not in the result's events.
+    # A failed step's checkpoint observations are in the instance, not in the result's events.
     first = _stored_steps(resumed_run["instance"], resumed_run["first"].run_id)
     assert first, "attempt 1 committed checkpoints before it was killed"
-    second = [m["step"] for m in _reported(resumed_run["second"])[:-1]]
+    second = [m["step"] for m in _reported(resumed_run["second"])]
     resumed_from = _reported(resumed_run["second"])[0]["resumed_from_step"]
     assert set(first) <= set(steps[: len(steps) - len(second)])
     assert max(s for s in steps if s <= resumed_from) == resumed_from
@@ -161,7 +158,7 @@ def test_the_mlflow_run_shows_the_config_the_resume_and_the_failed_attempt(resum
 
 
 def test_the_final_checkpoint_output_shows_the_runs_history_across_attempts(resumed_run):
-    final = materializations(resumed_run["second"], "model_checkpoint")[-1]
+    (final,) = materializations(resumed_run["second"], "model_checkpoint")
     rows = [r.data for r in final["metrics_history"].records]
     steps = [r["step"] for r in rows]
     assert steps == sorted(steps) and steps[-1] == 60 and {r["attempt"] for r in rows} == {1, 2}
@@ -204,5 +201,5 @@ def test_the_list_command_reports_state_attempts_step_and_latest_checkpoint(
     monkeypatch.setenv("DAGSTER_HOME", str(resumed_run["home"]))
     assert cli_main(["list", "--json", "--store", str(resumed_run["store"])]) == 0
     (row,) = json.loads(capsys.readouterr().out)
-    assert row["run"] == KEY and row["state"] == "SUCCESS" and row["attempts"] == 2
+    assert row["run"] == KEY and row["state"] == "finished" and row["attempts"] == 2
     assert row["latest_step"] == 60 and row["latest_checkpoint"].endswith("step-000000060-a2")

@@ -13,7 +13,7 @@ import pytest
 from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets import sensors
-from ckpt_assets.attempt import MODEL_CHECKPOINT_KEY, AttemptReport, attempt_failure, link_resume
+from ckpt_assets.attempt import AttemptReport, attempt_failure, checkpoint_event, link_resume
 from ckpt_assets.failures import TrainingFailure
 from ckpt_assets.history import history_frame, history_metadata
 from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
@@ -64,9 +64,8 @@ def record(step: int, attempt: int, loss: float, resumed_from: int | None = None
                         resumed_from_step=resumed_from))
 
 
-def materialize(instance, rec: CheckpointRecord) -> None:
-    instance.report_runless_asset_event(dg.AssetMaterialization(
-        asset_key=MODEL_CHECKPOINT_KEY, partition=KEY, metadata=checkpoint_metadata(rec)))
+def record_checkpoint(instance, rec: CheckpointRecord) -> None:
+    instance.report_runless_asset_event(checkpoint_event(rec, KEY, f"step {rec.step}"))
 
 
 # -- links ------------------------------------------------------------------------------------
@@ -97,7 +96,7 @@ def test_a_checkpoint_on_s3_is_a_url_link():
 def test_the_metrics_table_spans_attempts_and_marks_the_first_checkpoint_after_each_resume(
         instance):
     for rec in (record(10, 1, 1.0), record(20, 1, 0.8), record(30, 2, 0.6, resumed_from=20)):
-        materialize(instance, rec)
+        record_checkpoint(instance, rec)
     # This attempt's own checkpoints are not stored before its output: passed along.
     df = history_frame(instance, KEY, [record(30, 2, 0.6, 20), record(40, 2, 0.5, 20)])
     assert list(df["step"]) == [10, 20, 30, 40]
@@ -110,14 +109,14 @@ def test_the_metrics_table_spans_attempts_and_marks_the_first_checkpoint_after_e
 
 def test_the_metrics_table_keeps_only_the_newest_rows_up_to_its_bound(instance):
     for step in range(10, 90, 10):
-        materialize(instance, record(step, 1, 1.0 / step))
+        record_checkpoint(instance, record(step, 1, 1.0 / step))
     df = history_frame(instance, KEY, limit=5)
     assert list(df["step"]) == [40, 50, 60, 70, 80]
 
 
 def test_the_history_is_a_dagster_table_and_a_png_plot_embedded_in_markdown(instance):
-    materialize(instance, record(10, 1, 1.0))
-    materialize(instance, record(20, 2, float("nan"), resumed_from=10))
+    record_checkpoint(instance, record(10, 1, 1.0))
+    record_checkpoint(instance, record(20, 2, float("nan"), resumed_from=10))
     md = history_metadata(instance, KEY)
     table = md["metrics_history"]
     assert isinstance(table, dg.TableMetadataValue)
@@ -135,7 +134,7 @@ def test_a_history_that_cannot_be_built_is_a_warning_not_a_failed_run():
     log = Log()
 
     class Broken:
-        def fetch_materializations(self, *a, **k):
+        def fetch_observations(self, *a, **k):
             raise RuntimeError("event log unavailable")
 
     assert history_metadata(Broken(), KEY, log=log) == {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 
 import dagster as dg
 import pytest
@@ -21,7 +22,9 @@ from ckpt_assets import sensors
 from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure
 from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM, TAG_ROOT_RUN_ID
 from ckpt_assets.partitions import PARTITION_TAG, register_training_run
+from ckpt_assets.policy import Budget
 from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.run_state import TAG_RESUME_AT, iso, parse_time
 from ckpt_assets.sensors import (
     TAG_BUDGET,
     TAG_DECIDED_AT,
@@ -166,8 +169,15 @@ def decisions(instance) -> list[dict]:
 
 
 def backdate_decision(instance, run: dg.DagsterRun, seconds: float) -> None:
-    decided = float(tags_of(instance, run)[TAG_DECIDED_AT])
-    instance.add_run_tags(run.run_id, {TAG_DECIDED_AT: f"{decided - seconds:.1f}"})
+    """Move the decision (and a back-off's due time) `seconds` into the past."""
+    tags = tags_of(instance, run)
+    instance.add_run_tags(run.run_id, {
+        tag: iso(parse_time(tags[tag]) - seconds)
+        for tag in (TAG_DECIDED_AT, TAG_RESUME_AT) if tag in tags})
+
+
+def carried_budget(req: dg.RunRequest) -> dict:
+    return asdict(Budget.from_tag(req.tags[TAG_BUDGET]))
 
 
 # -- the code location ------------------------------------------------------------------------
@@ -202,7 +212,7 @@ def test_a_preempted_run_is_resumed_once_tagged_with_parent_root_attempt_checkpo
     assert req.tags[TAG_ROOT_RUN_ID] == run.run_id  # the first attempt is its own root
     assert req.tags[TAG_ATTEMPT] == "2"
     assert req.tags[TAG_RESUME_FROM] == _repo(store).uri("step-000000020-a1")
-    assert json.loads(req.tags[TAG_BUDGET]) == {
+    assert carried_budget(req) == {
         "preemptions": 1, "transient": 0, "stuck": 0, "resumed_from_step": 20, "high_step": 20}
     tags = tags_of(instance, run)
     assert tags[TAG_DECISION] == "resume" and tags[TAG_FAILURE_KIND] == "preempted"
@@ -222,7 +232,7 @@ def test_a_killed_trainer_is_resumed_at_once_within_its_budget(instance, store):
     req = on_failure(instance, run, store)
     assert isinstance(req, dg.RunRequest)
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
-    assert json.loads(req.tags[TAG_BUDGET])["transient"] == 1
+    assert carried_budget(req)["transient"] == 1
 
 
 def test_a_killed_trainer_past_its_budget_is_not_resumed(instance, store, monkeypatch):
@@ -243,7 +253,7 @@ def test_a_lost_run_worker_counts_as_killed_and_resumes_from_the_stores_latest(i
     req = on_failure(instance, run, store)
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
     assert req.tags[TAG_RESUME_FROM] == _repo(store).uri("step-000000020-a1")
-    assert json.loads(req.tags[TAG_BUDGET])["resumed_from_step"] == 20
+    assert carried_budget(req)["resumed_from_step"] == 20
 
 
 @pytest.mark.parametrize("exit_code,failure_class,kind", [
@@ -362,7 +372,7 @@ def test_a_backed_off_resume_is_launched_by_the_reconciler_only_once_it_is_due(
     backdate_decision(instance, run, 31)
     (req,) = sweep(instance, store)
     assert req.run_key == f"resume-{run.run_id}"
-    assert json.loads(req.tags[TAG_BUDGET])["transient"] == 2
+    assert carried_budget(req)["transient"] == 2
 
 
 def test_a_started_run_whose_trainer_stopped_heartbeating_is_marked_failed(instance, store):

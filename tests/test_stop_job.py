@@ -18,14 +18,15 @@ from dagster._core.remote_origin import (
 
 from ckpt_assets.jobs import stop_training_run_job
 from ckpt_assets.partitions import PARTITION_TAG, PARTITIONS_NAME
-from ckpt_assets.sensors import (
+from ckpt_assets.run_state import (
     TAG_DECIDED_AT,
     TAG_DECISION,
     TAG_NO_RESUME,
-    TAG_RESUME_DELAY,
-    consider,
+    TAG_RESUME_AT,
+    TAG_STOP_REASON,
+    iso,
 )
-from ckpt_assets.stop import TAG_STOP_REASON
+from ckpt_assets.sensors import consider
 
 S = dg.DagsterRunStatus
 
@@ -99,9 +100,9 @@ def test_a_forced_stop_marks_a_started_run_canceled_at_once(instance):
 
 
 def test_a_stop_during_a_resume_back_off_withdraws_the_pending_resume(instance):
-    long_ago = f"{time.time() - 3600:.1f}"
     run = _training_run(instance, "backing-off", S.FAILURE, tags={
-        TAG_DECISION: "resume", TAG_DECIDED_AT: long_ago, TAG_RESUME_DELAY: "30"})
+        TAG_DECISION: "resume", TAG_DECIDED_AT: iso(time.time() - 3600),
+        TAG_RESUME_AT: iso(time.time() - 3570)})
     assert _resumed(instance, run)  # due: the reconciler's next sweep would resume it
     assert _stop(instance, "backing-off").success
     assert not _resumed(instance, run)

@@ -1,0 +1,219 @@
+"""A training run's state at a glance, derived from its newest Dagster run and its tags.
+
+One function, `run_state`, answers "what is this training run doing?" for `ckpt-assets
+list`, and each change of state is also written as a `state` observation on the run's
+`model_checkpoint` partition (`state_observation`), so the partition's event history in
+the Dagster UI reads as a sequence of states with the reason for each. The state is never
+stored as the truth: it is derived every time from the runs, so it cannot go stale.
+
+| state                | the newest training run of the partition                         |
+|----------------------|------------------------------------------------------------------|
+| not launched         | there is none                                                     |
+| queued               | queued or starting, and it is a first attempt                    |
+| resuming             | queued or starting as a resume; or failed, resume due, not launched yet |
+| training             | running                                                           |
+| stopping             | canceling                                                         |
+| waiting for back-off | failed; the policy resumes it after a back-off that has not ended |
+| deciding             | failed; the resume sensors have not decided yet (seconds)        |
+| finished             | succeeded                                                         |
+| stopped by policy    | failed; the policy does not resume it (the reason says why)      |
+| stopped by user      | stopped with `ckpt-assets stop` or the `stop_training_run` job   |
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import dagster as dg
+
+from ckpt_assets.events import MODEL_CHECKPOINT_KEY, STATE
+from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM
+from ckpt_assets.partitions import PARTITION_TAG, read_registration
+from trainer.errors import CheckpointError
+from trainer.repo import CheckpointRepo
+from trainer.storage import ObjectStore
+
+# Tags the resume sensors and `stop` write on a run (defined here, where they are read).
+TAG_DECISION = "ckpt/decision"  # on an ended run: "resume" | "stop"
+TAG_DECISION_REASON = "ckpt/decision_reason"
+TAG_DECIDED_AT = "ckpt/decided_at"  # ISO 8601, UTC
+TAG_RESUME_AT = "ckpt/resume_at"  # ISO 8601, UTC; only for a resume after a back-off
+TAG_NO_RESUME = "ckpt/no_resume"  # "true": stopped for good (`ckpt_assets.stop`)
+TAG_STOP_REASON = "ckpt/stop_reason"  # why it was stopped (free text from the user)
+TRAINING_JOB_NAMES = frozenset({"train_job", "train_demo"})
+
+
+class State(StrEnum):
+    NOT_LAUNCHED = "not launched"
+    QUEUED = "queued"
+    RESUMING = "resuming"
+    TRAINING = "training"
+    STOPPING = "stopping"
+    WAITING = "waiting for back-off"
+    DECIDING = "deciding"
+    FINISHED = "finished"
+    STOPPED_BY_POLICY = "stopped by policy"
+    STOPPED_BY_USER = "stopped by user"
+
+
+ENDED = frozenset({State.NOT_LAUNCHED, State.FINISHED, State.STOPPED_BY_POLICY,
+                   State.STOPPED_BY_USER})
+
+
+@dataclass(frozen=True)
+class RunState:
+    training_run: str
+    state: State
+    detail: str  # one line: the reason, or what happens next
+    dagster_run_id: str | None = None
+    attempt: int | None = None
+    resume_at: str | None = None  # ISO 8601 UTC, while waiting for a back-off
+
+    def __str__(self) -> str:
+        return f"{self.state.value}: {self.detail}" if self.detail else self.state.value
+
+    def to_dict(self) -> dict:
+        return {"state": self.state.value, "detail": self.detail,
+                "dagster_run_id": self.dagster_run_id, "attempt": self.attempt,
+                "resume_at": self.resume_at}
+
+
+def is_training_run(run: dg.DagsterRun) -> bool:
+    """A run of a training job (or an ad hoc run that trains model_checkpoint)."""
+    if PARTITION_TAG not in run.tags:
+        return False
+    if run.job_name in TRAINING_JOB_NAMES:
+        return True
+    return bool(run.asset_selection and MODEL_CHECKPOINT_KEY in run.asset_selection)
+
+
+def newest_training_run(instance: dg.DagsterInstance, partition: str) -> dg.DagsterRun | None:
+    for run in instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}),
+                                 limit=20):
+        if is_training_run(run):
+            return run
+    return None
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def parse_time(value: str | None) -> float | None:
+    """An ISO 8601 tag value (or epoch seconds, as older runs wrote) as epoch seconds."""
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def run_state(instance: dg.DagsterInstance, partition: str,
+              now: float | None = None) -> RunState:
+    run = newest_training_run(instance, partition)
+    if run is None:
+        return RunState(partition, State.NOT_LAUNCHED, "no Dagster run yet")
+    return state_of(run, time.time() if now is None else now)
+
+
+def state_of(run: dg.DagsterRun, now: float) -> RunState:
+    """The state of the training run whose newest training run is `run`."""
+    tags, status = run.tags, run.status
+    attempt = int(tags[TAG_ATTEMPT]) if tags.get(TAG_ATTEMPT, "").isdigit() else 1
+    partition = tags.get(PARTITION_TAG, "")
+
+    def made(state: State, detail: str, resume_at: str | None = None) -> RunState:
+        return RunState(partition, state, detail, run.run_id, attempt, resume_at)
+
+    resumed = f", resuming run {tags[TAG_PARENT_RUN_ID]} from " \
+              f"{tags.get(TAG_RESUME_FROM) or 'the latest checkpoint'}" \
+        if tags.get(TAG_PARENT_RUN_ID) else ""
+    S = dg.DagsterRunStatus
+    if status in (S.QUEUED, S.NOT_STARTED, S.STARTING):
+        return made(State.RESUMING if resumed else State.QUEUED,
+                    f"attempt {attempt} {status.value.lower()}{resumed}")
+    if status == S.STARTED:
+        return made(State.TRAINING, f"attempt {attempt}{resumed}")
+    if status == S.CANCELING:
+        return made(State.STOPPING, "stopping for good" if tags.get(TAG_NO_RESUME) == "true"
+                    else "terminating; a termination is a preemption, resumed once it ends")
+    if status == S.SUCCESS:
+        return made(State.FINISHED, f"attempt {attempt} finished the run")
+    return _ended_unsuccessfully(run, now, made)
+
+
+def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made) -> RunState:
+    tags = run.tags
+    if tags.get(TAG_NO_RESUME) == "true":
+        reason = tags.get(TAG_STOP_REASON)
+        return made(State.STOPPED_BY_USER, f"stopped on request ({reason})" if reason
+                    else "stopped on request")
+    decision, reason = tags.get(TAG_DECISION), tags.get(TAG_DECISION_REASON, "")
+    if decision == "stop":
+        return made(State.STOPPED_BY_POLICY, reason)
+    if decision == "resume":
+        due = parse_time(tags.get(TAG_RESUME_AT))
+        if due is not None and now < due:
+            return made(State.WAITING, f"resumes at {iso(due)} (in {due - now:.0f}s); {reason}",
+                        iso(due))
+        return made(State.RESUMING, f"launching the resume; {reason}")
+    return made(State.DECIDING, f"attempt {run.status.value.lower()}; the resume sensors "
+                                "decide within seconds")
+
+
+def state_observation(state: RunState) -> dg.AssetObservation:
+    """`state` as an observation on the training run's partition (what the UI shows)."""
+    return dg.AssetObservation(
+        asset_key=MODEL_CHECKPOINT_KEY, partition=state.training_run,
+        description=f"state: {state}",
+        metadata={"event": STATE, "state": state.state.value, "detail": state.detail,
+                  "attempt": dg.MetadataValue.int(state.attempt) if state.attempt
+                  else dg.MetadataValue.null(),
+                  "dagster_run_id": state.dagster_run_id or "",
+                  "resume_at": state.resume_at or ""})
+
+
+def report_state(instance: dg.DagsterInstance, partition: str) -> RunState | None:
+    """Derive the partition's state now and record it as an observation. Best-effort: it is
+    what people read, never what a decision rests on."""
+    try:
+        state = run_state(instance, partition)
+        instance.report_runless_asset_event(state_observation(state))
+        return state
+    except Exception:  # an event-log hiccup must not fail a sensor tick or a stop
+        return None
+
+
+def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
+    """One row of `ckpt-assets list`: the state, and the latest checkpoint from the store."""
+    reg = read_registration(store, run_key)
+    state = run_state(instance, run_key)
+    out: dict[str, Any] = {
+        "run": run_key, "experiment": reg.experiment if reg else None,
+        "registered": reg is not None, **state.to_dict(),
+        "attempts": 0, "latest_step": None, "latest_checkpoint": None,
+        "max_steps": reg.config.get("max_steps") if reg else None,
+    }
+    if reg is None:
+        return out
+    repo = CheckpointRepo(store, reg.experiment, run_key)
+    try:
+        ptr = repo.read_pointer()
+    except CheckpointError as e:
+        out["error"] = str(e)
+        ptr = None
+    if ptr:
+        out["attempts"] = ptr.attempt
+        if ptr.checkpoint:
+            out["latest_step"] = ptr.step
+            out["latest_checkpoint"] = repo.uri(ptr.checkpoint)
+    return out
