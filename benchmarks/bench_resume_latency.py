@@ -39,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
+from ckpt_assets.run_state import parse_time  # noqa: E402
 from tests.daemon_harness import Daemon, training_config  # noqa: E402
 from trainer.repo import CheckpointRepo, parse_checkpoint_name  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
@@ -195,7 +196,7 @@ def measure_one(daemon: Daemon, repo: CheckpointRepo, rng: random.Random, first_
         "by": resume.tags.get("dagster/sensor_name", "?"),
         "_resume_run_id": resume.run_id, "_t_created": t_created, "_t_start": t_start,
         "_t_first": t_first, "_t_end": t_end,
-        "_decided": float(failed_run.tags.get("ckpt/decided_at", "nan")),
+        "_decided": parse_time(failed_run.tags.get("ckpt/decided_at")) or float("nan"),
     }
     return row, nxt
 

@@ -100,7 +100,9 @@ def newest_training_run(instance: dg.DagsterInstance, partition: str) -> dg.Dags
 
 
 def iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    """`2026-11-30T00:01:02.300Z`: a time in tags and messages, readable and exact."""
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
 
 
 def parse_time(value: str | None) -> float | None:

@@ -116,12 +116,12 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
            decision: Decision) -> None:
     """Write the decision where people and the reconciler look: the failed run's tags, and
     an observation on the training run's partition."""
-    # Whole seconds, rounded down: a decision time in the future would look not yet due.
-    decided = math.floor(time.time())
+    # Rounded down: a decision time in the future would look not yet due.
+    decided = math.floor(time.time() * 1000) / 1000
     tags = {TAG_DECISION: "resume" if decision.resume else "stop",
             TAG_DECISION_REASON: decision.reason[:400], TAG_FAILURE_KIND: decision.kind,
             TAG_DECIDED_AT: iso(decided), TAG_NEXT_BUDGET: decision.budget.to_tag(),
-            **({TAG_RESUME_AT: iso(decided + math.ceil(decision.delay_s))}
+            **({TAG_RESUME_AT: iso(decided + decision.delay_s)}
                if decision.resume and decision.delay_s > 0 else {})}
     instance.add_run_tags(run.run_id, tags)
     instance.report_runless_asset_event(dg.AssetObservation(

@@ -7,7 +7,6 @@ Run it through `bash scripts/demo.sh`, which installs everything first.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -57,8 +56,9 @@ def main() -> int:
                      "the preempted run to end")
         say(f"run {first.run_id[:8]} ended {first.status.value}; waiting for the sensor")
         resume = wait(lambda: len(r := runs_of()) > 1 and r[1], "the resume run")
+        decided = runs_of()[0].tags
         say(f"resume run {resume.run_id[:8]} launched by {resume.tags.get('dagster/sensor_name')}"
-            f": {resume.tags.get('ckpt/resume_reason')}")
+            f": {decided.get('ckpt/decision_reason')}")
         wait(lambda: (hb := repo.read_heartbeat()) and hb["attempt"] == 2 and hb,
              "the resumed trainer's first step")
         say("the resumed trainer is training; waiting for the final model")

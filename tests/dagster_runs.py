@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import dagster as dg
 from dagster._core.events import DagsterEvent, DagsterEventType
 from dagster._core.events.log import EventLogEntry
+from dagster._core.remote_origin import (
+    RegisteredCodeLocationOrigin,
+    RemoteJobOrigin,
+    RemoteRepositoryOrigin,
+)
 from dagster._core.test_utils import create_run_for_test
 
-from ckpt_assets.partitions import PARTITION_TAG
+from ckpt_assets.partitions import PARTITION_TAG, PARTITIONS_NAME
 
 
 def started_run(instance: dg.DagsterInstance, partition: str, started_ago: float = 0.0,
@@ -43,3 +49,17 @@ def canceled_run(instance: dg.DagsterInstance, partition: str,
     run = started_run(instance, partition, tags=tags)
     instance.report_run_canceled(run, "terminated from Dagster")
     return instance.get_run_by_id(run.run_id)
+
+
+def run_in_status(instance: dg.DagsterInstance, partition: str, status: dg.DagsterRunStatus,
+                  tags: dict | None = None, job: str = "train_job") -> dg.DagsterRun:
+    """A run record of `job` for `partition` in `status` (queued ones included), its
+    partition added; no worker behind it."""
+    if not instance.has_dynamic_partition(PARTITIONS_NAME, partition):
+        instance.add_dynamic_partitions(PARTITIONS_NAME, [partition])
+    # Where a launched run comes from (a queued run must say; nothing is loaded from it).
+    origin = RemoteJobOrigin(RemoteRepositoryOrigin(
+        RegisteredCodeLocationOrigin("ckpt_assets"), "__repository__"), job)
+    return instance.add_run(dg.DagsterRun(
+        job_name=job, run_id=str(uuid.uuid4()), status=status,
+        tags={PARTITION_TAG: partition, **(tags or {})}, remote_job_origin=origin))

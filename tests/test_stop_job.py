@@ -6,18 +6,12 @@ job executed in process, and the sensors' own decision function asked afterwards
 from __future__ import annotations
 
 import time
-import uuid
 
 import dagster as dg
 import pytest
-from dagster._core.remote_origin import (
-    RegisteredCodeLocationOrigin,
-    RemoteJobOrigin,
-    RemoteRepositoryOrigin,
-)
 
 from ckpt_assets.jobs import stop_training_run_job
-from ckpt_assets.partitions import PARTITION_TAG, PARTITIONS_NAME
+from ckpt_assets.partitions import PARTITION_TAG
 from ckpt_assets.run_state import (
     TAG_DECIDED_AT,
     TAG_DECISION,
@@ -27,6 +21,7 @@ from ckpt_assets.run_state import (
     iso,
 )
 from ckpt_assets.sensors import consider
+from tests.dagster_runs import run_in_status
 
 S = dg.DagsterRunStatus
 
@@ -37,18 +32,6 @@ def instance():
     # in-memory launcher cannot terminate anything).
     with dg.instance_for_test() as inst:
         yield inst
-
-
-def _training_run(instance: dg.DagsterInstance, partition: str, status: dg.DagsterRunStatus,
-                  tags: dict | None = None) -> dg.DagsterRun:
-    if not instance.has_dynamic_partition(PARTITIONS_NAME, partition):
-        instance.add_dynamic_partitions(PARTITIONS_NAME, [partition])
-    # Where a launched run comes from (a queued run must say; nothing is loaded from it).
-    origin = RemoteJobOrigin(RemoteRepositoryOrigin(
-        RegisteredCodeLocationOrigin("ckpt_assets"), "__repository__"), "train_job")
-    return instance.add_run(dg.DagsterRun(
-        job_name="train_job", run_id=str(uuid.uuid4()), status=status,
-        tags={PARTITION_TAG: partition, **(tags or {})}, remote_job_origin=origin))
 
 
 def _stop(instance: dg.DagsterInstance, name: str, **config) -> dg.ExecuteInJobResult:
@@ -64,8 +47,8 @@ def _resumed(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
 
 
 def test_a_stopped_queued_run_is_canceled_tagged_and_never_resumed(instance):
-    run = _training_run(instance, "queued-run", S.QUEUED)
-    other = _training_run(instance, "other-run", S.QUEUED)
+    run = run_in_status(instance, "queued-run", S.QUEUED)
+    other = run_in_status(instance, "other-run", S.QUEUED)
     result = _stop(instance, "queued-run", reason="wrong learning rate")
     assert result.success
     stopped = instance.get_run_by_id(run.run_id)
@@ -81,7 +64,7 @@ def test_a_stopped_queued_run_is_canceled_tagged_and_never_resumed(instance):
 
 
 def test_a_stopped_started_run_is_tagged_asked_to_terminate_and_never_resumed(instance):
-    run = _training_run(instance, "started-run", S.STARTED)
+    run = run_in_status(instance, "started-run", S.STARTED)
     assert _stop(instance, "started-run").success
     stopped = instance.get_run_by_id(run.run_id)
     # Termination was requested; with no worker to reach, run monitoring would finish it.
@@ -92,7 +75,7 @@ def test_a_stopped_started_run_is_tagged_asked_to_terminate_and_never_resumed(in
 
 
 def test_a_forced_stop_marks_a_started_run_canceled_at_once(instance):
-    run = _training_run(instance, "gone-worker", S.STARTED)
+    run = run_in_status(instance, "gone-worker", S.STARTED)
     assert _stop(instance, "gone-worker", force=True).success
     stopped = instance.get_run_by_id(run.run_id)
     assert stopped.status == S.CANCELED and stopped.tags[TAG_NO_RESUME] == "true"
@@ -100,7 +83,7 @@ def test_a_forced_stop_marks_a_started_run_canceled_at_once(instance):
 
 
 def test_a_stop_during_a_resume_back_off_withdraws_the_pending_resume(instance):
-    run = _training_run(instance, "backing-off", S.FAILURE, tags={
+    run = run_in_status(instance, "backing-off", S.FAILURE, tags={
         TAG_DECISION: "resume", TAG_DECIDED_AT: iso(time.time() - 3600),
         TAG_RESUME_AT: iso(time.time() - 3570)})
     assert _resumed(instance, run)  # due: the reconciler's next sweep would resume it

@@ -1,0 +1,138 @@
+"""A training run's state at a glance: derived from its newest training run, shown by
+`ckpt-assets list`, and recorded on the partition each time the sensors or a stop change it.
+Fast: runs are records in an ephemeral instance, nothing trains."""
+
+from __future__ import annotations
+
+import time
+
+import dagster as dg
+import pytest
+
+from ckpt_assets.events import STATE, partition_events
+from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID
+from ckpt_assets.partitions import register_training_run
+from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.run_state import (
+    TAG_DECIDED_AT,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_NO_RESUME,
+    TAG_RESUME_AT,
+    TAG_STOP_REASON,
+    State,
+    iso,
+    run_state,
+    run_summary,
+)
+from ckpt_assets.sensors import consider
+from ckpt_assets.stop import stop_training_run
+from tests import dagster_runs
+
+KEY = "glance"
+S = dg.DagsterRunStatus
+
+
+@pytest.fixture
+def instance():
+    with dg.DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+def run_with(instance, status: S, tags: dict | None = None, job: str = "train_job"):
+    return dagster_runs.run_in_status(instance, KEY, status, tags, job)
+
+
+def state(instance) -> State:
+    return run_state(instance, KEY).state
+
+
+def recorded_states(instance) -> list[str]:
+    return [md["state"] for md, _ in partition_events(instance, KEY, STATE)]
+
+
+def test_a_run_never_launched_is_not_launched(instance):
+    assert state(instance) == State.NOT_LAUNCHED
+
+
+@pytest.mark.parametrize("status", [S.QUEUED, S.NOT_STARTED, S.STARTING])
+def test_a_first_attempt_waiting_to_start_is_queued_and_a_resume_is_resuming(instance, status):
+    run_with(instance, status)
+    assert state(instance) == State.QUEUED
+    run_with(instance, status, {TAG_PARENT_RUN_ID: "parent-id", TAG_ATTEMPT: "2"})
+    got = run_state(instance, KEY)
+    assert got.state == State.RESUMING and got.attempt == 2 and "parent-id" in got.detail
+
+
+def test_a_running_attempt_is_training_and_says_which_attempt(instance):
+    dagster_runs.started_run(instance, KEY, tags={TAG_ATTEMPT: "3", TAG_PARENT_RUN_ID: "p"})
+    got = run_state(instance, KEY)
+    assert got.state == State.TRAINING and got.attempt == 3
+    assert str(got).startswith("training: attempt 3, resuming run p")
+
+
+def test_a_succeeded_run_is_finished(instance):
+    run_with(instance, S.SUCCESS)
+    assert state(instance) == State.FINISHED
+
+
+def test_a_failed_run_before_the_sensors_decided_is_deciding(instance):
+    dagster_runs.lost_worker_run(instance, KEY)
+    assert state(instance) == State.DECIDING
+
+
+def test_a_resume_after_a_back_off_is_waiting_until_it_is_due_then_resuming(instance):
+    now = time.time()
+    run = run_with(instance, S.FAILURE, {TAG_DECISION: "resume", TAG_DECIDED_AT: iso(now),
+                                         TAG_RESUME_AT: iso(now + 30),
+                                         TAG_DECISION_REASON: "resumed after 30s: storage"})
+    waiting = run_state(instance, KEY, now=now)
+    assert waiting.state == State.WAITING and waiting.resume_at == iso(now + 30)
+    assert "in 30s" in waiting.detail and "storage" in waiting.detail
+    assert run_state(instance, KEY, now=now + 31).state == State.RESUMING
+    assert run.run_id == waiting.dagster_run_id
+
+
+def test_a_failure_the_policy_does_not_resume_is_stopped_by_policy_with_its_reason(instance):
+    run_with(instance, S.FAILURE, {TAG_DECISION: "stop",
+                                   TAG_DECISION_REASON: "not resumed: a bug in user code"})
+    got = run_state(instance, KEY)
+    assert got.state == State.STOPPED_BY_POLICY and got.detail == "not resumed: a bug in user code"
+
+
+def test_a_run_stopped_for_good_is_stopped_by_user_with_the_users_reason(instance):
+    run_with(instance, S.CANCELED, {TAG_NO_RESUME: "true", TAG_STOP_REASON: "wrong lr",
+                                    TAG_DECISION: "stop"})
+    got = run_state(instance, KEY)
+    assert got.state == State.STOPPED_BY_USER and "wrong lr" in got.detail
+
+
+def test_a_newer_run_of_another_job_on_the_partition_does_not_hide_the_training_state(instance):
+    run_with(instance, S.FAILURE, {TAG_DECISION: "stop", TAG_DECISION_REASON: "diverged"})
+    run_with(instance, S.SUCCESS, job="check_training_run")
+    assert state(instance) == State.STOPPED_BY_POLICY
+
+
+def test_the_sensors_decision_is_recorded_on_the_partition_as_the_new_state(instance):
+    run = dagster_runs.canceled_run(instance, KEY)  # a termination: a preemption
+    assert consider(instance, run, None, sweep=False) is not None
+    assert recorded_states(instance) == [State.RESUMING.value]
+    (md, rec), = partition_events(instance, KEY, STATE)
+    desc = rec.event_log_entry.asset_observation.description
+    assert desc.startswith("state: resuming: launching the resume; resumed at once")
+
+
+def test_a_stop_is_recorded_on_the_partition_as_stopped_by_user(instance):
+    dagster_runs.lost_worker_run(instance, KEY)  # ended, not decided yet: a resume pending
+    assert stop_training_run(instance, KEY, "done with it")
+    assert recorded_states(instance)[-1] == State.STOPPED_BY_USER.value
+    assert state(instance) == State.STOPPED_BY_USER
+
+
+def test_ckpt_assets_list_rows_carry_the_state_the_detail_and_the_latest_step(instance, tmp_path):
+    store = CheckpointStore(uri=str(tmp_path / "store")).open()
+    register_training_run(store, KEY, {"max_steps": 100})
+    run_with(instance, S.FAILURE, {TAG_DECISION: "stop", TAG_DECISION_REASON: "diverged"})
+    row = run_summary(instance, store, KEY)
+    assert (row["state"], row["detail"], row["latest_step"], row["max_steps"]) == (
+        "stopped by policy", "diverged", None, 100)
