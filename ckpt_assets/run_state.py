@@ -83,12 +83,16 @@ class RunState:
 
 
 def is_training_run(run: dg.DagsterRun) -> bool:
-    """A run of a training job (or an ad hoc run that trains model_checkpoint)."""
+    """A run of a training job, or an ad hoc run that trains model_checkpoint (the UI's
+    Materialize, `dagster asset materialize`, `materialize()`: Dagster's hidden asset jobs,
+    whose runs name no selection, or an empty one, when they materialize all their assets)."""
     if PARTITION_TAG not in run.tags:
         return False
     if run.job_name in TRAINING_JOB_NAMES:
         return True
-    return bool(run.asset_selection and MODEL_CHECKPOINT_KEY in run.asset_selection)
+    if not run.asset_selection:
+        return run.job_name.startswith("__")
+    return MODEL_CHECKPOINT_KEY in run.asset_selection
 
 
 def newest_training_run(instance: dg.DagsterInstance, partition: str) -> dg.DagsterRun | None:

@@ -171,8 +171,9 @@ def test_interrupting_the_run_stops_the_trainer_which_commits_before_it_exits(
     assert m.meta["reason"] == "preempted"  # the trainer's SIGTERM path committed this one
     instance = dg.DagsterInstance.get()
     (run,) = instance.get_runs()
-    ended = [e.dagster_event.asset_observation_data.asset_observation.metadata
-             for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION)]
+    observed = [e.dagster_event.asset_observation_data.asset_observation.metadata for e in
+                instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION)]
+    ended = [md for md in observed if md["event"].value == "attempt_ended"]
     assert [md["exit_code"].value for md in ended] == [143]
     assert ended[0]["failure_class"].value == "preempted"
     assert ended[0]["last_committed_step"].value == m.step
