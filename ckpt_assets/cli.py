@@ -173,7 +173,7 @@ def cmd_launch(args) -> int:
         raise CliError(f"training run {args.name!r} already has an active Dagster run: {ids}; "
                        "it resumes by itself, or pass --force to queue another")
     run_id = str(uuid.uuid4())
-    tags = {PARTITION_TAG: args.name, "ckpt/submitted_by": "ckpt-assets-cli", **tags}
+    tags = {PARTITION_TAG: args.name, **tags}
     env = dict(os.environ)
     if args.store:
         env["CKPT_STORE_URI"] = store.uri

@@ -68,6 +68,8 @@ def main() -> int:
         print()
         ckpt("lineage", run)
         print()
+        ckpt("list")
+        print()
         say("browse it all in the UI: DAGSTER_HOME=$PWD/dagster_home .venv/bin/dagster dev")
         return 0 if done.status.value == "SUCCESS" else 1
     finally:
