@@ -1,0 +1,149 @@
+"""`dagster dev` (webserver + daemon) on a temporary instance, and a headless Chromium driven
+by Playwright, for tests/test_browser.py.
+
+The browser is the distribution's Chromium (`/usr/bin/chromium`, Debian's `chromium` package,
+installed by scripts/setup.sh when run as root): Playwright's own browser download cannot
+work where only PyPI and the Debian mirror are reachable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tests.daemon_harness import ACTIVE, BIN, ROOT, Daemon, kill
+
+CHROMIUM = Path(os.environ.get("CKPT_TEST_CHROMIUM", "/usr/bin/chromium"))
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+INSTALL_HINT = ("to run it: `sudo apt-get install -y chromium` (Debian; "
+                "`bash scripts/setup.sh` does it when run as root) and `bash scripts/setup.sh` "
+                "for Playwright, or set CKPT_TEST_CHROMIUM to a Chromium binary")
+
+
+def missing_browser() -> str | None:
+    """Why the browser test cannot run here, or None when it can."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return f"the `playwright` package is not installed; {INSTALL_HINT}"
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"no Chromium at {CHROMIUM}; {INSTALL_HINT}"
+    return None
+
+
+def browser_required() -> bool:
+    """In CI, or as root with apt (where scripts/setup.sh installs Chromium), a missing
+    browser is a failure, not a skip."""
+    return bool(os.environ.get("CI")) or (os.geteuid() == 0 and shutil.which("apt-get")
+                                          is not None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+class DagsterDev(Daemon):
+    """The daemon harness, for `dagster dev`: its webserver, daemon and code servers share
+    its process group and may outlive its main process, so the whole group is waited for."""
+
+    def stop(self, grace: float = 30) -> None:
+        self._stop.set()
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace
+        while _group_members(pgid) and time.monotonic() < deadline:
+            self.proc.poll()  # reap the main process once it exits
+            time.sleep(0.2)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        # Runs launched by the daemon live in their own sessions: end any trainer left over.
+        for run in self.instance.get_runs():
+            if run.status.value in ACTIVE:
+                hb = self.heartbeat(run.tags.get("dagster/partition", ""))
+                if hb and hb.get("pid"):
+                    kill(int(hb["pid"]), signal.SIGKILL)
+
+
+def start_dagster_dev(workdir: Path, store: str, timeout: float = 240
+                      ) -> tuple[DagsterDev, str]:
+    """`dagster dev` from the repository root on a fresh DAGSTER_HOME under `workdir`.
+
+    Returns the harness object (the CLI, the instance, heartbeats, waiting, and a `stop()`
+    that ends the whole process group and any trainer left over) and the webserver's URL."""
+    home = workdir / "dagster_home"
+    home.mkdir(parents=True)
+    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    with open(home / "dagster.yaml", "a") as f:
+        # No "Join the Dagster community" dialog over the pages under test.
+        f.write("\nnux:\n  enabled: false\n")
+    env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
+           "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
+           "PYTHONPATH": str(ROOT), "CKPT_RECONCILE_GRACE_S": "20",
+           "CKPT_BACKOFF_BASE_S": "2"}
+    # Create the SQLite storage once, before the webserver and the daemon race to.
+    from dagster import DagsterInstance
+    from dagster._core.instance.ref import InstanceRef
+
+    instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
+    instance.get_runs(limit=1)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = workdir / "dagster-dev.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(BIN / "dagster"), "dev", "-h", "127.0.0.1", "-p", str(port)],
+                                cwd=ROOT, env=env, start_new_session=True, stdout=log,
+                                stderr=subprocess.STDOUT)
+    dev = DagsterDev(home, store, env, proc, log_path)
+    dev._instance = instance
+    threading.Thread(target=dev._watch_active, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not _answers(f"{url}/server_info"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            dev.stop()
+            raise AssertionError(f"dagster dev did not answer on {url} "
+                                 f"(exit {proc.poll()}):\n{dev.log_tail(60)}")
+        time.sleep(0.5)
+    return dev, url
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:100] or "page"

@@ -1,0 +1,302 @@
+"""What a user reads in the Dagster UI, in a real browser, after a real auto-resume.
+
+`dagster dev` (webserver + daemon) runs on a temporary instance; two training runs are
+launched the way the README says (`python -m ckpt_assets launch`): `preempted`, whose
+trainer is sent SIGTERM mid-run and which the resume sensor resumes to the end, and
+`buggy`, whose task raises (exit 1: a bug, not resumed). A headless Chromium (Debian's
+`/usr/bin/chromium`, driven by Playwright) then reads the asset graph, the launchpad, both
+failed runs' pages, the checkpoint events and the partitions view.
+
+Screenshots of every page checked (and of the page where a failing test stopped, named
+`...-FAILED.png`) are written to test-artifacts/browser/, with the `dagster dev` log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.browser_harness import (
+    ARTIFACTS,
+    CHROMIUM,
+    browser_required,
+    missing_browser,
+    safe_name,
+    start_dagster_dev,
+)
+from tests.daemon_harness import ROOT, kill, training_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+# Generous: a busy 2-core machine renders the UI slowly, and runs take their time.
+UI_TIMEOUT_MS = 60_000
+RUN_TIMEOUT_S = 360
+CHECKPOINT_RE = r"checkpoint step (\d+) committed \(loss ([0-9.eE+-]+|nan|inf)\)"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    why = missing_browser()
+    if why is not None:
+        if browser_required():
+            pytest.fail(f"{why} (as root with apt, scripts/setup.sh installs it)")
+        pytest.skip(why)
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=UI_TIMEOUT_MS)
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)
+    ARTIFACTS.mkdir(parents=True)
+    print(f"\nbrowser test screenshots: {ARTIFACTS}")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def scenario(browser, tmp_path_factory):
+    """`dagster dev` with two runs launched and `preempted` preempted; not waited for."""
+    work = tmp_path_factory.mktemp("browser")
+    dev, url = start_dagster_dev(work, str(work / "store"))
+    try:
+        # The bug first: `preempted` must still be training when it is looked for.
+        _launch(dev, "buggy", training_config("buggy", task_args={"fail_at_step": 12}), work)
+        _launch(dev, "preempted", training_config("preempted"), work)
+        hb = dev.wait_for_step("preempted", 15, attempt=1, timeout=RUN_TIMEOUT_S)
+        assert hb["step"] < 55, f"too late to preempt: {hb}"
+        kill(int(hb["pid"]), signal.SIGTERM)
+        yield dev, url
+    finally:
+        dev.stop()
+        shutil.copy(dev.log_path, ARTIFACTS / "dagster-dev.log")
+
+
+def _launch(dev, name: str, cfg: dict, work) -> None:
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    res = subprocess.run([sys.executable, "-m", "ckpt_assets", "launch", name, "--config",
+                          str(path)], cwd=ROOT, env=dev.env, capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT_S)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _training_runs(dev, partition: str) -> list:
+    """The partition's train_job runs, oldest first (other jobs, e.g. checks, are tagged with
+    the partition too)."""
+    return [r for r in dev.runs(partition) if r.job_name == "train_job"]
+
+
+@pytest.fixture(scope="module")
+def settled(scenario):
+    """Both runs have ended as they should: run ids of what the pages will show."""
+    dev, url = scenario
+
+    def resumed_and_done():
+        runs = _training_runs(dev, "preempted")
+        return runs if len(runs) >= 2 and runs[-1].status.value == "SUCCESS" else None
+
+    first, *rest = dev.wait_until(resumed_and_done, "the preempted run to be resumed to the end",
+                                  timeout=RUN_TIMEOUT_S)
+    assert [r.tags.get("ckpt/parent_run_id") for r in rest] == [first.run_id], \
+        [(r.run_id, r.status.value, r.tags) for r in rest]
+    (resume,) = rest
+    assert first.tags.get("ckpt/decision") == "resume", first.tags
+    dev.wait_until(lambda: dev.instance.get_run_by_id(first.run_id).tags.get(
+        "ckpt/resumed_by") == resume.run_id, "the resume to link itself", timeout=60)
+    bug = dev.wait_until(lambda: next((r for r in _training_runs(dev, "buggy")
+                                       if "ckpt/decision" in r.tags), None),
+                         "a decision on the buggy run", timeout=RUN_TIMEOUT_S)
+    assert (bug.tags["ckpt/decision"], bug.tags["ckpt/failure_kind"]) == ("stop", "bug"), \
+        bug.tags
+    return {"url": url, "preempted": first.run_id, "resume": resume.run_id,
+            "buggy": bug.run_id}
+
+
+class Shots:
+    """Numbered full-page screenshots of one test, under test-artifacts/browser/."""
+
+    def __init__(self, page, test_name: str):
+        self.page, self.prefix, self.n = page, safe_name(test_name.removeprefix("test_")), 0
+
+    def __call__(self, label: str) -> None:
+        self.n += 1
+        path = ARTIFACTS / f"{self.prefix}-{self.n:02d}-{safe_name(label)}.png"
+        try:
+            self.page.screenshot(path=str(path), full_page=True)
+        except Exception as e:  # a screenshot must never hide the test's own outcome
+            print(f"screenshot {path.name} failed: {e}")
+
+
+@pytest.fixture
+def page(browser, request):
+    context = browser.new_context(viewport={"width": 1440, "height": 1100})
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    pg = context.new_page()
+    shots = Shots(pg, request.node.name)
+    pg.shots = shots
+    failed_before = request.session.testsfailed
+    yield pg
+    if request.session.testsfailed > failed_before:  # the page where the test stopped
+        shots("FAILED")
+        print(f"screenshots: {ARTIFACTS}")
+    context.close()
+
+
+def _open_run(page, base: str, run_id: str, log_filter: str):
+    """A run's page, its event log filtered by text the way a user types it."""
+    page.goto(f"{base}/runs/{run_id}")
+    box = page.get_by_placeholder("Filter…")
+    box.fill(log_filter)
+
+
+# -- what needs no finished run (checked while the runs go on) -------------------------------
+
+def test_the_asset_graph_shows_the_three_training_assets(scenario, page):
+    from playwright.sync_api import expect
+
+    _, url = scenario
+    page.goto(f"{url}/asset-groups")
+    graph = page.locator("svg foreignObject")
+    for name in ("training_dataset", "model_checkpoint", "final_model"):
+        expect(graph.get_by_text(name, exact=True).first).to_be_visible()
+    # All three are partitioned by training run: two partitions, once both are registered.
+    expect(graph.get_by_text("2 partitions", exact=True)).to_have_count(3)
+    page.shots("asset-graph")
+
+
+def test_the_launchpad_refuses_an_unknown_key_in_the_training_config(scenario, page):
+    from playwright.sync_api import expect
+
+    _, url = scenario
+    page.goto(f"{url}/locations/ckpt_assets/jobs/train_job/playground")
+    partition = page.get_by_placeholder("Partition")
+    partition.fill("buggy")
+    partition.press("Enter")
+    expect(page.get_by_text("partition: buggy", exact=True)).to_be_visible()
+    editor = page.locator(".CodeMirror").first
+    launch = page.get_by_role("button", name="Launch Run")
+
+    def type_config(training_yaml: str) -> None:
+        editor.click()
+        page.keyboard.press("Control+A")
+        page.keyboard.insert_text("ops:\n  training_dataset:\n    config:\n      training:\n"
+                                  f"        {training_yaml}\n")
+
+    type_config("max_steps: 5")
+    expect(page.get_by_text("No errors", exact=True)).to_be_visible()
+    expect(launch).to_be_enabled()
+    page.shots("launchpad-valid")
+    type_config("max_stepz: 5")
+    expect(page.get_by_text(re.compile(
+        r'Received unexpected config entry "max_stepz" at path '
+        r"root:ops:training_dataset:config:training"))).to_be_visible()
+    expect(launch).to_be_disabled()
+    page.shots("launchpad-max_stepz-refused")
+
+
+# -- what the runs left behind ----------------------------------------------------------------
+
+def test_the_preempted_runs_page_says_it_is_resumed_and_by_which_run(settled, page):
+    from playwright.sync_api import expect
+
+    url, first, resume = settled["url"], settled["preempted"], settled["resume"]
+    _open_run(page, url, first, "Resuming now")
+    expect(page.get_by_text("Failure", exact=True).first).to_be_visible()
+    expect(page.get_by_text(re.compile(r"^Resuming now \(preempted\): "))).to_be_visible()
+    page.shots("preempted-decision")
+    _open_run(page, url, first, "resumed by run")
+    expect(page.get_by_text(f"resumed by run {resume}", exact=False)).to_be_visible()
+    page.shots("preempted-resumed-by")
+    # The resume's page (where that id leads): it succeeded, and says what it resumed.
+    _open_run(page, url, resume, "resuming failed run")
+    expect(page.get_by_text("Success", exact=True).first).to_be_visible()
+    expect(page.get_by_text(f"resuming failed run {first}", exact=False)).to_be_visible()
+    page.shots("resume-run")
+
+
+def test_the_buggy_runs_page_says_it_is_not_resumed_and_why(settled, page):
+    from playwright.sync_api import expect
+
+    _open_run(page, settled["url"], settled["buggy"], "Not resumed")
+    expect(page.get_by_text("Failure", exact=True).first).to_be_visible()
+    expect(page.get_by_text(re.compile(
+        r"^Not resumed \(bug\): .*exception in the training code"))).to_be_visible()
+    page.shots("buggy-decision")
+
+
+def _checkpoint_event(page, url: str, partition: str, step: int) -> str:
+    """Click through the model_checkpoint events of `partition` (newest first) until the one
+    for checkpoint `step` is shown; return its description."""
+    from playwright.sync_api import expect
+
+    page.goto(f"{url}/assets/model_checkpoint?view=events")
+    rows = page.locator("[data-index]").filter(has=page.get_by_text(partition, exact=True))
+    expect(rows.first).to_be_visible()
+    wanted = page.get_by_text(re.compile(f"^checkpoint step {step} committed \\(loss "))
+    header = page.get_by_text(re.compile(f"^Partition {partition} (observed|materialized)"))
+    # A quick look at each event first; then, in case the page is slow to show the one
+    # clicked, a patient one.
+    for patience_ms in (0, 5000):
+        for i in range(rows.count()):
+            rows.nth(i).click()
+            expect(header).to_be_visible()
+            try:
+                if patience_ms:
+                    expect(wanted).to_be_visible(timeout=patience_ms)
+                elif not wanted.is_visible():
+                    continue
+            except AssertionError:
+                continue
+            return wanted.inner_text().strip()
+    raise AssertionError(f"no event of {partition} reads 'checkpoint step {step} committed "
+                         f"(loss ...)' among its {rows.count()} model_checkpoint events")
+
+
+def test_each_checkpoint_event_reads_its_step_and_loss(settled, page):
+    from playwright.sync_api import expect
+
+    url = settled["url"]
+    # The last checkpoint of the resumed run, and the one the buggy run committed.
+    for partition, step in (("preempted", 60), ("buggy", 10)):
+        text = _checkpoint_event(page, url, partition, step)
+        m = re.fullmatch(CHECKPOINT_RE, text)
+        assert m and int(m.group(1)) == step, text
+        # The event's metadata says the same: its loss is in the table next to it.
+        expect(page.get_by_text(m.group(2), exact=True).first).to_be_visible()
+        page.shots(f"{partition}-checkpoint-{step}")
+
+
+def test_the_partitions_view_shows_the_bug_as_failed_and_the_resumed_run_as_materialized(
+        settled, page):
+    from playwright.sync_api import expect
+
+    page.goto(f"{settled['url']}/assets/model_checkpoint?view=partitions")
+    failed = page.get_by_text(re.compile(r"^Failed \(\d+\)$"))
+    materialized = page.get_by_text(re.compile(r"^Materialized \(\d+\)$"))
+    expect(page.get_by_text("buggy", exact=True).first).to_be_visible()
+    page.shots("partitions-all")
+    # Only the failed ones: the bug, not the resumed run.
+    materialized.click()
+    expect(page.get_by_text("buggy", exact=True).first).to_be_visible()
+    expect(page.get_by_text("preempted", exact=True)).to_have_count(0)
+    page.get_by_text("buggy", exact=True).first.click()
+    expect(page.get_by_text(f"Run {settled['buggy'][:8]} failed, and did not materialize "
+                            "this asset.")).to_be_visible()
+    expect(page.get_by_text("Materialized", exact=True)).to_have_count(0)  # no such badge
+    page.shots("partitions-failed")
+    # Only the materialized ones: the resumed run, not the bug.
+    page.goto(f"{settled['url']}/assets/model_checkpoint?view=partitions")
+    failed.click()
+    expect(page.get_by_text("preempted", exact=True).first).to_be_visible()
+    expect(page.get_by_text("buggy", exact=True)).to_have_count(0)
+    page.get_by_text("preempted", exact=True).first.click()
+    expect(page.get_by_text("Materialized", exact=True)).to_be_visible()  # the badge
+    expect(page.get_by_text("Latest materialization")).to_be_visible()
+    expect(page.get_by_text(settled["resume"][:8], exact=True).first).to_be_visible()
+    page.shots("partitions-materialized")
