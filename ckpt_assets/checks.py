@@ -1,4 +1,11 @@
-"""Asset checks of a training run (they run in train_job after their asset).
+"""Asset checks of a training run, evaluated per partition (the run's name).
+
+They are not part of the training jobs: a training run is interrupted routinely (a
+preemption ends its Dagster run as failed and a resume follows as a new run), and checks
+planned inside such a run would be recorded as "execution failed" for every interrupted
+attempt. They run in their own job, `check_training_run`, which the sensor in
+`ckpt_assets.check_runs` launches once for every training run that succeeds, for its
+partition; the evaluations are recorded on that partition.
 
 * `latest_checkpoint_verifies`: the checkpoint latest.json names exists and every file
   matches its manifest's size and SHA-256.
@@ -7,18 +14,24 @@
   most `max_eval_loss` (check config; default: chance level, ln(number of classes)).
 """
 
-
 import math
+import warnings
 
 import dagster as dg
 from pydantic import Field
 
 from ckpt_assets.assets import final_model, model_checkpoint
 from ckpt_assets.io_managers import StoredObjectError, VersionedRepo
-from ckpt_assets.partitions import read_registration, validate_partition_key
+from ckpt_assets.partitions import read_registration, training_runs, validate_partition_key
 from ckpt_assets.resources import CheckpointStore
 from trainer.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from trainer.repo import CheckpointRepo
+
+# Partitioned checks (an evaluation per training run, not one for the asset as a whole) are
+# a preview feature of Dagster 1.13 (pinned in constraints.txt); tests/test_checks.py pins
+# the behaviour we rely on.
+warnings.filterwarnings("ignore", category=dg.PreviewWarning,
+                        message=".*partitions_def on an AssetCheckSpec.*")
 
 
 def _run_repo(context, checkpoint_store: CheckpointStore):
@@ -26,7 +39,9 @@ def _run_repo(context, checkpoint_store: CheckpointStore):
     try:
         key = validate_partition_key(context.partition_key)
     except Exception as e:  # not a partitioned run, or a bad key
-        return dg.AssetCheckResult(passed=False, description=f"no usable partition key: {e}")
+        return dg.AssetCheckResult(passed=False, description=(
+            f"no usable partition key: {e} (to check a training run by hand, launch "
+            "check_training_run with the tag dagster/partition=<training run>)"))
     try:
         store = checkpoint_store.open()
         reg = read_registration(store, key)
@@ -55,7 +70,8 @@ def _latest_manifest(context, checkpoint_store: CheckpointStore, verify: bool):
                                    metadata={"error": dg.MetadataValue.text(str(e))})
 
 
-@dg.asset_check(asset=model_checkpoint, description="The checkpoint latest.json names verifies "
+@dg.asset_check(asset=model_checkpoint, partitions_def=training_runs,
+                description="The checkpoint latest.json names verifies "
                 "(every file's size and SHA-256 match its manifest).")
 def latest_checkpoint_verifies(context: dg.AssetCheckExecutionContext,
                                checkpoint_store: CheckpointStore) -> dg.AssetCheckResult:
@@ -68,7 +84,8 @@ def latest_checkpoint_verifies(context: dg.AssetCheckExecutionContext,
         "sha256": m.sha256, "size": m.total_size})
 
 
-@dg.asset_check(asset=model_checkpoint, description="The latest checkpoint's training loss is finite.")
+@dg.asset_check(asset=model_checkpoint, partitions_def=training_runs,
+                description="The latest checkpoint's training loss is finite.")
 def latest_checkpoint_loss_is_finite(context: dg.AssetCheckExecutionContext,
                                      checkpoint_store: CheckpointStore) -> dg.AssetCheckResult:
     got = _latest_manifest(context, checkpoint_store, verify=False)
@@ -88,7 +105,8 @@ class EvalLossThreshold(dg.Config):
                                   "ln(number of classes)")
 
 
-@dg.asset_check(asset=final_model, description="The final model's held-out loss is at most "
+@dg.asset_check(asset=final_model, partitions_def=training_runs,
+                description="The final model's held-out loss is at most "
                 "max_eval_loss (default: chance level, ln(number of classes)).")
 def final_model_meets_eval_loss_threshold(context: dg.AssetCheckExecutionContext,
                                           config: EvalLossThreshold,

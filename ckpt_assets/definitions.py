@@ -5,6 +5,7 @@ from __future__ import annotations
 import dagster as dg
 
 from ckpt_assets.assets import TRAINING_ASSETS
+from ckpt_assets.check_runs import CHECK_SENSORS
 from ckpt_assets.checks import TRAINING_CHECKS
 from ckpt_assets.io_managers import CheckpointIOManager
 from ckpt_assets.jobs import JOBS
@@ -16,7 +17,7 @@ def make_resources(store_uri: str | None = None, *, tracking_uri: str | None = N
                    mlflow_experiment: str | None = None, store: CheckpointStore | None = None,
                    trainer: TrainerResource | None = None,
                    mlflow: MLflowResource | None = None) -> dict:
-    """The resources train_job needs; defaults resolve at run time (see resources.py)."""
+    """The resources the jobs need; defaults resolve at run time (see resources.py)."""
     store = store or CheckpointStore(uri=store_uri)
     return {
         "checkpoint_store": store,
@@ -31,7 +32,7 @@ defs = dg.Definitions(
     assets=TRAINING_ASSETS,
     asset_checks=TRAINING_CHECKS,
     jobs=JOBS,
-    sensors=list(SENSORS),
+    sensors=[*SENSORS, *CHECK_SENSORS],
     resources=make_resources(),
     # Also for implicit jobs (`dagster asset materialize`, the UI's Materialize button): the
     # step runs in the run's own process, so killing that process stops the trainer too.

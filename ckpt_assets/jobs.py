@@ -1,6 +1,8 @@
-"""The jobs: `train_job`, the `train_demo` preset of it, and `stop_training_run`.
+"""The jobs: `train_job`, the `train_demo` preset of it, `check_training_run` and
+`stop_training_run`.
 
-`train_job`: the three training assets of one partition, in the run worker's process.
+`train_job`: the three training assets of one partition, in the run worker's process,
+without their asset checks (those run in `check_training_run`, below).
 `in_process_executor` on purpose: the asset body (and the Pipes session that owns the
 trainer) runs in the run worker itself, so killing the run worker kills the step too, and
 the trainer (started with PR_SET_PDEATHSIG and CKPT_EXIT_WITH_PARENT=1) commits and stops.
@@ -18,6 +20,17 @@ not override it: the sensors' resumes and `ckpt-assets launch` of a registered r
 config, and would all register the demo config (refused for any other run, so every resume
 would fail as bad input). A failed `train_demo` run is resumed as a `train_job` run.
 
+`check_training_run`: the asset checks of the training assets (ckpt_assets.checks), alone,
+for one partition. The sensor `check_succeeded_training` (ckpt_assets.check_runs) launches
+it once for every training run that succeeds. The checks are not in the training jobs
+because a training run is interrupted routinely: its Dagster run fails and a resume
+follows as a new run, and checks planned in the interrupted run would be recorded as
+"execution failed" although nothing was checked, once per interruption. The job itself has
+no partitions definition (Dagster 1.13 infers none for a selection of checks alone, and
+ignores one given): its run's `dagster/partition` tag is the partition, and the checks,
+partitioned by `training_runs`, are evaluated and recorded on it. By hand: launch it with
+that tag.
+
 `stop_training_run` stops a training run for good from the UI (ckpt_assets.stop).
 
 No `from __future__ import annotations`: Dagster reads the op's config annotation as a
@@ -30,6 +43,7 @@ import dagster as dg
 from pydantic import Field, ValidationError
 
 from ckpt_assets.assets import TRAINING_ASSETS
+from ckpt_assets.checks import TRAINING_CHECKS
 from ckpt_assets.launch_form import TrainingForm
 from ckpt_assets.resources import REPO_ROOT
 from ckpt_assets.stop import is_known, stop_training_run
@@ -37,14 +51,13 @@ from trainer.config import read_config_file
 from trainer.errors import ConfigError
 
 DEMO_CONFIG = REPO_ROOT / "scripts" / "demo_config.json"
-TRAINING_TAGS = {"dagster/max_retries": "0", "dagster/retry_on_asset_or_op_failure": "false",
-                 "ckpt/job": "train"}
+TRAINING_TAGS = {"dagster/max_retries": "0", "dagster/retry_on_asset_or_op_failure": "false"}
 
 
 def _training_job(name: str, description: str, config=None):
     return dg.define_asset_job(
         name,
-        selection=dg.AssetSelection.assets(*TRAINING_ASSETS),
+        selection=dg.AssetSelection.assets(*TRAINING_ASSETS).without_checks(),
         executor_def=dg.in_process_executor,
         tags=TRAINING_TAGS,
         config=config,
@@ -78,6 +91,15 @@ def _train_demo():
 
 train_demo = _train_demo()
 
+check_training_run = dg.define_asset_job(
+    "check_training_run",
+    selection=dg.AssetSelection.checks(*TRAINING_CHECKS),
+    executor_def=dg.in_process_executor,
+    description="The asset checks of one training run (partition): the latest checkpoint "
+                "verifies, its loss is finite, the final model meets the evaluation threshold. "
+                "Launched by check_succeeded_training when a training run succeeds.",
+)
+
 
 class StopTrainingRunConfig(dg.Config):
     training_run: str = Field(description="the training run (partition key) to stop")
@@ -108,13 +130,14 @@ def stop_training_run_op(context: dg.OpExecutionContext, config: StopTrainingRun
 @dg.job(
     name="stop_training_run",
     executor_def=dg.in_process_executor,
-    tags={"dagster/max_retries": "0", "ckpt/job": "stop"},
+    tags={"dagster/max_retries": "0"},
     description="Stop a training run for good: its active runs are terminated and never resumed.",
 )
 def stop_training_run_job():
     stop_training_run_op()
 
 
-JOBS = [job for job in (train_job, train_demo, stop_training_run_job) if job is not None]
+JOBS = [job for job in (train_job, train_demo, check_training_run, stop_training_run_job)
+        if job is not None]
 # Runs of these jobs are training runs (their failures are the resume sensors' business).
 TRAINING_JOB_NAMES = frozenset(j.name for j in (train_job, train_demo) if j is not None)
