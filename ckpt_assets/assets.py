@@ -36,13 +36,13 @@ from ckpt_assets.failures import TrainingFailure, bad_input, storage_unavailable
 from ckpt_assets.history import history_metadata
 from ckpt_assets.io_managers import CHECKPOINT_KEY
 from ckpt_assets.launch import AttemptIds, base_env, command_launch, task_launch
-from ckpt_assets.lineage import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.partitions import training_runs
 from ckpt_assets.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.run_state import RunState, State, run_state, state_observation
 from ckpt_assets.runs import TrainingRunConfig, attempt_number, resolve_registration
+from ckpt_assets.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.trainer_process import LaunchError, run_under_pipes
 from trainer.errors import ConfigError, StorageError
 from trainer.records import CheckpointRecord

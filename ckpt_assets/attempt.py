@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
+from dagster._core.events import EngineEventData  # no public export in Dagster 1.13
 
 from ckpt_assets.events import (
     ATTEMPT_ENDED,
@@ -29,10 +30,9 @@ from ckpt_assets.events import (
     recorded_checkpoint_names,
 )
 from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure, failure_class_for, signal_name
-from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from ckpt_assets.metadata import checkpoint_metadata, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
-from ckpt_assets.run_state import TAG_DECISION_REASON
+from ckpt_assets.tags import TAG_ATTEMPT, TAG_DECISION_REASON, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from trainer.errors import CheckpointError, StorageError, TrainerError
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
@@ -159,13 +159,19 @@ def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log) -> str | 
     try:
         parent = instance.get_run_by_id(parent_id)
         reason = parent.tags.get(TAG_DECISION_REASON, "") if parent is not None else ""
-        log.info(f"resuming failed run {parent_id} (/runs/{parent_id}) as attempt "
-                 f"{run.tags.get(TAG_ATTEMPT, '?')}" + (f": {reason}" if reason else ""))
+        attempt = run.tags.get(TAG_ATTEMPT, "?")
+        # Engine events, not log lines: their dagster_run metadata is a link in the UI.
+        instance.report_engine_event(
+            f"resuming failed run {parent_id} as attempt {attempt}" + (
+                f": {reason}" if reason else ""), dagster_run=run,
+            engine_event_data=EngineEventData(
+                metadata={"resumes": dg.MetadataValue.dagster_run(parent_id)}))
         if parent is not None and parent.tags.get(TAG_RESUMED_BY) != run.run_id:
             instance.add_run_tags(parent_id, {TAG_RESUMED_BY: run.run_id})
             instance.report_engine_event(
-                f"resumed by run {run.run_id} (/runs/{run.run_id}), attempt "
-                f"{run.tags.get(TAG_ATTEMPT, '?')}", dagster_run=parent)
+                f"resumed by run {run.run_id}, attempt {attempt}", dagster_run=parent,
+                engine_event_data=EngineEventData(
+                    metadata={"resumed_by": dg.MetadataValue.dagster_run(run.run_id)}))
     except Exception as e:  # a missing or unwritable parent record must not stop training
         log.warning(f"could not link resume {run.run_id} to run {parent_id}: {e}")
     return parent_id

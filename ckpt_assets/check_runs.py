@@ -20,9 +20,9 @@ from ckpt_assets.checks import TRAINING_CHECKS
 from ckpt_assets.jobs import check_training_run
 from ckpt_assets.partitions import PARTITION_TAG
 from ckpt_assets.run_state import is_training_run, newest_training_run
+from ckpt_assets.tags import TAG_CHECKED_RUN
 
 CHECKS_KEY_PREFIX = "checks-"
-TAG_CHECKED_RUN = "ckpt/checked_run_id"  # on a check run: the training run it follows
 
 
 def _checks_to_run(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[dg.AssetCheckKey]:

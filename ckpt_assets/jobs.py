@@ -47,11 +47,12 @@ from ckpt_assets.checks import TRAINING_CHECKS
 from ckpt_assets.launch_form import TrainingForm
 from ckpt_assets.resources import REPO_ROOT
 from ckpt_assets.stop import is_known, stop_training_run
+from ckpt_assets.tags import TAG_STOP_TARGET
 from trainer.config import read_config_file
 from trainer.errors import ConfigError
 
 DEMO_CONFIG = REPO_ROOT / "scripts" / "demo_config.json"
-TRAINING_TAGS = {"dagster/max_retries": "0", "dagster/retry_on_asset_or_op_failure": "false"}
+TRAINING_TAGS = {"dagster/max_retries": "0"}
 
 
 def _training_job(name: str, description: str, config=None):
@@ -119,7 +120,7 @@ def stop_training_run_op(context: dg.OpExecutionContext, config: StopTrainingRun
     except ConfigError as e:
         raise dg.Failure(description=str(e), allow_retries=False) from None
     # Findable from the run list: which training run this stop was for.
-    context.instance.add_run_tags(context.run_id, {"ckpt/stop_target": name})
+    context.instance.add_run_tags(context.run_id, {TAG_STOP_TARGET: name})
     if not actions:
         context.log.info(f"training run {name!r} has nothing to stop: no active run, and no "
                          "resume pending")
@@ -139,5 +140,3 @@ def stop_training_run_job():
 
 JOBS = [job for job in (train_job, train_demo, check_training_run, stop_training_run_job)
         if job is not None]
-# Runs of these jobs are training runs (their failures are the resume sensors' business).
-TRAINING_JOB_NAMES = frozenset(j.name for j in (train_job, train_demo) if j is not None)

@@ -11,24 +11,20 @@ from typing import Any
 import dagster as dg
 
 from ckpt_assets.events import ATTEMPT_ENDED, CHECKPOINT, RESUME_DECISION, partition_events
-from ckpt_assets.partitions import PARTITION_TAG, read_registration
+from ckpt_assets.partitions import read_registration
+from ckpt_assets.run_state import training_runs_of
+from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from trainer.errors import CheckpointError
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore
 
 # Run tags written by ckpt_assets (and read by the resume sensor).
-TAG_ATTEMPT = "ckpt/attempt"
-TAG_ROOT_RUN_ID = "ckpt/root_run_id"
-TAG_PARENT_RUN_ID = "ckpt/parent_run_id"
-TAG_RESUME_FROM = "ckpt/resume_from"
-TAG_RESUMED_BY = "ckpt/resumed_by"  # on a failed run: the run that resumed it
 
 # -- lineage report ---------------------------------------------------------------------------
 
 def dagster_runs_of(instance: dg.DagsterInstance, run_key: str) -> list[dg.DagsterRun]:
-    """Dagster runs of one training run (partition), oldest first."""
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: run_key}))
-    return list(reversed(runs))
+    """The Dagster runs that trained one training run (partition), oldest first."""
+    return list(reversed(training_runs_of(instance, run_key)))
 
 
 def checkpoint_timeline(repo: CheckpointRepo) -> list[dict[str, Any]]:

@@ -31,19 +31,22 @@ from typing import Any
 import dagster as dg
 
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY, STATE
-from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM
 from ckpt_assets.partitions import PARTITION_TAG, read_registration
+from ckpt_assets.tags import (
+    TAG_ATTEMPT,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_NO_RESUME,
+    TAG_PARENT_RUN_ID,
+    TAG_RESUME_AT,
+    TAG_RESUME_FROM,
+    TAG_STOP_REASON,
+)
 from trainer.errors import CheckpointError
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore
 
 # Tags the resume sensors and `stop` write on a run (defined here, where they are read).
-TAG_DECISION = "ckpt/decision"  # on an ended run: "resume" | "stop"
-TAG_DECISION_REASON = "ckpt/decision_reason"
-TAG_DECIDED_AT = "ckpt/decided_at"  # ISO 8601, UTC
-TAG_RESUME_AT = "ckpt/resume_at"  # ISO 8601, UTC; only for a resume after a back-off
-TAG_NO_RESUME = "ckpt/no_resume"  # "true": stopped for good (`ckpt_assets.stop`)
-TAG_STOP_REASON = "ckpt/stop_reason"  # why it was stopped (free text from the user)
 TRAINING_JOB_NAMES = frozenset({"train_job", "train_demo"})
 
 
@@ -95,7 +98,14 @@ def is_training_run(run: dg.DagsterRun) -> bool:
     return MODEL_CHECKPOINT_KEY in run.asset_selection
 
 
+def training_runs_of(instance: dg.DagsterInstance, partition: str) -> list[dg.DagsterRun]:
+    """The partition's training runs, newest first (its check runs left out)."""
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}))
+    return [r for r in runs if is_training_run(r)]
+
+
 def newest_training_run(instance: dg.DagsterInstance, partition: str) -> dg.DagsterRun | None:
+    # A training run is followed by at most one check run: a few runs always reach it.
     for run in instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}),
                                  limit=20):
         if is_training_run(run):

@@ -5,18 +5,17 @@ from __future__ import annotations
 import dagster as dg
 from pydantic import Field
 
-from ckpt_assets.events import MODEL_CHECKPOINT_KEY
 from ckpt_assets.failures import bad_input, storage_unavailable
 from ckpt_assets.launch_form import TrainingForm, training_from_form
-from ckpt_assets.lineage import TAG_ATTEMPT
 from ckpt_assets.partitions import (
-    PARTITION_TAG,
     Registration,
     read_registration,
     register_training_run,
     validate_partition_key,
 )
 from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.run_state import training_runs_of
+from ckpt_assets.tags import TAG_ATTEMPT
 from trainer.errors import ConfigError, StorageError
 from trainer.repo import CheckpointRepo
 
@@ -85,12 +84,10 @@ def resolve_registration(context, checkpoint_store: CheckpointStore,
 
 
 def count_earlier_attempts(instance: dg.DagsterInstance, run_id: str, key: str) -> int:
-    """Earlier Dagster runs of this partition that included model_checkpoint."""
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: key}))  # newest first
+    """Earlier training runs of this partition."""
+    runs = training_runs_of(instance, key)  # newest first
     ids = [r.run_id for r in runs]
-    earlier = runs[ids.index(run_id) + 1:] if run_id in ids else runs
-    return sum(1 for r in earlier
-               if r.asset_selection is None or MODEL_CHECKPOINT_KEY in r.asset_selection)
+    return len(runs[ids.index(run_id) + 1:] if run_id in ids else runs)
 
 
 def attempt_number(context, repo: CheckpointRepo) -> int:

@@ -28,27 +28,32 @@ from dagster._core.events import EngineEventData
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY, RESUME_DECISION
 from ckpt_assets.failures import TrainingFailure
 from ckpt_assets.jobs import train_job
-from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM, TAG_ROOT_RUN_ID
 from ckpt_assets.partitions import PARTITION_TAG, read_registration
 from ckpt_assets.policy import Budget, Decision, Failure, PolicyConfig, decide
 from ckpt_assets.resources import CheckpointStore
 from ckpt_assets.run_state import (
-    TAG_DECIDED_AT,
-    TAG_DECISION,
-    TAG_DECISION_REASON,
-    TAG_NO_RESUME,
-    TAG_RESUME_AT,
     is_training_run,
     iso,
     newest_training_run,
     parse_time,
     report_state,
 )
+from ckpt_assets.tags import (
+    TAG_ATTEMPT,
+    TAG_BUDGET,
+    TAG_DECIDED_AT,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_FAILURE_KIND,
+    TAG_NEXT_BUDGET,
+    TAG_NO_RESUME,
+    TAG_PARENT_RUN_ID,
+    TAG_RESUME_AT,
+    TAG_RESUME_FROM,
+    TAG_ROOT_RUN_ID,
+)
 from trainer.repo import CheckpointRepo
 
-TAG_NEXT_BUDGET = "ckpt/next_budget"  # on a failed run: the budget its resume will carry
-TAG_BUDGET = "ckpt/budget"  # on a resume run: the Budget carried from attempt to attempt
-TAG_FAILURE_KIND = "ckpt/failure_kind"
 RESUME_KEY_PREFIX = "resume-"
 
 # Reconciler: a resume the failure sensor decided and did not launch within this long was
@@ -139,7 +144,7 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
     # links back to this run, and tags it `ckpt/resumed_by`, once it starts.
     run_key = f"{RESUME_KEY_PREFIX}{run.run_id}"
     if not decision.resume:
-        words = f"Not resumed ({decision.kind}): {decision.reason}"
+        words = f"Not resumed ({decision.kind}): {decision.reason.removeprefix('not resumed: ')}"
     elif decision.delay_s > 0:
         words = (f"Will be resumed after a back-off of {decision.delay_s:.0f}s "
                  f"({decision.kind}): {decision.reason}. The resume's run key is {run_key}.")

@@ -20,13 +20,8 @@ from dataclasses import dataclass
 import dagster as dg
 
 from ckpt_assets.partitions import PARTITION_TAG, PARTITIONS_NAME, validate_partition_key
-from ckpt_assets.run_state import (
-    TAG_DECISION,
-    TAG_DECISION_REASON,
-    TAG_NO_RESUME,
-    TAG_STOP_REASON,
-    report_state,
-)
+from ckpt_assets.run_state import newest_training_run, report_state
+from ckpt_assets.tags import TAG_DECISION, TAG_DECISION_REASON, TAG_NO_RESUME, TAG_STOP_REASON
 
 ACTIVE_STATUSES = (dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
                    dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED,
@@ -116,10 +111,9 @@ def _terminate(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
 
 def _withdraw_pending_resume(instance: dg.DagsterInstance, partition: str,
                              tags: dict[str, str], reason: str | None) -> list[StopAction]:
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}), limit=1)
-    if not runs or runs[0].status not in ENDED_UNSUCCESSFULLY:
+    newest = newest_training_run(instance, partition)
+    if newest is None or newest.status not in ENDED_UNSUCCESSFULLY:
         return []
-    newest = runs[0]
     decision = newest.tags.get(TAG_DECISION)
     if decision == "stop" or newest.tags.get(TAG_NO_RESUME) == "true":
         return []  # nothing pending: it was stopped already, or will never be resumed

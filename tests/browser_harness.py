@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -20,7 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.daemon_harness import ACTIVE, BIN, ROOT, Daemon, kill
+from tests.daemon_harness import BIN, ROOT, Daemon
 
 CHROMIUM = Path(os.environ.get("CKPT_TEST_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
@@ -63,44 +62,9 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _group_members(pgid: int) -> list[int]:
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
-
-
 class DagsterDev(Daemon):
-    """The daemon harness, for `dagster dev`: its webserver, daemon and code servers share
-    its process group and may outlive its main process, so the whole group is waited for."""
-
-    def stop(self, grace: float = 30) -> None:
-        self._stop.set()
-        pgid = self.proc.pid
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + grace
-        while _group_members(pgid) and time.monotonic() < deadline:
-            self.proc.poll()  # reap the main process once it exits
-            time.sleep(0.2)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        # Runs launched by the daemon live in their own sessions: end any trainer left over.
-        for run in self.instance.get_runs():
-            if run.status.value in ACTIVE:
-                hb = self.heartbeat(run.tags.get("dagster/partition", ""))
-                if hb and hb.get("pid"):
-                    kill(int(hb["pid"]), signal.SIGKILL)
+    """The daemon harness, for `dagster dev` (its webserver, daemon and code servers share
+    its process group; `stop` waits for all of them)."""
 
 
 def start_dagster_dev(workdir: Path, store: str, timeout: float = 240
@@ -112,9 +76,6 @@ def start_dagster_dev(workdir: Path, store: str, timeout: float = 240
     home = workdir / "dagster_home"
     home.mkdir(parents=True)
     shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
-    with open(home / "dagster.yaml", "a") as f:
-        # No "Join the Dagster community" dialog over the pages under test.
-        f.write("\nnux:\n  enabled: false\n")
     env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
            "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
            "PYTHONPATH": str(ROOT), "CKPT_RECONCILE_GRACE_S": "20",

@@ -17,6 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.dagster_fixtures import stop_process_group
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ACTIVE = ("STARTING", "STARTED", "CANCELING")
@@ -78,11 +80,7 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_process_group(self.proc, 60)
         # Runs launched by the daemon live in their own sessions: end any left over.
         for run in self.instance.get_runs():
             if run.status.value in ACTIVE:
@@ -120,10 +118,10 @@ class Daemon:
 
     # -- observation ----------------------------------------------------------------------
     def runs(self, partition: str) -> list:
-        from dagster import RunsFilter
+        """The partition's training runs, oldest first (its check runs left out)."""
+        from ckpt_assets.run_state import training_runs_of
 
-        return list(reversed(self.instance.get_runs(
-            filters=RunsFilter(tags={"dagster/partition": partition}))))  # oldest first
+        return list(reversed(training_runs_of(self.instance, partition)))
 
     def heartbeat(self, run: str, experiment: str = "default") -> dict | None:
         from trainer.repo import CheckpointRepo

@@ -209,15 +209,36 @@ def dagster_cli(*args: str, env: dict | None = None, timeout: float = 300) -> su
                           timeout=timeout)
 
 
+def process_group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 def stop_process_group(proc: subprocess.Popen, grace: float = 30) -> None:
-    """SIGTERM a process started with start_new_session=True and its children; SIGKILL
-    whatever is left after `grace` seconds."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM a process started with start_new_session=True and its children, and wait for
+    all of them (`dagster dev`'s webserver, daemon and code servers outlive its main
+    process); SIGKILL whatever is left after `grace` seconds."""
     try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while process_group_members(proc.pid) and time.monotonic() < deadline:
+        proc.poll()  # reap the main process once it exits
+        time.sleep(0.2)
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def pid_alive(pid: int) -> bool:

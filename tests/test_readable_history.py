@@ -16,10 +16,10 @@ from ckpt_assets import sensors
 from ckpt_assets.attempt import AttemptReport, attempt_failure, checkpoint_event, link_resume
 from ckpt_assets.failures import TrainingFailure
 from ckpt_assets.history import history_frame, history_metadata
-from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from ckpt_assets.metadata import checkpoint_metadata
 from ckpt_assets.partitions import PARTITION_TAG
 from ckpt_assets.policy import Budget, Decision, Failure
+from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from ckpt_assets.trainer_process import _pump, _start
 from tests import dagster_runs
 from trainer.records import CheckpointRecord, Lineage
@@ -228,7 +228,7 @@ def test_a_decision_not_to_resume_says_why_in_the_failed_runs_log(instance):
     sensors.record(instance, run, failure,
                    Decision(False, "diverged", "not resumed: the loss diverged"))
     (event,) = _engine_events(instance, run)
-    assert event.message == "Not resumed (diverged): not resumed: the loss diverged"
+    assert event.message == "Not resumed (diverged): the loss diverged"
 
 
 def test_a_resume_run_links_itself_and_the_failed_run_both_ways_once(instance):
@@ -238,10 +238,17 @@ def test_a_resume_run_links_itself_and_the_failed_run_both_ways_once(instance):
     log = Log()
     assert link_resume(instance, resume, log) == failed.run_id
     assert link_resume(instance, resume, log) == failed.run_id  # a step run again: no repeat
-    assert f"/runs/{failed.run_id}" in log.entries[0][1]
     assert instance.get_run_by_id(failed.run_id).tags[TAG_RESUMED_BY] == resume.run_id
+    # Each side names the other, and its metadata is a link the UI opens.
     (event,) = _engine_events(instance, failed)
-    assert f"/runs/{resume.run_id}" in event.message and "attempt 2" in event.message
+    assert event.message == f"resumed by run {resume.run_id}, attempt 2"
+    assert event.engine_event_data.metadata["resumed_by"] == dg.MetadataValue.dagster_run(
+        resume.run_id)
+    back = _engine_events(instance, resume)[0]
+    assert back.message.startswith(f"resuming failed run {failed.run_id} as attempt 2")
+    assert back.engine_event_data.metadata["resumes"] == dg.MetadataValue.dagster_run(
+        failed.run_id)
+    assert log.entries == []
 
 
 def test_a_run_that_resumes_nothing_links_nothing(instance):

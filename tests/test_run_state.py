@@ -10,23 +10,21 @@ import dagster as dg
 import pytest
 
 from ckpt_assets.events import STATE, partition_events
-from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID
 from ckpt_assets.partitions import register_training_run
 from ckpt_assets.resources import CheckpointStore
-from ckpt_assets.run_state import (
+from ckpt_assets.run_state import State, iso, run_state, run_summary
+from ckpt_assets.sensors import consider
+from ckpt_assets.stop import stop_training_run
+from ckpt_assets.tags import (
+    TAG_ATTEMPT,
     TAG_DECIDED_AT,
     TAG_DECISION,
     TAG_DECISION_REASON,
     TAG_NO_RESUME,
+    TAG_PARENT_RUN_ID,
     TAG_RESUME_AT,
     TAG_STOP_REASON,
-    State,
-    iso,
-    run_state,
-    run_summary,
 )
-from ckpt_assets.sensors import consider
-from ckpt_assets.stop import stop_training_run
 from tests import dagster_runs
 
 KEY = "glance"
@@ -136,3 +134,12 @@ def test_ckpt_assets_list_rows_carry_the_state_the_detail_and_the_latest_step(in
     row = run_summary(instance, store, KEY)
     assert (row["state"], row["detail"], row["latest_step"], row["max_steps"]) == (
         "stopped by policy", "diverged", None, 100)
+
+
+def test_the_training_job_names_the_state_knows_are_the_code_locations_training_jobs():
+    from ckpt_assets.jobs import JOBS, train_demo, train_job
+    from ckpt_assets.run_state import TRAINING_JOB_NAMES
+
+    assert TRAINING_JOB_NAMES == {train_job.name, train_demo.name}
+    assert {j.name for j in JOBS} - TRAINING_JOB_NAMES == {"check_training_run",
+                                                           "stop_training_run"}

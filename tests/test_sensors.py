@@ -20,21 +20,27 @@ from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets import sensors
 from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure
-from ckpt_assets.lineage import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM, TAG_ROOT_RUN_ID
 from ckpt_assets.partitions import PARTITION_TAG, register_training_run
 from ckpt_assets.policy import Budget
 from ckpt_assets.resources import CheckpointStore
-from ckpt_assets.run_state import TAG_RESUME_AT, iso, parse_time
+from ckpt_assets.run_state import iso, parse_time
 from ckpt_assets.sensors import (
+    reconcile_training_runs,
+    resume_failed_training,
+    resume_terminated_training,
+)
+from ckpt_assets.tags import (
+    TAG_ATTEMPT,
     TAG_BUDGET,
     TAG_DECIDED_AT,
     TAG_DECISION,
     TAG_DECISION_REASON,
     TAG_FAILURE_KIND,
     TAG_NO_RESUME,
-    reconcile_training_runs,
-    resume_failed_training,
-    resume_terminated_training,
+    TAG_PARENT_RUN_ID,
+    TAG_RESUME_AT,
+    TAG_RESUME_FROM,
+    TAG_ROOT_RUN_ID,
 )
 from tests import dagster_runs
 from trainer.repo import CheckpointRepo

@@ -12,15 +12,15 @@ import pytest
 
 from ckpt_assets.jobs import stop_training_run_job
 from ckpt_assets.partitions import PARTITION_TAG
-from ckpt_assets.run_state import (
+from ckpt_assets.run_state import iso
+from ckpt_assets.sensors import consider
+from ckpt_assets.tags import (
     TAG_DECIDED_AT,
     TAG_DECISION,
     TAG_NO_RESUME,
     TAG_RESUME_AT,
     TAG_STOP_REASON,
-    iso,
 )
-from ckpt_assets.sensors import consider
 from tests.dagster_runs import run_in_status
 
 S = dg.DagsterRunStatus

@@ -317,7 +317,8 @@ class CheckpointSession:
 
     def _on_commit(self, m: Manifest, stats: dict[str, Any]) -> None:
         rec = CheckpointRecord.from_manifest(m, self.repo.uri(m.name), stats)
-        self.reporter.log(f"checkpoint committed: step {m.step} -> {rec.uri} "
+        loss = f", loss {rec.loss:.4g}" if isinstance(rec.loss, float) else ""
+        self.reporter.log(f"checkpoint committed: step {m.step}{loss} -> {rec.uri} "
                           f"({rec.size} bytes, {rec.save_seconds:.2f}s)")
         self.reporter.event("checkpoint", **rec.to_dict())
 

@@ -1,0 +1,29 @@
+"""Every run tag ckpt-assets writes, in one place: few, and each one read by something.
+
+Besides these, every training run carries Dagster's own `dagster/partition` (the training
+run) and `dagster/max_retries: 0` (resuming is the sensors' decision, made once per failure).
+"""
+
+# On a resume run (set by the resume sensors; they chain the attempts):
+TAG_PARENT_RUN_ID = "ckpt/parent_run_id"  # the failed run it resumes
+TAG_ROOT_RUN_ID = "ckpt/root_run_id"  # the training run's first Dagster run
+TAG_ATTEMPT = "ckpt/attempt"  # the attempt number it asks for
+TAG_RESUME_FROM = "ckpt/resume_from"  # the checkpoint URI, or "latest"
+TAG_BUDGET = "ckpt/budget"  # what the chain used so far (`policy.Budget.to_tag`)
+
+# On an ended training run (set by the resume sensors when they decide):
+TAG_DECISION = "ckpt/decision"  # "resume" | "stop"
+TAG_DECISION_REASON = "ckpt/decision_reason"  # in words
+TAG_FAILURE_KIND = "ckpt/failure_kind"  # the policy's class: preempted, killed, bug, ...
+TAG_DECIDED_AT = "ckpt/decided_at"  # ISO 8601, UTC
+TAG_RESUME_AT = "ckpt/resume_at"  # ISO 8601, UTC; only for a resume after a back-off
+TAG_NEXT_BUDGET = "ckpt/next_budget"  # the budget its resume will carry
+TAG_RESUMED_BY = "ckpt/resumed_by"  # the run that resumed it (set by that run)
+
+# On a run stopped for good (`ckpt_assets.stop`):
+TAG_NO_RESUME = "ckpt/no_resume"  # "true"
+TAG_STOP_REASON = "ckpt/stop_reason"  # free text from the user
+
+# On other runs:
+TAG_CHECKED_RUN = "ckpt/checked_run_id"  # a check run: the training run it checks
+TAG_STOP_TARGET = "ckpt/stop_target"  # a stop_training_run run: the training run it stopped
