@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.daemon_harness import BIN, ROOT, Daemon
+from tests.daemon_harness import BIN, ROOT, Daemon, fresh_instance
 
 CHROMIUM = Path(os.environ.get("CKPT_TEST_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
@@ -73,19 +73,7 @@ def start_dagster_dev(workdir: Path, store: str, timeout: float = 240
 
     Returns the harness object (the CLI, the instance, heartbeats, waiting, and a `stop()`
     that ends the whole process group and any trainer left over) and the webserver's URL."""
-    home = workdir / "dagster_home"
-    home.mkdir(parents=True)
-    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
-    env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
-           "PYTHONPATH": str(ROOT), "CKPT_RECONCILE_GRACE_S": "20",
-           "CKPT_BACKOFF_BASE_S": "2"}
-    # Create the SQLite storage once, before the webserver and the daemon race to.
-    from dagster import DagsterInstance
-    from dagster._core.instance.ref import InstanceRef
-
-    instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
-    instance.get_runs(limit=1)
+    home, env, instance = fresh_instance(workdir, store)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = workdir / "dagster-dev.log"

@@ -33,6 +33,26 @@ def training_config(run: str, **overrides) -> dict:
     return cfg
 
 
+def fresh_instance(workdir: Path, store: str, extra_env: dict | None = None):
+    """(home, env, instance): a new DAGSTER_HOME under `workdir` with the project's
+    dagster.yaml, and the environment its processes run with."""
+    from dagster import DagsterInstance
+    from dagster._core.instance.ref import InstanceRef
+
+    home = workdir / "dagster_home"
+    home.mkdir(parents=True)
+    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
+           "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
+           "PYTHONPATH": str(ROOT), "CKPT_RECONCILE_GRACE_S": "20",
+           "CKPT_BACKOFF_BASE_S": "2", **(extra_env or {})}
+    # Create the SQLite storage once, here: processes that create it concurrently race on
+    # its schema version table.
+    instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
+    instance.get_runs(limit=1)
+    return home, env, instance
+
+
 @dataclass
 class Daemon:
     home: Path
@@ -55,21 +75,8 @@ class Daemon:
     # -- lifecycle ------------------------------------------------------------------------
     @classmethod
     def start(cls, workdir: Path, store: str, extra_env: dict | None = None) -> Daemon:
-        home = workdir / "dagster_home"
-        home.mkdir(parents=True)
-        shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
-        env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
-               "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
-               "PYTHONPATH": str(ROOT), "CKPT_RECONCILE_GRACE_S": "20",
-               "CKPT_BACKOFF_BASE_S": "2", **(extra_env or {})}
+        home, env, instance = fresh_instance(workdir, store, extra_env)
         log_path = workdir / "daemon.log"
-        # Create the SQLite storage once, here: processes that create it concurrently race
-        # on its schema version table.
-        from dagster import DagsterInstance
-        from dagster._core.instance.ref import InstanceRef
-
-        instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
-        instance.get_runs(limit=1)
         proc = subprocess.Popen([str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
                                 cwd=ROOT, env=env, start_new_session=True,
                                 stdout=open(log_path, "w"), stderr=subprocess.STDOUT)

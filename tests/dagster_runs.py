@@ -51,6 +51,24 @@ def canceled_run(instance: dg.DagsterInstance, partition: str,
     return instance.get_run_by_id(run.run_id)
 
 
+def store_with_a_checkpoint(root, partition: str, max_steps: int, meta: dict | None = None):
+    """A CheckpointStore under `root` with `partition` registered and step 20 committed by
+    attempt 1 (`meta`: the manifest's extra fields, such as the loss)."""
+    from ckpt_assets.partitions import register_training_run
+    from ckpt_assets.resources import CheckpointStore
+    from trainer.repo import CheckpointRepo
+
+    cs = CheckpointStore(uri=str(root / "store"))
+    reg = register_training_run(cs.open(), partition, {"max_steps": max_steps})
+    repo = CheckpointRepo(cs.open(), reg.experiment, partition)
+    repo.claim(None, at_least=1)
+    pending = repo.begin(20, 1)
+    with repo.write_file(pending, "state.pt") as w:
+        w.write(b"state at step 20")
+    repo.commit(pending, meta or {})
+    return cs
+
+
 def run_in_status(instance: dg.DagsterInstance, partition: str, status: dg.DagsterRunStatus,
                   tags: dict | None = None, job: str = "train_job") -> dg.DagsterRun:
     """A run record of `job` for `partition` in `status` (queued ones included), its

@@ -24,14 +24,13 @@ from ckpt_assets.definitions import defs, make_resources
 from ckpt_assets.partitions import (
     PARTITION_TAG,
     PARTITIONS_NAME,
-    register_training_run,
     training_runs,
 )
 from ckpt_assets.resources import CheckpointStore
 from ckpt_assets.tags import TAG_CHECKED_RUN
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import TrainerKiller, step_failure_metadata, training_config
-from trainer.repo import CheckpointRepo
+from tests.dagster_runs import store_with_a_checkpoint
 
 KEY = "run-a"
 CHECK_KEYS = [key for checks in TRAINING_CHECKS for key in checks.check_keys]
@@ -88,15 +87,7 @@ def check_events(instance, run_id: str) -> list:
 @pytest.fixture
 def store(tmp_path) -> CheckpointStore:
     """KEY registered, with one committed checkpoint (step 20, loss 0.5) and no final model."""
-    cs = CheckpointStore(uri=str(tmp_path / "store"))
-    reg = register_training_run(cs.open(), KEY, {"max_steps": 20})
-    repo = CheckpointRepo(cs.open(), reg.experiment, KEY)
-    repo.claim(None, at_least=1)
-    pending = repo.begin(20, 1)
-    with repo.write_file(pending, "state.pt") as w:
-        w.write(b"state at step 20")
-    repo.commit(pending, {"loss": 0.5})
-    return cs
+    return store_with_a_checkpoint(tmp_path, KEY, 20, {"loss": 0.5})
 
 
 # -- the jobs ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets import sensors
 from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure
-from ckpt_assets.partitions import PARTITION_TAG, register_training_run
+from ckpt_assets.partitions import PARTITION_TAG
 from ckpt_assets.policy import Budget
 from ckpt_assets.resources import CheckpointStore
 from ckpt_assets.run_state import iso, parse_time
@@ -64,15 +64,7 @@ def instance():
 @pytest.fixture
 def store(tmp_path) -> CheckpointStore:
     """The run's store with its config registered and step 20 committed by attempt 1."""
-    cs = CheckpointStore(uri=str(tmp_path / "store"))
-    reg = register_training_run(cs.open(), KEY, {"max_steps": 100})
-    repo = CheckpointRepo(cs.open(), reg.experiment, KEY)
-    repo.claim(None, at_least=1)
-    pending = repo.begin(20, 1)
-    with repo.write_file(pending, "state.pt") as w:
-        w.write(b"state at step 20")
-    repo.commit(pending, {})
-    return cs
+    return dagster_runs.store_with_a_checkpoint(tmp_path, KEY, 100)
 
 
 def _repo(store: CheckpointStore) -> CheckpointRepo:
