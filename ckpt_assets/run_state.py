@@ -192,10 +192,11 @@ def state_observation(state: RunState) -> dg.AssetObservation:
         asset_key=MODEL_CHECKPOINT_KEY, partition=state.training_run,
         description=f"state: {state}",
         metadata={"event": STATE, "state": state.state.value, "detail": state.detail,
-                  "attempt": dg.MetadataValue.int(state.attempt) if state.attempt
-                  else dg.MetadataValue.null(),
-                  "dagster_run_id": state.dagster_run_id or "",
-                  "resume_at": state.resume_at or ""})
+                  **({"attempt": state.attempt} if state.attempt else {}),
+                  # A link to the run the state is about.
+                  **({"dagster_run": dg.MetadataValue.dagster_run(state.dagster_run_id)}
+                     if state.dagster_run_id else {}),
+                  **({"resume_at": state.resume_at} if state.resume_at else {})})
 
 
 def report_state(instance: dg.DagsterInstance, partition: str) -> RunState | None:

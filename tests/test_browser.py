@@ -212,11 +212,14 @@ def test_the_preempted_runs_page_says_it_is_resumed_and_by_which_run(settled, pa
     page.shots("preempted-decision")
     _open_run(page, url, first, "resumed by run")
     expect(page.get_by_text(f"resumed by run {resume}", exact=False)).to_be_visible()
+    # ... and a link that opens it.
+    expect(page.locator(f"a[href*='/runs/{resume}']").first).to_be_visible()
     page.shots("preempted-resumed-by")
     # The resume's page (where that id leads): it succeeded, and says what it resumed.
     _open_run(page, url, resume, "resuming failed run")
     expect(page.get_by_text("Success", exact=True).first).to_be_visible()
     expect(page.get_by_text(f"resuming failed run {first}", exact=False)).to_be_visible()
+    expect(page.locator(f"a[href*='/runs/{first}']").first).to_be_visible()
     page.shots("resume-run")
 
 
@@ -230,15 +233,15 @@ def test_the_buggy_runs_page_says_it_is_not_resumed_and_why(settled, page):
     page.shots("buggy-decision")
 
 
-def _checkpoint_event(page, url: str, partition: str, step: int) -> str:
-    """Click through the model_checkpoint events of `partition` (newest first) until the one
-    for checkpoint `step` is shown; return its description."""
+def _partition_event(page, url: str, partition: str, description: str) -> str:
+    """Click through the model_checkpoint events of `partition` (newest first) until one
+    whose description matches the regex `description` is shown; return that description."""
     from playwright.sync_api import expect
 
     page.goto(f"{url}/assets/model_checkpoint?view=events")
     rows = page.locator("[data-index]").filter(has=page.get_by_text(partition, exact=True))
     expect(rows.first).to_be_visible()
-    wanted = page.get_by_text(re.compile(f"^checkpoint step {step} committed \\(loss "))
+    wanted = page.get_by_text(re.compile(description))
     header = page.get_by_text(re.compile(f"^Partition {partition} (observed|materialized)"))
     # A quick look at each event first; then, in case the page is slow to show the one
     # clicked, a patient one.
@@ -254,8 +257,8 @@ def _checkpoint_event(page, url: str, partition: str, step: int) -> str:
             except AssertionError:
                 continue
             return wanted.inner_text().strip()
-    raise AssertionError(f"no event of {partition} reads 'checkpoint step {step} committed "
-                         f"(loss ...)' among its {rows.count()} model_checkpoint events")
+    raise AssertionError(f"no event of {partition} reads {description!r} among its "
+                         f"{rows.count()} model_checkpoint events")
 
 
 def test_each_checkpoint_event_reads_its_step_and_loss(settled, page):
@@ -264,7 +267,8 @@ def test_each_checkpoint_event_reads_its_step_and_loss(settled, page):
     url = settled["url"]
     # The last checkpoint of the resumed run, and the one the buggy run committed.
     for partition, step in (("preempted", 60), ("buggy", 10)):
-        text = _checkpoint_event(page, url, partition, step)
+        text = _partition_event(page, url, partition,
+                                f"^checkpoint step {step} committed \\(loss ")
         m = re.fullmatch(CHECKPOINT_RE, text)
         assert m and int(m.group(1)) == step, text
         # The event's metadata says the same: its loss is in the table next to it.
@@ -300,3 +304,12 @@ def test_the_partitions_view_shows_the_bug_as_failed_and_the_resumed_run_as_mate
     expect(page.get_by_text("Latest materialization")).to_be_visible()
     expect(page.get_by_text(settled["resume"][:8], exact=True).first).to_be_visible()
     page.shots("partitions-materialized")
+
+
+def test_each_partition_reads_its_training_runs_state_and_why(settled, page):
+    url = settled["url"]
+    text = _partition_event(page, url, "buggy", r"^state: stopped by policy: not resumed: ")
+    assert "exception in the training code" in text, text
+    page.shots("buggy-state")
+    _partition_event(page, url, "preempted", r"^state: finished: attempt 2 trained to step 60$")
+    page.shots("preempted-state")
