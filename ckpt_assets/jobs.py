@@ -20,16 +20,11 @@ not override it: the sensors' resumes and `ckpt-assets launch` of a registered r
 config, and would all register the demo config (refused for any other run, so every resume
 would fail as bad input). A failed `train_demo` run is resumed as a `train_job` run.
 
-`check_training_run`: the asset checks of the training assets (ckpt_assets.checks), alone,
-for one partition. The sensor `check_succeeded_training` (ckpt_assets.check_runs) launches
-it once for every training run that succeeds. The checks are not in the training jobs
-because a training run is interrupted routinely: its Dagster run fails and a resume
-follows as a new run, and checks planned in the interrupted run would be recorded as
-"execution failed" although nothing was checked, once per interruption. The job itself has
-no partitions definition (Dagster 1.13 infers none for a selection of checks alone, and
-ignores one given): its run's `dagster/partition` tag is the partition, and the checks,
-partitioned by `training_runs`, are evaluated and recorded on it. By hand: launch it with
-that tag.
+`check_training_run`: the asset checks of the training assets alone, for one partition,
+launched once per succeeded training run (why they are not in the training jobs:
+ckpt_assets.check_runs). It has no partitions definition (Dagster 1.13 infers none for a
+selection of checks alone, and ignores one given): its run's `dagster/partition` tag is the
+partition the partitioned checks evaluate on. By hand: launch it with that tag.
 
 `stop_training_run` stops a training run for good from the UI (ckpt_assets.stop).
 
