@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import dagster as dg
 
 from ckpt_assets.partitions import PARTITION_TAG, PARTITIONS_NAME, validate_partition_key
-from ckpt_assets.run_state import newest_training_run, report_state
+from ckpt_assets.run_state import is_training_run, newest_training_run, report_state
 from ckpt_assets.tags import TAG_DECISION, TAG_DECISION_REASON, TAG_NO_RESUME, TAG_STOP_REASON
 
 ACTIVE_STATUSES = (dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
@@ -49,9 +49,11 @@ class StopAction:
 
 
 def active_runs(instance: dg.DagsterInstance, partition: str) -> list[dg.DagsterRun]:
-    """Runs of the partition that are queued, starting, running or canceling."""
-    return list(instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition},
-                                                        statuses=list(ACTIVE_STATUSES))))
+    """Training runs of the partition that are queued, starting, running or canceling (its
+    check runs are not training: nothing to stop, nothing that blocks a launch)."""
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition},
+                                                   statuses=list(ACTIVE_STATUSES)))
+    return [r for r in runs if is_training_run(r)]
 
 
 def stop_reason_text(reason: str | None) -> str:

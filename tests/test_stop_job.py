@@ -99,3 +99,12 @@ def test_stopping_a_training_run_that_does_not_exist_fails_with_its_name(instanc
     assert "no-such-run" in failure.step_failure_data.user_failure_data.description
     result = _stop(instance, "Bad/Name")
     assert not result.success
+
+
+def test_a_check_run_of_the_partition_is_neither_stopped_nor_in_the_way(instance):
+    from ckpt_assets.stop import active_runs
+
+    check = run_in_status(instance, "checked", S.QUEUED, job="check_training_run")
+    assert active_runs(instance, "checked") == []
+    assert _stop(instance, "checked").success
+    assert instance.get_run_by_id(check.run_id).status == S.QUEUED
