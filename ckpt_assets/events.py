@@ -8,8 +8,9 @@ many checkpoints it committed on the way. Each observation's metadata names its 
 
 * `checkpoint`: a committed checkpoint and its lineage (`ckpt_assets.metadata`);
 * `attempt_ended`: how an attempt's training process ended (`TrainingFailure`'s fields);
-* `resume_decision`: the failure policy's decision on a failed run (`ckpt_assets.sensors`);
-* `state`: the training run's state when it changed (`ckpt_assets.run_state`).
+* `state`: the training run's state when it changed (`ckpt_assets.run_state`); the one
+  the resume sensors record when they decide also carries the decision (`failed_run_id`,
+  `decision`, `reason`, `failure_kind`, ...; `ckpt_assets.sensors.record`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import dagster as dg
 MODEL_CHECKPOINT_KEY = dg.AssetKey("model_checkpoint")
 CHECKPOINT = "checkpoint"
 ATTEMPT_ENDED = "attempt_ended"
-RESUME_DECISION = "resume_decision"
 STATE = "state"
 
 PAGE = 1000
@@ -50,6 +50,11 @@ def partition_events(instance: dg.DagsterInstance, run: str, kind: str | None = 
         if not page.has_more:
             return
         cursor = page.cursor
+
+
+def decisions(instance: dg.DagsterInstance, run: str) -> list[dict[str, Any]]:
+    """The resume sensors' decisions on the partition's failed runs, oldest first."""
+    return [md for md, _ in partition_events(instance, run, STATE) if md.get("failed_run_id")]
 
 
 def recorded_checkpoint_names(instance: dg.DagsterInstance, run: str) -> set[str]:

@@ -10,15 +10,13 @@ from typing import Any
 
 import dagster as dg
 
-from ckpt_assets.events import ATTEMPT_ENDED, CHECKPOINT, RESUME_DECISION, partition_events
+from ckpt_assets.events import ATTEMPT_ENDED, CHECKPOINT, decisions, partition_events
 from ckpt_assets.partitions import read_registration
 from ckpt_assets.run_state import training_runs_of
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from trainer.errors import CheckpointError
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore
-
-# Run tags written by ckpt_assets (and read by the resume sensor).
 
 # -- lineage report ---------------------------------------------------------------------------
 
@@ -63,12 +61,8 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
                          "parent_run_id": r.tags.get(TAG_PARENT_RUN_ID),
                          "job": r.job_name})
     # What each attempt did and why it was (not) resumed: observations on the partition.
-    ended, decisions = {}, {}
-    for md, rec in partition_events(instance, run_key):
-        if md.get("event") == ATTEMPT_ENDED:
-            ended[rec.run_id] = md
-        elif md.get("event") == RESUME_DECISION:
-            decisions[md.get("failed_run_id")] = md.get("reason")
+    ended = {rec.run_id: md for md, rec in partition_events(instance, run_key, ATTEMPT_ENDED)}
+    reasons = {md["failed_run_id"]: md.get("reason") for md in decisions(instance, run_key)}
     repo = CheckpointRepo(store, reg.experiment, run_key)
     timeline = checkpoint_timeline(repo)
     stored = {c["name"] for c in timeline}
@@ -100,7 +94,7 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
         own = by_run.get(a["dagster_run_id"], [])
         a.update(exit_code=e.get("exit_code"), failure_class=e.get("failure_class"),
                  last_committed_step=e.get("last_committed_step"),
-                 decision=decisions.get(a["dagster_run_id"]))
+                 decision=reasons.get(a["dagster_run_id"]))
         # The attempt number the trainer claimed (on its checkpoints) is the truth; the tag
         # is what the orchestrator asked for; a run launched by hand and lost before it
         # reported anything is numbered by its place among the partition's runs.

@@ -186,8 +186,10 @@ def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made) -> RunState:
                                 "decide within seconds")
 
 
-def state_observation(state: RunState) -> dg.AssetObservation:
-    """`state` as an observation on the training run's partition (what the UI shows)."""
+def state_observation(state: RunState, extra: dict[str, Any] | None = None
+                      ) -> dg.AssetObservation:
+    """`state` as an observation on the training run's partition (what the UI shows), with
+    `extra` metadata (the decision that led to it)."""
     return dg.AssetObservation(
         asset_key=MODEL_CHECKPOINT_KEY, partition=state.training_run,
         description=f"state: {state}",
@@ -196,15 +198,17 @@ def state_observation(state: RunState) -> dg.AssetObservation:
                   # A link to the run the state is about.
                   **({"dagster_run": dg.MetadataValue.dagster_run(state.dagster_run_id)}
                      if state.dagster_run_id else {}),
-                  **({"resume_at": state.resume_at} if state.resume_at else {})})
+                  **({"resume_at": state.resume_at} if state.resume_at else {}),
+                  **(extra or {})})
 
 
-def report_state(instance: dg.DagsterInstance, partition: str) -> RunState | None:
-    """Derive the partition's state now and record it as an observation. Best-effort: it is
-    what people read, never what a decision rests on."""
+def report_state(instance: dg.DagsterInstance, partition: str,
+                 extra: dict[str, Any] | None = None) -> RunState | None:
+    """Derive the partition's state now and record it as an observation (with `extra`
+    metadata). Best-effort: it is what people read, never what a decision rests on."""
     try:
         state = run_state(instance, partition)
-        instance.report_runless_asset_event(state_observation(state))
+        instance.report_runless_asset_event(state_observation(state, extra))
         return state
     except Exception:  # an event-log hiccup must not fail a sensor tick or a stop
         return None

@@ -25,9 +25,9 @@ from dataclasses import asdict
 import dagster as dg
 from dagster._core.events import EngineEventData
 
-from ckpt_assets.events import MODEL_CHECKPOINT_KEY, RESUME_DECISION
 from ckpt_assets.failures import TrainingFailure
 from ckpt_assets.jobs import train_job
+from ckpt_assets.metadata import to_metadata
 from ckpt_assets.partitions import PARTITION_TAG, read_registration
 from ckpt_assets.policy import Budget, Decision, Failure, PolicyConfig, decide
 from ckpt_assets.resources import CheckpointStore
@@ -119,8 +119,8 @@ def budget_of(run: dg.DagsterRun, tag: str = TAG_BUDGET) -> Budget:
 
 def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
            decision: Decision) -> None:
-    """Write the decision where people and the reconciler look: the failed run's tags, and
-    an observation on the training run's partition."""
+    """Write the decision where the reconciler and people look: the failed run's tags (what
+    the sensors act on), its own log in words, and the partition's new state."""
     # Rounded down: a decision time in the future would look not yet due.
     decided = math.floor(time.time() * 1000) / 1000
     tags = {TAG_DECISION: "resume" if decision.resume else "stop",
@@ -129,20 +129,17 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
             **({TAG_RESUME_AT: iso(decided + decision.delay_s)}
                if decision.resume and decision.delay_s > 0 else {})}
     instance.add_run_tags(run.run_id, tags)
-    instance.report_runless_asset_event(dg.AssetObservation(
-        asset_key=MODEL_CHECKPOINT_KEY, partition=failure.partition,
-        description=f"run {run.run_id[:8]} attempt {failure.attempt}: {decision.reason}",
-        metadata={"event": RESUME_DECISION, "failed_run_id": run.run_id,
-                  "decision": tags[TAG_DECISION], "reason": decision.reason,
-                  "failure_kind": decision.kind, "exit_code": failure.exit_code,
-                  "failure_class": failure.failure_class,
-                  "last_committed_step": failure.last_committed_step,
-                  "attempt": failure.attempt, "delay_s": decision.delay_s,
-                  "budget": dg.MetadataValue.json(asdict(decision.budget))}))
-    # And in words, in the failed run's own log, where whoever opens that run looks first.
-    # The resume's run id does not exist yet (the daemon assigns it at launch): the resume
-    # links back to this run, and tags it `ckpt/resumed_by`, once it starts.
     run_key = f"{RESUME_KEY_PREFIX}{run.run_id}"
+    facts = to_metadata({
+        "failed_run_id": run.run_id, "decision": tags[TAG_DECISION], "reason": decision.reason,
+        "failure_kind": decision.kind, "exit_code": failure.exit_code,
+        "failure_class": failure.failure_class,
+        "last_committed_step": failure.last_committed_step, "attempt": failure.attempt,
+        "delay_s": float(decision.delay_s), "budget": asdict(decision.budget),
+        "resume_run_key": run_key if decision.resume else None})
+    # In words, in the failed run's own log, where whoever opens that run looks first. The
+    # resume's run id does not exist yet (the daemon assigns it at launch): the resume links
+    # back to this run, and tags it `ckpt/resumed_by`, once it starts.
     if not decision.resume:
         words = f"Not resumed ({decision.kind}): {decision.reason.removeprefix('not resumed: ')}"
     elif decision.delay_s > 0:
@@ -152,20 +149,12 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: Failure,
         words = (f"Resuming now ({decision.kind}): {decision.reason}. The resume's run key is "
                  f"{run_key}; it records its run id on this run when it starts.")
     try:
-        instance.report_engine_event(words, dagster_run=run, engine_event_data=EngineEventData(
-            metadata={"decision": tags[TAG_DECISION], "failure_kind": decision.kind,
-                      "reason": decision.reason, "delay_s": float(decision.delay_s),
-                      "resume_run_key": run_key if decision.resume else "",
-                      "exit_code": dg.MetadataValue.int(failure.exit_code)
-                      if failure.exit_code is not None else dg.MetadataValue.null(),
-                      "failure_class": failure.failure_class or "",
-                      "last_committed_step": dg.MetadataValue.int(failure.last_committed_step)
-                      if failure.last_committed_step is not None else dg.MetadataValue.null(),
-                      "attempt": failure.attempt}))
+        instance.report_engine_event(words, dagster_run=run,
+                                     engine_event_data=EngineEventData(metadata=facts))
     except Exception:  # the tags above are the record the sensors act on; this is for people
         logging.getLogger(__name__).warning("could not log the resume decision on run %s",
                                             run.run_id, exc_info=True)
-    report_state(instance, failure.partition)
+    report_state(instance, failure.partition, facts)
 
 
 def resume_request(run: dg.DagsterRun, failure: Failure,

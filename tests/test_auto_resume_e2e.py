@@ -134,9 +134,9 @@ def test_terminating_the_run_from_dagster_is_a_preemption_that_resumes(
 
 
 def _decisions(daemon, name) -> list[dict]:
-    from ckpt_assets.events import RESUME_DECISION, partition_events
+    from ckpt_assets.events import decisions
 
-    return [md for md, _ in partition_events(daemon.instance, name, RESUME_DECISION)]
+    return decisions(daemon.instance, name)
 
 
 def test_a_bug_in_training_code_is_not_resumed_and_the_partition_says_why(daemon, tmp_path):

@@ -115,7 +115,9 @@ def test_the_sensors_decision_is_recorded_on_the_partition_as_the_new_state(inst
     run = dagster_runs.canceled_run(instance, KEY)  # a termination: a preemption
     assert consider(instance, run, None, sweep=False) is not None
     assert recorded_states(instance) == [State.RESUMING.value]
-    (md, rec), = partition_events(instance, KEY, STATE)
+    # One observation per decision: the new state, carrying the decision that led to it.
+    (md, rec), = partition_events(instance, KEY)
+    assert (md["event"], md["failed_run_id"], md["decision"]) == (STATE, run.run_id, "resume")
     desc = rec.event_log_entry.asset_observation.description
     assert desc.startswith("state: resuming: launching the resume; resumed at once")
 

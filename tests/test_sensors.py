@@ -18,7 +18,7 @@ import pytest
 from dagster._core.events import DagsterEvent, DagsterEventType
 from dagster._core.test_utils import create_run_for_test
 
-from ckpt_assets import sensors
+from ckpt_assets import events, sensors
 from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure
 from ckpt_assets.partitions import PARTITION_TAG
 from ckpt_assets.policy import Budget
@@ -156,14 +156,7 @@ def tags_of(instance, run: dg.DagsterRun) -> dict:
 
 
 def decisions(instance) -> list[dict]:
-    recs = instance.fetch_observations(dg.AssetRecordsFilter(
-        asset_key=dg.AssetKey("model_checkpoint"), asset_partitions=[KEY]), limit=100).records
-    out = []
-    for r in recs:
-        md = {k: v.value for k, v in r.asset_observation.metadata.items()}
-        if md.get("event") == "resume_decision":
-            out.append(md)
-    return out
+    return events.decisions(instance, KEY)
 
 
 def backdate_decision(instance, run: dg.DagsterRun, seconds: float) -> None:
