@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
 from trainer.checkpointer import load_verified_state  # noqa: E402
+from trainer.contract import Env  # noqa: E402
 from trainer.errors import CheckpointError  # noqa: E402
 from trainer.repo import POINTER, CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
@@ -172,7 +173,7 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
                             checkpoint={"every_steps": EVERY, "keep_last": 50,
                                         "on_epoch_end": False},
                             task_args={"step_delay": 0.1})
-        env2 = {**env, "CKPT_ATTEMPT": "50"}
+        env2 = {**env, Env.ATTEMPT: "50"}
         procs = [start_trainer(slow, store, env2) for _ in range(2)]
         rcs = sorted(follow(p)[0] for p in procs)
         expected, got = [0, 6], rcs

@@ -32,10 +32,15 @@ from ckpt_assets.attempt import (
 )
 from ckpt_assets.datasets import DatasetRecord, describe_dataset, refuse_changed_data
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY
-from ckpt_assets.failures import TrainingFailure, bad_input, storage_unavailable
+from ckpt_assets.failures import (
+    AttemptEnd,
+    bad_input,
+    checkpoint_unloadable,
+    storage_unavailable,
+)
 from ckpt_assets.history import history_metadata
 from ckpt_assets.io_managers import CHECKPOINT_KEY
-from ckpt_assets.launch import AttemptIds, base_env, command_launch, task_launch
+from ckpt_assets.launch import AttemptIds, base_env, command_launch, contract, task_launch
 from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.partitions import training_runs
@@ -121,12 +126,13 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     late = record_unseen_checkpoints(context, repo, reg.run)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     report = AttemptReport(reg.run, ids.attempt)
-    env = base_env(reg, store.uri, ids, dataset, trainer, checkpoint_store.aws_env())
+    told = contract(reg, store.uri, ids, dataset)
+    env = base_env(trainer, checkpoint_store.aws_env())
     with tempfile.TemporaryDirectory(prefix=f"ckpt-{reg.run}-a{ids.attempt}-") as workdir:
         try:
-            launch = (command_launch(reg, repo, env, trainer, context.log)
+            launch = (command_launch(reg, repo, told, env, trainer, context.log)
                       if reg.config.get("command")
-                      else task_launch(reg, store.uri, env, trainer, Path(workdir)))
+                      else task_launch(reg, told, env, trainer, Path(workdir)))
             proc = run_under_pipes(
                 context, launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
                 on_messages=partial(report.handle, context, tracker),
@@ -148,16 +154,16 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
                {"parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),
                 "mlflow_run_id": tracker.run_id,
                 **links({"checkpoint_uri": ended.checkpoint_uri, "mlflow_run": tracker.run_url})})
-    if ended.failure_class != "success":
-        tracker.on_failure(ended.attempt, ended.failure_class, failure_description(ended),
-                           (report.failed or {}).get("traceback"))
+    if ended.outcome.failed:
+        tracker.on_failure(ended.attempt, ended.outcome.value, failure_description(ended),
+                           report.failed.traceback if report.failed else None)
     if proc.interrupted is not None:
         tracker.finish("KILLED")
         context.log.warning(f"run interrupted; the training process exited "
                             f"{proc.returncode}; last committed step "
                             f"{ended.last_committed_step} ({ended.checkpoint_uri})")
         raise proc.interrupted
-    if ended.failure_class != "success":
+    if ended.outcome.failed:
         tracker.finish("FAILED")
         raise attempt_failure(ended, report)
     context.log_event(state_observation(RunState(
@@ -185,7 +191,7 @@ def _open_tracking(context, tracker: MlflowTracker, repo: CheckpointRepo, ids: A
                              "reported")
 
 
-def _final_output(repo: CheckpointRepo, ended: TrainingFailure, tracker: MlflowTracker,
+def _final_output(repo: CheckpointRepo, ended: AttemptEnd, tracker: MlflowTracker,
                   context, extra: dict) -> dg.Output:
     """The run's final checkpoint (the one the pointer names) as the step's output."""
     m = repo.read_manifest(repo.read_pointer().checkpoint)
@@ -221,11 +227,9 @@ def final_model(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     ck = model_checkpoint.get(CHECKPOINT_KEY) or {}
     weights = model_checkpoint.get("model")
     if not isinstance(weights, dict):
-        raise TrainingFailure(3, "checkpoint_unloadable", reg.run,
-                              last_committed_step=ck.get("step"), checkpoint_uri=ck.get("uri"),
-                              ).to_dagster(
+        raise checkpoint_unloadable(
             f"checkpoint {ck.get('uri')} has no part named 'model'; final_model exports the "
-            "part named 'model' (pass model=... to CheckpointSession.restore)")
+            "part named 'model' (pass model=... to CheckpointSession.restore)", reg.run, ck)
     metrics, data_version = evaluate_final(reg, weights, ck, context.log)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     mlflow_run_id = tracker.start({"final_checkpoint": ck.get("uri")})

@@ -5,8 +5,8 @@ training process turned into Dagster events, and how the attempt ended.
   partition, with the lineage metadata (`ckpt_assets.metadata.CHECKPOINT_METADATA_KEYS`);
   only a finished run materializes the partition (`ckpt_assets.events` says why);
 * the end of the attempt -> an ASSET_OBSERVATION `attempt_ended` (also on success and on
-  cancellation) with the fields of `TrainingFailure`;
-* a non-zero exit -> `dagster.Failure` carrying a `TrainingFailure` (and the user's
+  cancellation) with the fields of `AttemptEnd`;
+* a non-zero exit -> `dagster.Failure` carrying a `AttemptEnd` (and the user's
   traceback, as one Markdown code block), which the resume sensor reads back from the
   STEP_FAILURE event; the `failed` report itself -> ONE error log entry with the traceback;
 * a resume's start -> a link both ways between it and the run it resumes (`link_resume`);
@@ -16,24 +16,34 @@ training process turned into Dagster events, and how the attempt ended.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
-from dagster._core.events import EngineEventData  # no public export in Dagster 1.13
 
+from ckpt_assets.engine_events import report_engine_event
 from ckpt_assets.events import (
     ATTEMPT_ENDED,
     CHECKPOINT,
     MODEL_CHECKPOINT_KEY,
     recorded_checkpoint_names,
 )
-from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure, failure_class_for, signal_name
+from ckpt_assets.failures import AttemptEnd
 from ckpt_assets.metadata import checkpoint_metadata, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_DECISION_REASON, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
+from trainer.contract import (
+    Eval,
+    Failed,
+    Finished,
+    Message,
+    Progress,
+    Started,
+    Stopped,
+    parse_message,
+)
 from trainer.errors import CheckpointError, StorageError, TrainerError
+from trainer.outcomes import Outcome, signal_name
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 
@@ -42,54 +52,65 @@ TRACEBACK_MAX_CHARS = 20_000  # the end of a traceback is where the error is
 
 @dataclass
 class AttemptReport:
-    """What the training process reported during one attempt."""
+    """What the training process reported during one attempt (`trainer.contract`)."""
 
     run: str
     attempt: int
-    started: dict[str, Any] | None = None
-    failed: dict[str, Any] | None = None
-    stopped: dict[str, Any] | None = None
-    finished: dict[str, Any] | None = None
+    started: Started | None = None
+    failed: Failed | None = None
+    stopped: Stopped | None = None
+    finished: Finished | None = None
     checkpoints: list[CheckpointRecord] = field(default_factory=list)
 
     def handle(self, context, tracker: MlflowTracker, msgs: list[Any]) -> None:
-        for msg in msgs:
-            if isinstance(msg, dict):
+        for raw in msgs:
+            msg = parse_message(raw)
+            if msg is not None:
                 self._one(context, tracker, msg)
 
-    def _one(self, context, tracker: MlflowTracker, msg: dict[str, Any]) -> None:
-        kind = msg.get("type")
-        if kind == "checkpoint":
-            rec = CheckpointRecord.from_dict(msg)
-            self.checkpoints.append(rec)
-            context.log_event(checkpoint_event(
-                rec, self.run, f"checkpoint step {rec.step} committed (loss {rec.loss})"))
-            tracker.on_checkpoint(rec)
-        elif kind == "eval":
-            tracker.on_eval(msg)
-        elif kind == "started":
-            self.started = msg
-            tracker.on_started(msg)
-            resumed = msg.get("resumed_from_step")
-            context.log.info(f"attempt {msg.get('attempt')} started" + (
-                f", resumed from step {resumed} ({msg.get('resumed_from')})"
-                if resumed is not None else " from scratch"))
-            for s in msg.get("skipped") or []:
-                context.log.warning(f"CHECKPOINT FALLBACK: {s.get('checkpoint')} skipped: "
-                                    f"{s.get('reason')}")
-        elif kind == "failed":
-            self.failed = msg
-            # One entry for the whole traceback: the UI shows it as one event, not one per line.
-            what = f"{msg.get('failure_class')}: {msg.get('error_type')}: {msg.get('message')}"
-            tb = msg.get("traceback")
-            context.log.error(f"training process failed: {what}" + (
-                f"\n{tb[-TRACEBACK_MAX_CHARS:].rstrip()}" if tb else ""))
-        elif kind in ("stopped", "finished"):
-            setattr(self, kind, msg)
-        elif kind == "progress":
-            context.log.debug(f"progress: step {msg.get('step')} loss {msg.get('loss')}")
+    def _one(self, context, tracker: MlflowTracker, msg: Message) -> None:
+        match msg:
+            case CheckpointRecord():
+                self._checkpoint(context, tracker, msg)
+            case Eval():
+                tracker.on_eval(msg)
+            case Started():
+                self.started = msg
+                tracker.on_started(msg)
+                context.log.info(f"attempt {msg.attempt} started" + (
+                    f", resumed from step {msg.resumed_from_step} ({msg.resumed_from})"
+                    if msg.resumed_from_step is not None else " from scratch"))
+                for s in msg.skipped:
+                    context.log.warning(f"CHECKPOINT FALLBACK: {s.checkpoint} skipped: {s.reason}")
+            case Failed():
+                self.failed = msg
+                # One entry for the whole traceback: the UI shows it as one event, not one
+                # per line.
+                tb = msg.traceback
+                context.log.error(
+                    f"training process failed: {msg.failure_class}: {msg.error_type}: "
+                    f"{msg.message}" + (f"\n{tb[-TRACEBACK_MAX_CHARS:].rstrip()}" if tb else ""))
+            case Stopped():
+                self.stopped = msg
+            case Finished():
+                self.finished = msg
+            case Progress():
+                context.log.debug(f"progress: step {msg.step} loss {msg.loss}")
 
-    def outcome(self, repo: CheckpointRepo, rc: int, context) -> TrainingFailure:
+    def _checkpoint(self, context, tracker: MlflowTracker, rec: CheckpointRecord) -> None:
+        lineage_run = rec.lineage.run if rec.lineage else self.run
+        if lineage_run != self.run:
+            # The contract says a trainer writes only its own run; a report of another's is
+            # a breach, never recorded as this run's history.
+            context.log.error(f"ignored a checkpoint report for run {lineage_run!r} from the "
+                              f"trainer of run {self.run!r}: {rec.uri}")
+            return
+        self.checkpoints.append(rec)
+        context.log_event(checkpoint_event(
+            rec, self.run, f"checkpoint step {rec.step} committed (loss {rec.loss})"))
+        tracker.on_checkpoint(rec)
+
+    def outcome(self, repo: CheckpointRepo, rc: int, context) -> AttemptEnd:
         """How the attempt ended (exit 0 included), with the run's last committed step."""
         try:
             ptr = repo.read_pointer()
@@ -99,48 +120,50 @@ class AttemptReport:
         last_uri = repo.uri(ptr.checkpoint) if ptr and ptr.checkpoint else None
         if last_step is None and self.checkpoints:
             last_step, last_uri = self.checkpoints[-1].step, self.checkpoints[-1].uri
-        failed = self.failed or {}
-        fclass = failure_class_for(rc, failed.get("failure_class"))
-        if rc == 0 and last_uri is None:
-            fclass = NO_CHECKPOINT
-        return TrainingFailure(
-            exit_code=int(rc), failure_class=fclass, training_run=self.run,
-            attempt=self.attempt, last_committed_step=last_step, checkpoint_uri=last_uri,
-            signal=signal_name(rc) if rc else None, message=failed.get("message"),
-            error_type=failed.get("error_type"), dagster_run_id=context.run.run_id,
-            root_run_id=(self.started or {}).get("lineage", {}).get("root_run_id"),
-            resumed_from_step=(self.started or {}).get("resumed_from_step"),
+        outcome = Outcome.of_exit(rc, self.failed.failure_class if self.failed else None)
+        if outcome is Outcome.SUCCESS and last_uri is None:
+            outcome = Outcome.NO_CHECKPOINT
+        started = self.started
+        return AttemptEnd(
+            outcome, self.run, exit_code=int(rc), attempt=self.attempt,
+            last_committed_step=last_step, checkpoint_uri=last_uri,
+            signal=signal_name(rc) if rc else None,
+            message=self.failed.message if self.failed else None,
+            error_type=self.failed.error_type if self.failed else None,
+            dagster_run_id=context.run.run_id,
+            root_run_id=started.lineage.get("root_run_id") if started else None,
+            resumed_from_step=started.resumed_from_step if started else None,
             checkpoints_this_attempt=len(self.checkpoints))
 
 
-def record_end(context, ended: TrainingFailure, interrupted: bool,
+def record_end(context, ended: AttemptEnd, interrupted: bool,
                extra: dict[str, Any]) -> None:
     context.log_event(dg.AssetObservation(
         asset_key=MODEL_CHECKPOINT_KEY, partition=ended.training_run,
-        metadata=to_metadata({"event": ATTEMPT_ENDED, **dataclasses.asdict(ended),
+        metadata=to_metadata({"event": ATTEMPT_ENDED, **ended.to_dict(),
                               "interrupted": interrupted, **extra}),
         description=f"attempt {ended.attempt} ended: exit {ended.exit_code} "
-                    f"({ended.failure_class})"))
+                    f"({ended.outcome.value})"))
 
 
-def failure_description(ended: TrainingFailure) -> str:
-    if ended.failure_class == NO_CHECKPOINT:
+def failure_description(ended: AttemptEnd) -> str:
+    if ended.outcome is Outcome.NO_CHECKPOINT:
         return (f"the training process of {ended.training_run} exited 0 without committing a "
                 "checkpoint; a command must checkpoint through trainer.CheckpointSession "
                 "(see the README's own-loop example)")
     sig = f", {ended.signal}" if ended.signal else ""
     where = f" ({ended.checkpoint_uri})" if ended.checkpoint_uri else ""
     msg = f": {ended.message}" if ended.message else ""
-    return (f"training process exited {ended.exit_code} ({ended.failure_class}{sig}) in "
+    return (f"training process exited {ended.exit_code} ({ended.outcome.value}{sig}) in "
             f"attempt {ended.attempt} of training run {ended.training_run}; last committed "
             f"step {ended.last_committed_step}{where}{msg}")
 
 
-def attempt_failure(ended: TrainingFailure, report: AttemptReport) -> dg.Failure:
-    """The step's Failure: the TrainingFailure record, plus the user's traceback (when the
+def attempt_failure(ended: AttemptEnd, report: AttemptReport) -> dg.Failure:
+    """The step's Failure: the AttemptEnd record, plus the user's traceback (when the
     trainer reported one) as one Markdown code block the UI shows whole."""
-    md = to_metadata(dataclasses.asdict(ended))
-    tb = (report.failed or {}).get("traceback")
+    md = to_metadata(ended.to_dict())
+    tb = report.failed.traceback if report.failed else None
     if tb:
         md["traceback"] = dg.MetadataValue.md(f"```\n{tb[-TRACEBACK_MAX_CHARS:]}\n```")
     return dg.Failure(description=failure_description(ended), metadata=md)
@@ -161,17 +184,14 @@ def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log) -> str | 
         reason = parent.tags.get(TAG_DECISION_REASON, "") if parent is not None else ""
         attempt = run.tags.get(TAG_ATTEMPT, "?")
         # Engine events, not log lines: their dagster_run metadata is a link in the UI.
-        instance.report_engine_event(
-            f"resuming failed run {parent_id} as attempt {attempt}" + (
-                f": {reason}" if reason else ""), dagster_run=run,
-            engine_event_data=EngineEventData(
-                metadata={"resumes": dg.MetadataValue.dagster_run(parent_id)}))
+        report_engine_event(
+            instance, run, f"resuming failed run {parent_id} as attempt {attempt}" + (
+                f": {reason}" if reason else ""),
+            {"resumes": dg.MetadataValue.dagster_run(parent_id)})
         if parent is not None and parent.tags.get(TAG_RESUMED_BY) != run.run_id:
             instance.add_run_tags(parent_id, {TAG_RESUMED_BY: run.run_id})
-            instance.report_engine_event(
-                f"resumed by run {run.run_id}, attempt {attempt}", dagster_run=parent,
-                engine_event_data=EngineEventData(
-                    metadata={"resumed_by": dg.MetadataValue.dagster_run(run.run_id)}))
+            report_engine_event(instance, parent, f"resumed by run {run.run_id}, attempt {attempt}",
+                                {"resumed_by": dg.MetadataValue.dagster_run(run.run_id)})
     except Exception as e:  # a missing or unwritable parent record must not stop training
         log.warning(f"could not link resume {run.run_id} to run {parent_id}: {e}")
     return parent_id

@@ -25,7 +25,12 @@ import sys
 import uuid
 from pathlib import Path
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_STORAGE = 0, 1, 2, 5
+from trainer.outcomes import Outcome
+
+# The CLI answers with the trainer's codes: 2 bad input, 5 store unavailable, 1 otherwise.
+EXIT_OK = Outcome.SUCCESS.exit_code
+EXIT_ERROR = Outcome.USER_CODE_ERROR.exit_code
+EXIT_BAD_INPUT = Outcome.BAD_INPUT.exit_code
 
 
 class CliError(Exception):
@@ -270,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, StorageError, TrainerError) as e:
         # The trainer's own classification: ConfigError -> 2, StorageError -> 5.
         print(f"ckpt-assets: error: {e}", file=sys.stderr)
-        code = getattr(e, "exit_code", EXIT_ERROR)
-        return code if code in (EXIT_BAD_INPUT, EXIT_STORAGE) else EXIT_ERROR
+        passed_on = (Outcome.BAD_INPUT, Outcome.STORAGE_UNAVAILABLE)
+        return e.exit_code if e.outcome in passed_on else EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -38,14 +38,6 @@ class DatasetRecord:
         """From the stored `training_dataset` value (which also holds the file manifest)."""
         return from_known_fields(cls, raw)
 
-    @property
-    def trainer_env(self) -> dict[str, str]:
-        """What the trainer or command learns of it: its version, and its URI if it has one."""
-        env = {"CKPT_DATA_VERSION": self.version}
-        if self.uri:
-            env["CKPT_DATASET_URI"] = self.uri
-        return env
-
 
 def describe_dataset(reg: Registration, s3_client=None) -> tuple[DatasetRecord, dict[str, Any]]:
     """The run's dataset record and its manifest (per-file entries; empty when generated)."""

@@ -7,10 +7,10 @@ many checkpoints it committed on the way. Each observation's metadata names its 
 `event`:
 
 * `checkpoint`: a committed checkpoint and its lineage (`ckpt_assets.metadata`);
-* `attempt_ended`: how an attempt's training process ended (`TrainingFailure`'s fields);
+* `attempt_ended`: how an attempt's training process ended (`AttemptEnd`'s fields);
 * `state`: the training run's state when it changed (`ckpt_assets.run_state`); the one
   the resume sensors record when they decide also carries the decision (`failed_run_id`,
-  `decision`, `reason`, `failure_kind`, ...; `ckpt_assets.sensors.record`).
+  `decision`, `reason`, `failure_kind`, ...; `ckpt_assets.resume_decision.record`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ckpt_assets.failures import TrainingFailure
+from ckpt_assets.failures import checkpoint_unloadable
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.partitions import Registration
 from trainer.errors import ConfigError
@@ -38,11 +38,9 @@ def evaluate_final(reg: Registration, weights: dict[str, Any], ck: dict[str, Any
         task = build_task(cfg["task"], cfg["task_args"], int(cfg["seed"]), cfg.get("dataset"))
         task.model.load_state_dict(weights)
     except (ConfigError, RuntimeError, KeyError) as e:
-        raise TrainingFailure(3, "checkpoint_unloadable", reg.run,
-                              last_committed_step=ck.get("step"),
-                              checkpoint_uri=ck.get("uri")).to_dagster(
+        raise checkpoint_unloadable(
             f"cannot rebuild the model of {reg.run} from its registered config and checkpoint "
-            f"{ck.get('uri')}: {e}") from e
+            f"{ck.get('uri')}: {e}", reg.run, ck) from e
     data_version = lineage.get("data_version") or task.data_version
     if task.data_version and lineage.get("data_version") not in (None, task.data_version):
         log.warning(f"held-out data version {task.data_version} differs from the checkpoint's "

@@ -10,6 +10,7 @@ place whichever way in was taken.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 from ckpt_assets.datasets import DatasetRecord
 from ckpt_assets.partitions import Registration
 from ckpt_assets.resources import REPO_ROOT, TrainerResource
+from trainer.contract import RESUME_FROM_ALIAS, LaunchEnv
 from trainer.repo import CheckpointRepo
 
 
@@ -37,17 +39,23 @@ class AttemptIds:
     code_version: str | None
 
 
-def base_env(reg: Registration, store_uri: str, ids: AttemptIds, dataset: DatasetRecord,
-             trainer: TrainerResource, aws_env: dict[str, str]) -> dict[str, str]:
-    env = {**os.environ, **aws_env, **trainer.extra_env, **dataset.trainer_env,
-           "CKPT_RUN": reg.run, "CKPT_EXPERIMENT": reg.experiment, "CKPT_STORE_URI": store_uri,
-           "CKPT_ATTEMPT": str(ids.attempt), "CKPT_DAGSTER_RUN_ID": ids.dagster_run_id,
-           "CKPT_ROOT_RUN_ID": ids.root_run_id, "CKPT_EXIT_WITH_PARENT": "1",
+def contract(reg: Registration, store_uri: str, ids: AttemptIds,
+             dataset: DatasetRecord) -> LaunchEnv:
+    """What this attempt's process is told about the run it trains (`trainer.contract`)."""
+    return LaunchEnv(
+        run=reg.run, experiment=reg.experiment, store_uri=store_uri, attempt=ids.attempt,
+        dagster_run_id=ids.dagster_run_id, root_run_id=ids.root_run_id,
+        code_version=ids.code_version, dataset_uri=dataset.uri or None,
+        data_version=dataset.version,
+        # Liveness is the orchestrator's concern: its heartbeat interval holds for commands too.
+        heartbeat_seconds=reg.config["checkpoint"]["heartbeat_seconds"])
+
+
+def base_env(trainer: TrainerResource, aws_env: dict[str, str]) -> dict[str, str]:
+    """The environment an attempt's process starts from: ours without the contract's
+    variables (a stale one must never reach the trainer), plus the store's credentials."""
+    env = {**LaunchEnv.scrubbed(os.environ), **aws_env, **trainer.extra_env,
            "PYTHONUNBUFFERED": "1"}
-    if ids.code_version:
-        env["CKPT_CODE_VERSION"] = ids.code_version
-    # Liveness is the orchestrator's concern: its heartbeat interval holds for commands too.
-    env["CKPT_HEARTBEAT_SECONDS"] = str(reg.config["checkpoint"]["heartbeat_seconds"])
     # The user's modules first (TrainerResource.pythonpath), then ckpt-assets itself, so
     # both the trainer and a task module outside this repository import.
     paths = [*trainer.pythonpath, str(REPO_ROOT), env.get("PYTHONPATH")]
@@ -55,17 +63,17 @@ def base_env(reg: Registration, store_uri: str, ids: AttemptIds, dataset: Datase
     return env
 
 
-def task_launch(reg: Registration, store_uri: str, env: dict[str, str],
+def task_launch(reg: Registration, launch: LaunchEnv, env: dict[str, str],
                 trainer: TrainerResource, workdir: Path) -> Launch:
     config_path = workdir / "config.json"
     config_path.write_text(json.dumps(reg.config, indent=1))
-    argv = [trainer.python, "-m", "trainer", "--config", str(config_path), "--store", store_uri,
-            "--resume", "auto", "--log-level", trainer.log_level]
-    return Launch(argv, env, trainer.cwd)
+    argv = [trainer.python, "-m", "trainer", "--config", str(config_path), "--store",
+            launch.store_uri, "--resume", "auto", "--log-level", trainer.log_level]
+    return Launch(argv, {**env, **launch.to_env()}, trainer.cwd)
 
 
-def command_launch(reg: Registration, repo: CheckpointRepo, env: dict[str, str],
-                   trainer: TrainerResource, log) -> Launch:
+def command_launch(reg: Registration, repo: CheckpointRepo, launch: LaunchEnv,
+                   env: dict[str, str], trainer: TrainerResource, log) -> Launch:
     cfg = reg.config
     manifest, skipped = repo.find_latest_valid()
     for name, reason in skipped:
@@ -74,14 +82,14 @@ def command_launch(reg: Registration, repo: CheckpointRepo, env: dict[str, str],
     argv = list(cfg["command"])
     if argv[0] == "python":  # the orchestrator's interpreter, not whatever PATH has first
         argv[0] = trainer.python
+    # The user's variables, then the contract's last: a config cannot override them (they
+    # are refused at registration too; this holds for a registration written by hand).
     env = {**env, **(cfg.get("env") or {})}
-    for inherited in ("CKPT_RESUME_FROM", "CHECKPOINT_PATH"):
-        env.pop(inherited, None)  # only what this attempt found counts
-    if resume:
-        if cfg.get("resume_flag"):
-            argv += [cfg["resume_flag"], resume]
-        if cfg.get("resume_env"):
-            env[cfg["resume_env"]] = resume
-        env["CKPT_RESUME_FROM"] = resume
+    env.pop(RESUME_FROM_ALIAS, None)  # only what this attempt found counts
+    if resume and cfg.get("resume_flag"):
+        argv += [cfg["resume_flag"], resume]
+    if resume and cfg.get("resume_env"):
+        env[cfg["resume_env"]] = resume
+    env.update(dataclasses.replace(launch, resume_from=resume).to_env())
     cwd = cfg.get("cwd") or "."
     return Launch(argv, env, str(Path(trainer.cwd, cwd)), resume)

@@ -15,6 +15,7 @@ from ckpt_assets.partitions import read_registration
 from ckpt_assets.run_state import training_runs_of
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from trainer.errors import CheckpointError
+from trainer.outcomes import Outcome
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore
 
@@ -125,7 +126,7 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
             "final_model": final}
 
 
-WORKER_LOST = "worker_lost"  # the run ended without its step reporting how the trainer exited
+WORKER_LOST = Outcome.WORKER_LOST.value
 
 
 def _attempt_end(a: dict[str, Any], ended: dict[str, Any]) -> str | None:
@@ -138,7 +139,7 @@ def _attempt_end(a: dict[str, Any], ended: dict[str, Any]) -> str | None:
     if a["status"] in ("FAILURE", "CANCELED"):
         return WORKER_LOST if a["started"] else "not_started"
     if a["status"] == "SUCCESS":
-        return "success"
+        return Outcome.SUCCESS.value
     return None
 
 

@@ -27,6 +27,7 @@ import math
 import time
 from typing import Any
 
+from trainer.contract import Eval, Started
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 
@@ -80,7 +81,7 @@ class MlflowTracker:
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.last_step: dict[str, int] = {}
-        self._pending_eval: list[dict[str, Any]] = []
+        self._pending_eval: list[Eval] = []
 
     # -- plumbing ---------------------------------------------------------------------------
     def _warn(self, what: str, e: BaseException) -> None:
@@ -143,17 +144,15 @@ class MlflowTracker:
             self._warn("logging the config as params", e)
             return 0
 
-    def on_started(self, msg: dict[str, Any]) -> None:
+    def on_started(self, msg: Started) -> None:
         """An attempt's trainer started: tag the attempt; mark the seam of a resume."""
         if self.run_id is None:
             return
-        n = msg.get("attempt")
-        resumed = msg.get("resumed_from_step")
+        n, resumed = msg.attempt, msg.resumed_from_step
         try:
-            tags = {f"attempt_{n}.dagster_run_id": (msg.get("lineage") or {}).get(
-                        "dagster_run_id"),
+            tags = {f"attempt_{n}.dagster_run_id": msg.lineage.get("dagster_run_id"),
                     f"attempt_{n}.resumed_from_step": resumed,
-                    f"attempt_{n}.resumed_from": msg.get("resumed_from"),
+                    f"attempt_{n}.resumed_from": msg.resumed_from,
                     f"attempt_{n}.start": "resumed" if resumed is not None else "fresh"}
             for k, v in tags.items():
                 if v is not None:
@@ -194,7 +193,7 @@ class MlflowTracker:
         self.last_step[key] = int(step)
 
     # -- events from the trainer ------------------------------------------------------------
-    def on_eval(self, msg: dict[str, Any]) -> None:
+    def on_eval(self, msg: Eval) -> None:
         self._pending_eval.append(msg)
 
     def on_checkpoint(self, rec: CheckpointRecord) -> None:
@@ -203,10 +202,10 @@ class MlflowTracker:
             return
         step = rec.step
         try:
-            for ev in [e for e in self._pending_eval if int(e["step"]) <= step]:
-                self._log("eval_loss", ev.get("loss"), int(ev["step"]))
-                self._log("eval_accuracy", ev.get("accuracy"), int(ev["step"]))
-            self._pending_eval = [e for e in self._pending_eval if int(e["step"]) > step]
+            for ev in [e for e in self._pending_eval if e.step <= step]:
+                self._log("eval_loss", ev.metrics.get("loss"), ev.step)
+                self._log("eval_accuracy", ev.metrics.get("accuracy"), ev.step)
+            self._pending_eval = [e for e in self._pending_eval if e.step > step]
             self._log("loss", rec.loss, step)
             self.client.set_tag(self.run_id, "last_checkpoint", rec.uri)
             self.client.set_tag(self.run_id, "last_committed_step", str(step))

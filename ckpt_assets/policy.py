@@ -1,42 +1,20 @@
 """The failure policy: which failed training runs are worth resuming, and when.
 
 Pure functions over plain data, so every rule is unit-tested without a Dagster instance;
-the sensors (`ckpt_assets.sensors`) gather the facts and act on the decision.
-
-| kind          | seen as                                         | decision                   |
-|---------------|-------------------------------------------------|----------------------------|
-| preempted     | exit 143, SIGTERM/SIGINT, run terminated        | resume (preemption budget) |
-| killed        | exit -9/137, run worker or code server gone     | resume (transient budget)  |
-| storage       | exit 5 (store unreachable after retries)        | resume with back-off       |
-| bad_input     | exit 2                                          | never                      |
-| checkpoint    | exit 3 (no checkpoint could be loaded)          | never; alert               |
-| diverged      | exit 4 (NaN/inf loss)                           | never; alert               |
-| bug           | exit 1 (exception in training code)             | never; alert               |
-| superseded    | exit 6 (a newer attempt owns the run)           | never (that attempt goes on)|
-| crash loop    | fails again without a new highest checkpoint step | stop after a small budget|
+the sensors (`ckpt_assets.sensors`) gather the facts into one `AttemptEnd` and act on the
+decision. What each outcome is and whether it is resumed is `trainer.outcomes` (the
+README's table is generated from it); what is decided here is the budgets: preemptions,
+transient failures with back-off, and the crash loop (a chain that fails again without a
+new highest checkpoint step stops after a small budget).
 """
 
 from __future__ import annotations
 
 import json
-import signal
 from dataclasses import dataclass, fields
 
-from ckpt_assets.failures import CLASS_KINDS, EXIT_KINDS, NEVER, RESUMABLE
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What is known about one failed attempt of a training run."""
-
-    run_id: str
-    partition: str
-    attempt: int = 1
-    exit_code: int | None = None  # the trainer's; negative = killed by that signal
-    failure_class: str | None = None  # as reported by the trainer or the asset
-    last_committed_step: int | None = None
-    worker_lost: bool = False  # the run worker died: no step failure was recorded
-    canceled: bool = False  # terminated from Dagster (UI, CLI, run monitoring)
+from ckpt_assets.failures import AttemptEnd
+from trainer.outcomes import Kind, Resume
 
 
 @dataclass(frozen=True)
@@ -86,31 +64,10 @@ class Budget:
 @dataclass(frozen=True)
 class Decision:
     resume: bool
-    kind: str
+    kind: Kind
     reason: str
     delay_s: float = 0.0
     budget: Budget = Budget()  # to carry on the resume run
-
-
-def classify(f: Failure) -> str:
-    if f.failure_class in CLASS_KINDS:
-        kind = CLASS_KINDS[f.failure_class]
-        if kind == "killed" and f.exit_code is not None and f.exit_code < 0:
-            sig = -f.exit_code
-            return "preempted" if sig in (signal.SIGTERM, signal.SIGINT) else "killed"
-        return kind
-    if f.exit_code is not None:
-        if f.exit_code < 0:
-            return "preempted" if -f.exit_code in (signal.SIGTERM, signal.SIGINT) else "killed"
-        if f.exit_code in EXIT_KINDS:
-            return EXIT_KINDS[f.exit_code]
-        if f.exit_code > 128:  # a shell's way of saying "killed by signal N"
-            return "preempted" if f.exit_code - 128 == signal.SIGTERM else "killed"
-    if f.canceled:
-        return "preempted"
-    if f.worker_lost:
-        return "killed"
-    return "unknown"
 
 
 def advancing(step: int | None, high: int | None, first: bool) -> bool:
@@ -123,31 +80,32 @@ def advancing(step: int | None, high: int | None, first: bool) -> bool:
     return high is None or step > high
 
 
-def decide(failure: Failure, used: Budget = Budget(), cfg: PolicyConfig = PolicyConfig()) -> Decision:
+def decide(failure: AttemptEnd, used: Budget = Budget(),
+           cfg: PolicyConfig = PolicyConfig()) -> Decision:
     """Resume `failure`, given what its chain of attempts has `used` so far?"""
-    kind = classify(failure)
+    kind = failure.kind
     step = failure.last_committed_step
     high = used.high_step if used.high_step is not None else used.resumed_from_step
     advanced = advancing(step, high, first=high is None and used.stuck == 0
                          and used.transient == 0)
     budget = Budget(
-        preemptions=used.preemptions + (kind == "preempted"),
-        transient=used.transient + (kind in ("killed", "storage")),
+        preemptions=used.preemptions + (kind.resume is Resume.AT_ONCE),
+        transient=used.transient + (kind.resume is Resume.WITH_BACKOFF),
         # A preemption is the machine's fault, not the run's: it neither adds to nor resets
         # the count of failures in a row at one step.
-        stuck=used.stuck if kind == "preempted" else (0 if advanced else used.stuck + 1),
+        stuck=used.stuck if kind.resume is Resume.AT_ONCE else (0 if advanced
+                                                                else used.stuck + 1),
         resumed_from_step=step,
         high_step=max((s for s in (high, step) if s is not None), default=None),
     )
-    if kind not in RESUMABLE:
-        return Decision(False, kind, f"not resumed: {NEVER.get(kind, NEVER['unknown'])}",
-                        budget=budget)
+    if not kind.resumable:
+        return Decision(False, kind, f"not resumed: {kind.advice}", budget=budget)
     if budget.stuck >= cfg.crash_loop_budget:
-        return Decision(False, "crash_loop",
+        return Decision(False, Kind.CRASH_LOOP,
                         f"not resumed: crash loop, {budget.stuck + 1} failures in a row without "
                         f"the checkpoint advancing past step {step}; fix the cause, then launch "
                         "the run again", budget=budget)
-    if kind == "preempted":
+    if kind.resume is Resume.AT_ONCE:
         if budget.preemptions > cfg.max_preemptions:
             return Decision(False, kind, f"not resumed: preempted {budget.preemptions} times, "
                             f"over the budget of {cfg.max_preemptions}", budget=budget)

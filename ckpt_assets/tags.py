@@ -19,6 +19,8 @@ TAG_DECIDED_AT = "ckpt/decided_at"  # ISO 8601, UTC
 TAG_RESUME_AT = "ckpt/resume_at"  # ISO 8601, UTC; only for a resume after a back-off
 TAG_NEXT_BUDGET = "ckpt/next_budget"  # the budget its resume will carry
 TAG_RESUMED_BY = "ckpt/resumed_by"  # the run that resumed it (set by that run)
+# Set by the reconciler before it fails a STARTED run whose trainer stopped heartbeating:
+TAG_HEARTBEAT_LOST = "ckpt/heartbeat_lost"  # the heartbeat's age when it gave up, in words
 
 # On a run stopped for good (`ckpt_assets.stop`):
 TAG_NO_RESUME = "ckpt/no_resume"  # "true"

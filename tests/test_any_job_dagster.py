@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.failures import TrainingFailure
-from ckpt_assets.policy import Failure, decide
+from ckpt_assets.failures import AttemptEnd
+from ckpt_assets.policy import decide
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     ROOT,
@@ -27,16 +27,14 @@ pytestmark = pytest.mark.slow
 PLAIN = str(ROOT / "examples" / "plain_script" / "train.py")
 
 
-def _failure(result, step="model_checkpoint") -> TrainingFailure:
+def _failure(result, step="model_checkpoint") -> AttemptEnd:
     desc, md = step_failure_metadata(result, step)
     assert md is not None, "the step failed without a structured failure"
-    return TrainingFailure.from_metadata(md)
+    return AttemptEnd.from_metadata(md)
 
 
-def _never_resumed(f: TrainingFailure) -> None:
-    d = decide(Failure(run_id="r", partition=f.training_run, exit_code=f.exit_code,
-                       failure_class=f.failure_class,
-                       last_committed_step=f.last_committed_step))
+def _never_resumed(f: AttemptEnd) -> None:
+    d = decide(f)
     assert not d.resume, d
 
 

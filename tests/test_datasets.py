@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from trainer.dataset import check_same_data, dataset_manifest
-from trainer.errors import EXIT_BAD_INPUT, ConfigError
+from trainer.errors import ConfigError
+from trainer.outcomes import Outcome
 from trainer.session import CheckpointSession
 
 
@@ -100,5 +101,5 @@ def test_a_session_refuses_to_resume_on_a_changed_dataset_and_keeps_its_checkpoi
     again = session()
     with pytest.raises(SystemExit) as exc, again:
         again.restore(model=torch.nn.Linear(2, 2))
-    assert exc.value.code == EXIT_BAD_INPUT
+    assert exc.value.code == Outcome.BAD_INPUT.exit_code
     assert again.repo.committed() == committed

@@ -22,6 +22,7 @@ from ckpt_assets.partitions import PARTITIONS_NAME, register_training_run
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import PYTHON, ROOT, checkpoints, materialize_run
 from tests.dagster_runs import lost_worker_run
+from trainer.contract import LaunchEnv
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow
@@ -34,10 +35,10 @@ ORPHAN = "step-000000020-a1"
 def _commit_as_lost_attempt(store: str, reg, dead_run_id: str, steps: int) -> None:
     """What the trainer of attempt 1 did after its run worker was SIGKILLed: commit."""
     dataset, _ = describe_dataset(reg)
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "CKPT_RUN": reg.run,
-           "CKPT_EXPERIMENT": reg.experiment, "CKPT_STORE_URI": store, "CKPT_ATTEMPT": "1",
-           "CKPT_DAGSTER_RUN_ID": dead_run_id, "CKPT_ROOT_RUN_ID": dead_run_id,
-           **dataset.trainer_env}
+    told = LaunchEnv(reg.run, reg.experiment, store, attempt=1, dagster_run_id=dead_run_id,
+                     root_run_id=dead_run_id, dataset_uri=dataset.uri or None,
+                     data_version=dataset.version, exit_with_parent=False)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **told.to_env()}
     proc = subprocess.run([PYTHON, PLAIN, "--steps", str(steps)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from ckpt_assets.mlflow_tracking import MlflowTracker, flatten_params, mlflow_run_url
 from ckpt_assets.resources import MLflowResource
+from trainer.contract import Started
 
 
 class Log:
@@ -70,10 +71,8 @@ def test_a_param_logged_with_another_value_keeps_the_first_and_warns_without_rai
 def test_a_resumed_attempt_marks_its_seam_with_a_metric_at_that_step_and_tags_per_attempt(
         resource):
     t = tracker(resource, "resume-marker")
-    t.on_started({"attempt": 1, "resumed_from_step": None,
-                  "lineage": {"dagster_run_id": "run-1"}})
-    t.on_started({"attempt": 2, "resumed_from_step": 20, "resumed_from": "file:///s/step-20",
-                  "lineage": {"dagster_run_id": "run-2"}})
+    t.on_started(Started(1, None, lineage={"dagster_run_id": "run-1"}))
+    t.on_started(Started(2, 20, "file:///s/step-20", lineage={"dagster_run_id": "run-2"}))
     run = _run(resource, t)
     assert run.data.tags["attempt_1.start"] == "fresh"
     assert run.data.tags["attempt_2.start"] == "resumed"
@@ -134,7 +133,7 @@ def test_mlflow_errors_are_warnings_and_never_reach_training(resource):
     t = MlflowTracker(resource, "exp", "broken", log)
     t.run_id, t.client = "some-run", Broken()
     assert t.log_config({"a": 1}) == 0
-    t.on_started({"attempt": 2, "resumed_from_step": 10})
+    t.on_started(Started(2, 10))
     t.on_failure(2, "storage_unavailable", "S3 down", traceback="tb")
     assert t.log_final_model("/nonexistent", {}, 1, "d") is None
     assert len(log.warnings) == 4 and all("training is not affected" in w for w in log.warnings)

@@ -4,30 +4,38 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_assets.policy import Budget, Failure, PolicyConfig, classify, decide
+from ckpt_assets.failures import AttemptEnd
+from ckpt_assets.policy import Budget, PolicyConfig, decide
+from trainer.outcomes import Outcome
 
 
-def f(**kw) -> Failure:
-    return Failure(run_id=kw.pop("run_id", "r"), partition="p", **kw)
+def f(exit_code: int | None = None, reported: str | None = None, outcome: Outcome | None = None,
+      **kw) -> AttemptEnd:
+    """An attempt that ended with `exit_code` (and the trainer's own `reported` class)."""
+    outcome = outcome or Outcome.of_exit(exit_code, reported)
+    return AttemptEnd(outcome, "p", exit_code, dagster_run_id=kw.pop("run_id", "r"), **kw)
 
 
-@pytest.mark.parametrize("kw,kind", [
+@pytest.mark.parametrize("end,kind", [
     ({"exit_code": 143}, "preempted"),
     ({"exit_code": -15}, "preempted"),
+    ({"exit_code": 130}, "preempted"),
     ({"exit_code": -9}, "killed"),
     ({"exit_code": 137}, "killed"),
-    ({"worker_lost": True}, "killed"),
-    ({"canceled": True}, "preempted"),
-    ({"exit_code": 5, "failure_class": "storage_unavailable"}, "storage"),
+    ({"outcome": Outcome.WORKER_LOST}, "killed"),
+    ({"outcome": Outcome.HEARTBEAT_LOST}, "killed"),
+    ({"outcome": Outcome.TERMINATED}, "preempted"),
+    ({"exit_code": 5, "reported": "storage_unavailable"}, "storage"),
     ({"exit_code": 2}, "bad_input"),
     ({"exit_code": 3}, "checkpoint"),
     ({"exit_code": 4}, "diverged"),
-    ({"exit_code": 1, "failure_class": "user_code_error"}, "bug"),
+    ({"exit_code": 1, "reported": "user_code_error"}, "bug"),
     ({"exit_code": 6}, "superseded"),
-    ({}, "unknown"),
+    ({"exit_code": 0, "outcome": Outcome.NO_CHECKPOINT}, "no_checkpoint"),
+    ({"exit_code": 77}, "unknown"),
 ])
-def test_each_way_a_run_dies_is_classified_as_the_policy_table_says(kw, kind):
-    assert classify(f(**kw)) == kind
+def test_each_way_a_run_dies_is_classified_as_the_policy_table_says(end, kind):
+    assert f(**end).kind == kind
 
 
 @pytest.mark.parametrize("code", [1, 2, 3, 4, 6])
@@ -55,7 +63,7 @@ def test_transient_failures_resume_at_once_then_back_off_and_stop_at_their_budge
         delays.append(d.delay_s)
         used = d.budget
     assert delays == [0, 10, 20]
-    assert not decide(f(exit_code=5, failure_class="storage_unavailable",
+    assert not decide(f(exit_code=5, reported="storage_unavailable",
                         last_committed_step=40), used, cfg).resume
 
 

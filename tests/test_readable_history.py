@@ -12,16 +12,18 @@ import dagster as dg
 import pytest
 from dagster._core.test_utils import create_run_for_test
 
-from ckpt_assets import sensors
 from ckpt_assets.attempt import AttemptReport, attempt_failure, checkpoint_event, link_resume
-from ckpt_assets.failures import TrainingFailure
+from ckpt_assets.failures import AttemptEnd
 from ckpt_assets.history import history_frame, history_metadata
 from ckpt_assets.metadata import checkpoint_metadata
 from ckpt_assets.partitions import PARTITION_TAG
-from ckpt_assets.policy import Budget, Decision, Failure
+from ckpt_assets.policy import Budget, Decision
+from ckpt_assets.resume_decision import record as record_decision
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from ckpt_assets.trainer_process import _pump, _start
 from tests import dagster_runs
+from trainer.contract import Failed
+from trainer.outcomes import Kind, Outcome
 from trainer.records import CheckpointRecord, Lineage
 
 KEY = "hist-run"
@@ -188,13 +190,14 @@ def test_a_failed_report_with_a_traceback_is_one_error_entry(instance):
 
 
 def test_the_step_failure_carries_the_record_and_the_traceback_as_one_code_block():
-    report = AttemptReport(KEY, 1, failed={"traceback": "Traceback ...\nValueError: boom"})
-    ended = TrainingFailure(1, "user_code_error", KEY, attempt=1, message="boom")
+    report = AttemptReport(KEY, 1, failed=Failed(1, "user_code_error", "ValueError", "boom",
+                                                 "Traceback ...\nValueError: boom"))
+    ended = AttemptEnd(Outcome.USER_CODE_ERROR, KEY, 1, attempt=1, message="boom")
     failure = attempt_failure(ended, report)
     md = failure.metadata
     assert md["traceback"] == dg.MetadataValue.md("```\nTraceback ...\nValueError: boom\n```")
     plain = {k: v.value for k, v in md.items()}
-    assert TrainingFailure.from_metadata(plain) == ended  # what the resume sensor reads back
+    assert AttemptEnd.from_metadata(plain) == ended  # what the resume sensor reads back
     assert "exited 1 (user_code_error)" in failure.description
 
 
@@ -207,11 +210,10 @@ def _engine_events(instance, run) -> list:
 
 def test_a_resume_decision_is_one_engine_event_in_words_on_the_failed_run(instance):
     run = dagster_runs.lost_worker_run(instance, KEY)
-    failure = Failure(run_id=run.run_id, partition=KEY, attempt=1, exit_code=None,
-                      failure_class=None, last_committed_step=20, worker_lost=True,
-                      canceled=False)
-    sensors.record(instance, run, failure, Decision(True, "killed", "resumed: run worker lost",
-                                                    budget=Budget(transient=1)))
+    failure = AttemptEnd(Outcome.WORKER_LOST, KEY, attempt=1, last_committed_step=20,
+                         dagster_run_id=run.run_id)
+    record_decision(instance, run, failure, Decision(
+        True, Kind.KILLED, "resumed: run worker lost", budget=Budget(transient=1)))
     (event,) = _engine_events(instance, run)
     assert event.message.startswith("Resuming now (killed): resumed: run worker lost")
     assert f"resume-{run.run_id}" in event.message
@@ -222,11 +224,10 @@ def test_a_resume_decision_is_one_engine_event_in_words_on_the_failed_run(instan
 
 def test_a_decision_not_to_resume_says_why_in_the_failed_runs_log(instance):
     run = dagster_runs.lost_worker_run(instance, KEY)
-    failure = Failure(run_id=run.run_id, partition=KEY, attempt=1, exit_code=4,
-                      failure_class="diverged", last_committed_step=20, worker_lost=False,
-                      canceled=False)
-    sensors.record(instance, run, failure,
-                   Decision(False, "diverged", "not resumed: the loss diverged"))
+    failure = AttemptEnd(Outcome.DIVERGED, KEY, 4, attempt=1, last_committed_step=20,
+                         dagster_run_id=run.run_id)
+    record_decision(instance, run, failure,
+                    Decision(False, Kind.DIVERGED, "not resumed: the loss diverged"))
     (event,) = _engine_events(instance, run)
     assert event.message == "Not resumed (diverged): the loss diverged"
 

@@ -12,8 +12,8 @@ import pytest
 from ckpt_assets.events import STATE, partition_events
 from ckpt_assets.partitions import register_training_run
 from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.resume_decision import consider
 from ckpt_assets.run_state import State, iso, run_state, run_summary
-from ckpt_assets.sensors import consider
 from ckpt_assets.stop import stop_training_run
 from ckpt_assets.tags import (
     TAG_ATTEMPT,

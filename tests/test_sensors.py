@@ -18,12 +18,13 @@ import pytest
 from dagster._core.events import DagsterEvent, DagsterEventType
 from dagster._core.test_utils import create_run_for_test
 
-from ckpt_assets import events, sensors
-from ckpt_assets.failures import NO_CHECKPOINT, TrainingFailure
+from ckpt_assets import events
+from ckpt_assets.failures import AttemptEnd
 from ckpt_assets.partitions import PARTITION_TAG
 from ckpt_assets.policy import Budget
 from ckpt_assets.resources import CheckpointStore
-from ckpt_assets.run_state import iso, parse_time
+from ckpt_assets.resume_decision import ResumeSettings
+from ckpt_assets.run_state import is_training_run, iso, parse_time
 from ckpt_assets.sensors import (
     reconcile_training_runs,
     resume_failed_training,
@@ -43,6 +44,7 @@ from ckpt_assets.tags import (
     TAG_ROOT_RUN_ID,
 )
 from tests import dagster_runs
+from trainer.outcomes import Outcome
 from trainer.repo import CheckpointRepo
 
 KEY = "run-a"
@@ -51,8 +53,10 @@ KEY = "run-a"
 @pytest.fixture(autouse=True)
 def timeouts(monkeypatch):
     """The shipped defaults, whatever the environment of the test process says."""
-    monkeypatch.setattr(sensors, "LAUNCH_GRACE_S", 45.0)
-    monkeypatch.setattr(sensors, "HEARTBEAT_TIMEOUT_S", 120.0)
+    for name in ("CKPT_RECONCILE_GRACE_S", "CKPT_HEARTBEAT_TIMEOUT_S", "CKPT_MAX_PREEMPTIONS",
+                 "CKPT_MAX_TRANSIENT_FAILURES", "CKPT_CRASH_LOOP_BUDGET",
+                 "CKPT_BACKOFF_BASE_S", "CKPT_BACKOFF_MAX_S"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture
@@ -86,8 +90,8 @@ def failed_run(instance, *, exit_code: int, failure_class: str, step: int | None
 
     @dg.op(name="model_checkpoint")
     def model_checkpoint():
-        raise TrainingFailure(exit_code, failure_class, KEY, attempt=attempt,
-                              last_committed_step=step).to_dagster("attempt failed")
+        raise AttemptEnd(Outcome(failure_class), KEY, exit_code, attempt=attempt,
+                         last_committed_step=step).to_dagster("attempt failed")
 
     @dg.job(name="train_job")
     def train_job():
@@ -184,10 +188,10 @@ def test_the_code_location_holds_the_three_sensors_and_the_training_jobs():
 
 def test_a_run_of_the_demo_preset_is_a_training_run_the_sensors_resume():
     run = dg.DagsterRun(job_name="train_demo", run_id="r1", tags={PARTITION_TAG: "demo-1"})
-    assert sensors.is_training_run(run)
+    assert is_training_run(run)
     stop = dg.DagsterRun(job_name="stop_training_run", run_id="r2",
                          tags={PARTITION_TAG: "demo-1"})
-    assert not sensors.is_training_run(stop)
+    assert not is_training_run(stop)
 
 
 # -- the failure sensors ----------------------------------------------------------------------
@@ -253,7 +257,7 @@ def test_a_lost_run_worker_counts_as_killed_and_resumes_from_the_stores_latest(i
     (4, "diverged", "diverged"),
     (3, "checkpoint_unloadable", "checkpoint"),
     (6, "superseded", "superseded"),
-    (0, NO_CHECKPOINT, "no_checkpoint"),
+    (0, Outcome.NO_CHECKPOINT.value, "no_checkpoint"),
 ])
 def test_failures_that_a_resume_cannot_fix_stop_with_their_reason_on_the_run(
         instance, store, exit_code, failure_class, kind):
@@ -332,7 +336,7 @@ def test_a_resume_decided_but_never_launched_is_launched_by_the_reconciler_once(
     lost = on_failure(instance, run, store)  # decided; its launch was lost (the tick errored)
     # Within the grace period the failure sensor's launch may still be on its way.
     assert sweep(instance, store) == []
-    backdate_decision(instance, run, sensors.LAUNCH_GRACE_S + 1)
+    backdate_decision(instance, run, ResumeSettings().launch_grace_s + 1)
     (req,) = sweep(instance, store)
     assert req.run_key == lost.run_key and req.tags == lost.tags
     launched(instance, req)
@@ -344,7 +348,7 @@ def test_a_failure_no_sensor_saw_is_decided_and_resumed_by_the_reconciler_after_
     run = failed_run(instance, exit_code=143, failure_class="preempted")
     assert sweep(instance, store) == []  # just ended: the failure sensors go first
     assert TAG_DECISION not in tags_of(instance, run)
-    monkeypatch.setattr(sensors, "LAUNCH_GRACE_S", 0.0)
+    monkeypatch.setenv("CKPT_RECONCILE_GRACE_S", "0")
     (req,) = sweep(instance, store)
     assert req.run_key == f"resume-{run.run_id}"
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "preempted"

@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from trainer.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_USER_ERROR
+from trainer.contract import LaunchEnv
+from trainer.outcomes import Outcome
 from trainer.repo import CheckpointRepo
 from trainer.session import CheckpointSession
 from trainer.storage import open_store
@@ -115,8 +116,8 @@ def test_a_stop_request_commits_the_current_step_and_exits_143(tmp_path):
 
 
 @pytest.mark.parametrize("error, code", [
-    (ValueError("boom"), EXIT_USER_ERROR),
-    (None, EXIT_DIVERGED),
+    (ValueError("boom"), Outcome.USER_CODE_ERROR.exit_code),
+    (None, Outcome.DIVERGED.exit_code),
 ])
 def test_leaving_the_block_with_an_error_exits_with_its_documented_code(tmp_path, error, code):
     model, _ = _parts()
@@ -137,7 +138,7 @@ def test_parts_the_session_cannot_save_are_refused_as_bad_input(tmp_path, parts,
     ckpt = _session(tmp_path)
     with caplog.at_level(logging.ERROR, "trainer"), pytest.raises(SystemExit) as exc, ckpt:
         ckpt.restore(**parts)
-    assert exc.value.code == EXIT_BAD_INPUT
+    assert exc.value.code == Outcome.BAD_INPUT.exit_code
     assert message in caplog.text
 
 
@@ -166,14 +167,15 @@ def test_resuming_from_another_runs_checkpoint_is_bad_input_and_commits_nothing(
     ckpt = _session(tmp_path, resume=other_uri)
     with pytest.raises(SystemExit) as exc, ckpt:
         ckpt.restore(model=_parts()[0])
-    assert exc.value.code == EXIT_BAD_INPUT
+    assert exc.value.code == Outcome.BAD_INPUT.exit_code
     assert _repo(tmp_path).committed() == []
 
 
 def test_the_orchestrators_run_and_store_win_over_the_scripts_own(tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPT_RUN", "from-dagster")
-    monkeypatch.setenv("CKPT_EXPERIMENT", "exp")
-    monkeypatch.setenv("CKPT_STORE_URI", str(tmp_path / "dagster-store"))
+    told = LaunchEnv("from-dagster", "exp", str(tmp_path / "dagster-store"), attempt=1,
+                     exit_with_parent=False)
+    for name, value in told.to_env().items():
+        monkeypatch.setenv(name, value)
     ckpt = CheckpointSession(run="mine", store=str(tmp_path / "mine"), install_signals=False)
     assert (ckpt.run, ckpt.experiment) == ("from-dagster", "exp")
     assert ckpt.store_uri == str(tmp_path / "dagster-store")

@@ -12,8 +12,8 @@ import pytest
 
 from ckpt_assets.jobs import stop_training_run_job
 from ckpt_assets.partitions import PARTITION_TAG
+from ckpt_assets.resume_decision import consider
 from ckpt_assets.run_state import iso
-from ckpt_assets.sensors import consider
 from ckpt_assets.tags import (
     TAG_DECIDED_AT,
     TAG_DECISION,

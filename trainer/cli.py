@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from trainer.errors import EXIT_BAD_INPUT
+from trainer.outcomes import Outcome
 
 log = logging.getLogger("trainer")
 
@@ -19,7 +19,7 @@ log = logging.getLogger("trainer")
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse exits 2 too; keep its one-line message
         self.print_usage(sys.stderr)
-        self.exit(EXIT_BAD_INPUT, f"trainer: error: {message}\n")
+        self.exit(Outcome.BAD_INPUT.exit_code, f"trainer: error: {message}\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

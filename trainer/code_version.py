@@ -14,6 +14,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from trainer.contract import Env
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -49,4 +51,4 @@ def code_version_of(path: str | os.PathLike) -> str | None:
 
 def ckpt_assets_version() -> str | None:
     """This project's own version: $CKPT_CODE_VERSION (set by the orchestrator) or git."""
-    return os.environ.get("CKPT_CODE_VERSION") or code_version_of(HERE)
+    return os.environ.get(Env.CODE_VERSION) or code_version_of(HERE)

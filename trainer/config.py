@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainer.contract import RESERVED_PREFIXES, Env, reserved
 from trainer.errors import ConfigError
 from trainer.storage import validate_name
 
@@ -115,13 +116,33 @@ class TrainConfig(Section):
                                 description="command mode: environment variables added")
     resume_flag: str | None = Field("--resume-from", description="command mode: the flag "
                                     "that hands over the checkpoint to resume from")
-    resume_env: str | None = Field("CKPT_RESUME_FROM", description="command mode: the "
+    resume_env: str | None = Field(Env.RESUME_FROM.value, description="command mode: the "
                                    "variable that hands over the checkpoint to resume from")
 
     @field_validator("run", "experiment")
     @classmethod
     def _safe_name(cls, v: str, info) -> str:
         return validate_name(v, f"{info.field_name} name")
+
+    @field_validator("env")
+    @classmethod
+    def _not_the_orchestrators(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if reserved(name):
+                raise ValueError(
+                    f"config key 'env' sets {name}, which the orchestrator sets for every "
+                    f"attempt (names starting {' or '.join(RESERVED_PREFIXES)} are reserved: "
+                    "they say which run a process writes); remove it from env")
+        return env
+
+    @field_validator("resume_env")
+    @classmethod
+    def _resume_env_not_the_orchestrators(cls, name: str | None) -> str | None:
+        if name and name != Env.RESUME_FROM and reserved(name):
+            raise ValueError(f"config key 'resume_env' names {name}, a variable the "
+                             f"orchestrator reserves; use {Env.RESUME_FROM.value} or a name "
+                             "of your own")
+        return name
 
     @model_validator(mode="after")
     def _one_way_in(self) -> TrainConfig:

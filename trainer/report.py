@@ -12,9 +12,12 @@ import atexit
 import logging
 import os
 import traceback
-from typing import Any
 
-from trainer.errors import EXIT_USER_ERROR, FAILURE_CLASSES, TrainerError
+from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR
+
+from trainer.contract import Failed, Message, to_message
+from trainer.errors import TrainerError
+from trainer.outcomes import Outcome
 
 log = logging.getLogger("trainer")
 
@@ -26,7 +29,7 @@ class Reporter:
         self._pipes = None
         self._pipes_cm = None
         self._closed = False
-        if os.environ.get("DAGSTER_PIPES_CONTEXT"):
+        if os.environ.get(DAGSTER_PIPES_CONTEXT_ENV_VAR):
             from dagster_pipes import open_dagster_pipes
 
             self._pipes_cm = open_dagster_pipes()
@@ -39,9 +42,10 @@ class Reporter:
             atexit.register(cls._shared.close)
         return cls._shared
 
-    def event(self, kind: str, **payload: Any) -> None:
+    def send(self, message: Message) -> None:
+        """One message of the contract (`trainer.contract`) to the orchestrator, if any."""
         if self._pipes is not None:
-            self._pipes.report_custom_message({"type": kind, **payload})
+            self._pipes.report_custom_message(to_message(message))
 
     def log(self, msg: str, level: int = logging.INFO) -> None:
         log.log(level, msg)
@@ -60,14 +64,11 @@ def report_failure(error: BaseException, reporter: Reporter) -> int:
 
     A foreseen error (TrainerError) is one line that says what to do; anything else is a
     bug in training code and keeps its traceback."""
-    if isinstance(error, TrainerError):
-        code = error.exit_code
-        log.error("%s: %s", error.failure_class, error)
+    outcome = error.outcome if isinstance(error, TrainerError) else Outcome.USER_CODE_ERROR
+    tb = None if isinstance(error, TrainerError) else "".join(traceback.format_exception(error))
+    if tb is None:
+        log.error("%s: %s", outcome.value, error)
     else:
-        code = EXIT_USER_ERROR
-        log.error("error in training code:\n%s", "".join(traceback.format_exception(error)))
-    reporter.event("failed", exit_code=code, failure_class=FAILURE_CLASSES.get(code, "error"),
-                   error_type=type(error).__name__, message=str(error),
-                   traceback=None if isinstance(error, TrainerError)
-                   else "".join(traceback.format_exception(error)))
-    return code
+        log.error("error in training code:\n%s", tb)
+    reporter.send(Failed(outcome.exit_code, outcome.value, type(error).__name__, str(error), tb))
+    return outcome.exit_code

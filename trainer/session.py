@@ -46,9 +46,21 @@ import torch
 from trainer.checkpointer import Checkpointer, RNGState
 from trainer.code_version import ckpt_assets_version, code_version_of
 from trainer.config import CheckpointConfig, parse
+from trainer.contract import (
+    RESUME_FROM_ALIAS,
+    Env,
+    Eval,
+    Finished,
+    LaunchEnv,
+    Progress,
+    Skipped,
+    Started,
+    Stopped,
+)
 from trainer.dataset import check_same_data, dataset_manifest
 from trainer.errors import AlreadyExistsError, ConfigError, DivergedError
 from trainer.manifest import Manifest
+from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord, Lineage
 from trainer.repo import CheckpointRepo
 from trainer.report import Reporter, report_failure
@@ -115,13 +127,6 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _from_env(orchestrated: bool, env: str, given: Any, default: Any = None) -> Any:
-    """The orchestrator's value wins when it started us; otherwise the argument, then env."""
-    if orchestrated and os.environ.get(env):
-        return os.environ[env]
-    return given if given is not None else os.environ.get(env) or default
-
-
 class CheckpointSession:
     def __init__(self, *, run: str | None = None, experiment: str | None = None,
                  store: str | None = None, resume: str | None = None,
@@ -131,18 +136,26 @@ class CheckpointSession:
                  seed: int | None = None, install_signals: bool = True, **triggers: Any):
         if seed is not None:
             seed_all(seed)
-        orchestrated = bool(os.environ.get("CKPT_RUN"))
-        self.run = _from_env(orchestrated, "CKPT_RUN", run, "run")
-        self.experiment = _from_env(orchestrated, "CKPT_EXPERIMENT", experiment, "default")
-        self.store_uri = _from_env(orchestrated, "CKPT_STORE_URI", store,
-                                   os.path.abspath("checkpoints"))
-        self.resume = (resume or os.environ.get("CKPT_RESUME_FROM")
-                       or os.environ.get("CHECKPOINT_PATH") or "auto")
-        self.dataset = _from_env(orchestrated, "CKPT_DATASET_URI", dataset)
-        self._data_version = os.environ.get("CKPT_DATA_VERSION") or data_version
-        if orchestrated and os.environ.get("CKPT_HEARTBEAT_SECONDS"):
-            # The orchestrator judges liveness by heartbeats: its interval holds.
-            triggers["heartbeat_seconds"] = float(os.environ["CKPT_HEARTBEAT_SECONDS"])
+        # Launched by the orchestrator: its run, experiment, store, dataset and attempt win
+        # over the arguments (which serve standalone runs), so a script cannot write into
+        # another run than the one it was launched for.
+        self.launch = launched = LaunchEnv.from_env()
+        if launched is not None:
+            self.run, self.experiment = launched.run, launched.experiment
+            self.store_uri = launched.store_uri or store or os.path.abspath("checkpoints")
+            self.dataset = launched.dataset_uri or dataset
+            self._data_version = launched.data_version or data_version
+            if launched.heartbeat_seconds:
+                # The orchestrator judges liveness by heartbeats: its interval holds.
+                triggers["heartbeat_seconds"] = launched.heartbeat_seconds
+            self.resume = resume or launched.resume_from or "auto"
+        else:
+            self.run, self.experiment = run or "run", experiment or "default"
+            self.store_uri = (store or os.environ.get(Env.STORE_URI)
+                              or os.path.abspath("checkpoints"))
+            self.dataset, self._data_version = dataset, data_version
+            self.resume = (resume or os.environ.get(Env.RESUME_FROM)
+                           or os.environ.get(RESUME_FROM_ALIAS) or "auto")
         self.triggers: CheckpointConfig = parse(CheckpointConfig, triggers, "checkpoint")
         self.max_steps = max_steps
         self.best_metric = best_metric
@@ -152,7 +165,7 @@ class CheckpointSession:
         self.reporter = Reporter.shared()
         self.stop = StopRequest()
         if install_signals:
-            self.stop.install(exit_with_parent=os.environ.get("CKPT_EXIT_WITH_PARENT") == "1")
+            self.stop.install(exit_with_parent=bool(launched and launched.exit_with_parent))
         self.loop = LoopState()
         self.stopped = False
         self.lineage: Lineage | None = None
@@ -181,7 +194,7 @@ class CheckpointSession:
             lineage = Lineage.from_dict(manifest.meta.get("lineage"))
             check_same_data(lineage.data_version, data_version, repo.uri(manifest.name))
         attempt = repo.claim(manifest.name if manifest else None,
-                             at_least=int(os.environ.get("CKPT_ATTEMPT") or 1))
+                             at_least=self.launch.attempt if self.launch else 1)
         ck = self._ck = Checkpointer(repo, wrapped, attempt, self.triggers.keep_last,
                                      self.triggers.keep_best, self.triggers.async_save)
         ck.on_commit = self._on_commit
@@ -196,11 +209,10 @@ class CheckpointSession:
                               f"(attempt {attempt})")
         self.lineage = self._lineage(attempt, manifest, data_version)
         self._config_ref = self._store_config()
-        self.reporter.event("started", attempt=attempt,
-                            resumed_from_step=self.lineage.resumed_from_step,
-                            resumed_from=repo.uri(manifest.name) if manifest else None,
-                            skipped=[{"checkpoint": n, "reason": r} for n, r in skipped],
-                            max_steps=self.max_steps, lineage=self.lineage.to_dict())
+        self.reporter.send(Started(
+            attempt, self.lineage.resumed_from_step,
+            repo.uri(manifest.name) if manifest else None,
+            [Skipped(n, r) for n, r in skipped], self.max_steps, self.lineage.to_dict()))
         self._last_save_t = time.monotonic()
         return self.loop.step
 
@@ -208,8 +220,8 @@ class CheckpointSession:
                  data_version: str | None) -> Lineage:
         return Lineage(
             experiment=self.experiment, run=self.run, attempt=attempt,
-            dagster_run_id=os.environ.get("CKPT_DAGSTER_RUN_ID"),
-            root_run_id=os.environ.get("CKPT_ROOT_RUN_ID"),
+            dagster_run_id=self.launch.dagster_run_id if self.launch else None,
+            root_run_id=self.launch.root_run_id if self.launch else None,
             resumed_from_step=resumed.step if resumed else None,
             code_version=ckpt_assets_version(),
             user_code_version=code_version_of(self.code_path) if self.code_path else None,
@@ -262,7 +274,7 @@ class CheckpointSession:
             self.save("preempted")
             self._ck.close()
             self.stopped = True
-            self.reporter.event("stopped", signal=self.stop.signal_name, step=step)
+            self.reporter.send(Stopped(step, self.stop.signal_name))
             return True
         if reasons:
             self.save("best" if "best" in reasons else reasons[0])
@@ -274,7 +286,7 @@ class CheckpointSession:
         c, reasons = self.triggers, []
         if metrics:
             self.loop.metrics = {k: float(v) for k, v in metrics.items()}
-            self.reporter.event("eval", step=step, **self.loop.metrics)
+            self.reporter.send(Eval(step, dict(self.loop.metrics)))
             score = self.loop.metrics.get(self.best_metric, math.inf)
             if score < self.loop.best_score:
                 self.loop.best_score = score
@@ -296,8 +308,7 @@ class CheckpointSession:
             self._last_beat = now
             self.repo.heartbeat({"step": step, "attempt": self.lineage.attempt,
                                  "pid": os.getpid()})
-            self.reporter.event("progress", step=step,
-                                loss=self.loop.losses[-1] if self.loop.losses else None)
+            self.reporter.send(Progress(step, self.loop.losses[-1] if self.loop.losses else None))
 
     @property
     def stop_requested(self) -> bool:
@@ -320,7 +331,7 @@ class CheckpointSession:
         loss = f", loss {rec.loss:.4g}" if isinstance(rec.loss, float) else ""
         self.reporter.log(f"checkpoint committed: step {m.step}{loss} -> {rec.uri} "
                           f"({rec.size} bytes, {rec.save_seconds:.2f}s)")
-        self.reporter.event("checkpoint", **rec.to_dict())
+        self.reporter.send(rec)
 
     # -- the end --------------------------------------------------------------------------
     def close(self) -> None:
@@ -333,7 +344,7 @@ class CheckpointSession:
             self.save("final")
         self._ck.close()
         if not self.stopped:
-            self.reporter.event("finished", step=self.loop.step, metrics=self.loop.metrics)
+            self.reporter.send(Finished(self.loop.step, dict(self.loop.metrics)))
             self.reporter.log(f"training finished at step {self.loop.step}: {self.loop.metrics}")
 
     def __enter__(self) -> CheckpointSession:
@@ -346,7 +357,7 @@ class CheckpointSession:
         try:
             if exc is None:
                 self.close()
-                code = 143 if self.stopped else 0
+                code = (Outcome.PREEMPTED if self.stopped else Outcome.SUCCESS).exit_code
         except Exception as e:  # a failed final commit is the attempt's failure
             exc = e
         if exc is not None:
