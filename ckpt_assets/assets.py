@@ -78,7 +78,7 @@ __all__ = ["MODEL_CHECKPOINT_KEY", "TRAINING_ASSETS", "TrainingRunConfig", "fina
 def training_dataset(context: dg.AssetExecutionContext, config: TrainingRunConfig,
                      checkpoint_store: CheckpointStore):
     reg = resolve_registration(context, checkpoint_store, config)
-    uri = reg.config.get("dataset") or ""
+    uri = reg.config.dataset or ""
     try:
         client = checkpoint_store.s3_client() if uri.startswith("s3://") else None
         record, files = describe_dataset(reg, s3_client=client)
@@ -131,13 +131,13 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     with tempfile.TemporaryDirectory(prefix=f"ckpt-{reg.run}-a{ids.attempt}-") as workdir:
         try:
             launch = (command_launch(reg, repo, told, env, trainer, context.log)
-                      if reg.config.get("command")
+                      if reg.config.command
                       else task_launch(reg, told, env, trainer, Path(workdir)))
             proc = run_under_pipes(
                 context, launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
                 on_messages=partial(report.handle, context, tracker),
                 after_start=partial(_open_tracking, context, tracker, repo, ids, dataset,
-                                    reg.config),
+                                    reg.config.to_dict()),
                 extras={"training_run": reg.run, "experiment": reg.experiment,
                         "attempt": ids.attempt})
         except LaunchError as e:

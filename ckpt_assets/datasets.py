@@ -42,11 +42,10 @@ class DatasetRecord:
 def describe_dataset(reg: Registration, s3_client=None) -> tuple[DatasetRecord, dict[str, Any]]:
     """The run's dataset record and its manifest (per-file entries; empty when generated)."""
     cfg = reg.config
-    if cfg.get("dataset"):
-        m = dataset_manifest(cfg["dataset"], s3_client=s3_client)
+    if cfg.dataset:
+        m = dataset_manifest(cfg.dataset, s3_client=s3_client)
         return DatasetRecord("uri", m.version, m.uri, len(m.files), m.total_bytes), m.files
-    generator = {"task": cfg.get("task"), "task_args": cfg.get("task_args") or {},
-                 "seed": cfg.get("seed")}
+    generator = {"task": cfg.task, "task_args": cfg.task_args, "seed": cfg.seed}
     body = json.dumps(generator, sort_keys=True, separators=(",", ":")).encode()
     return DatasetRecord("generated", hashlib.sha256(body).hexdigest(),
                          generator=generator), {}

@@ -26,16 +26,16 @@ def evaluate_final(reg: Registration, weights: dict[str, Any], ck: dict[str, Any
     cfg = reg.config
     recorded = {k: float(v) for k, v in (ck.get("metrics") or {}).items()}
     lineage = ck.get("lineage") or {}
-    if cfg.get("command"):
+    if cfg.command:
         return recorded, lineage.get("data_version")
     import torch
 
     from trainer.loop import evaluate
     from trainer.task import build_task
 
-    torch.set_num_threads(int(cfg.get("threads") or 1))
+    torch.set_num_threads(cfg.threads)
     try:
-        task = build_task(cfg["task"], cfg["task_args"], int(cfg["seed"]), cfg.get("dataset"))
+        task = build_task(cfg.task, cfg.task_args, cfg.seed, cfg.dataset)
         task.model.load_state_dict(weights)
     except (ConfigError, RuntimeError, KeyError) as e:
         raise checkpoint_unloadable(
@@ -66,10 +66,9 @@ def export_weights(reg: Registration, weights: dict[str, Any], ck: dict[str, Any
             str(path), {f"eval_{k}": v for k, v in metrics.items()}, int(ck.get("step") or 0),
             description=f"{reg.experiment}/{reg.run} step {ck.get('step')} from {ck.get('uri')}")
     cfg = reg.config
-    value = {"model": weights, "task": None if cfg.get("command") else cfg["task"],
-             "command": cfg.get("command"), "task_args": cfg.get("task_args"),
-             "seed": int(cfg["seed"]), "step": int(ck.get("step") or 0), "eval": metrics,
+    value = {"model": weights, "task": None if cfg.command else cfg.task,
+             "command": cfg.command, "task_args": cfg.task_args, "seed": cfg.seed, "step": int(ck.get("step") or 0), "eval": metrics,
              "num_classes": num_classes, "checkpoint": ck.get("uri"),
              "checkpoint_sha256": ck.get("sha256"), "experiment": reg.experiment,
-             "training_run": reg.run, "config": json.dumps(cfg, sort_keys=True)}
+             "training_run": reg.run, "config": json.dumps(cfg.to_dict(), sort_keys=True)}
     return value, weights_sha, model_version

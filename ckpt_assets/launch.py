@@ -48,7 +48,7 @@ def contract(reg: Registration, store_uri: str, ids: AttemptIds,
         code_version=ids.code_version, dataset_uri=dataset.uri or None,
         data_version=dataset.version,
         # Liveness is the orchestrator's concern: its heartbeat interval holds for commands too.
-        heartbeat_seconds=reg.config["checkpoint"]["heartbeat_seconds"])
+        heartbeat_seconds=reg.config.checkpoint.heartbeat_seconds)
 
 
 def base_env(trainer: TrainerResource, aws_env: dict[str, str]) -> dict[str, str]:
@@ -66,7 +66,7 @@ def base_env(trainer: TrainerResource, aws_env: dict[str, str]) -> dict[str, str
 def task_launch(reg: Registration, launch: LaunchEnv, env: dict[str, str],
                 trainer: TrainerResource, workdir: Path) -> Launch:
     config_path = workdir / "config.json"
-    config_path.write_text(json.dumps(reg.config, indent=1))
+    config_path.write_text(json.dumps(reg.config.to_dict(), indent=1))
     argv = [trainer.python, "-m", "trainer", "--config", str(config_path), "--store",
             launch.store_uri, "--resume", "auto", "--log-level", trainer.log_level]
     return Launch(argv, {**env, **launch.to_env()}, trainer.cwd)
@@ -79,17 +79,17 @@ def command_launch(reg: Registration, repo: CheckpointRepo, launch: LaunchEnv,
     for name, reason in skipped:
         log.warning(f"CHECKPOINT FALLBACK: {repo.uri(name)} skipped: {reason}")
     resume = repo.uri(manifest.name) if manifest else None
-    argv = list(cfg["command"])
+    argv = list(cfg.command)
     if argv[0] == "python":  # the orchestrator's interpreter, not whatever PATH has first
         argv[0] = trainer.python
     # The user's variables, then the contract's last: a config cannot override them (they
     # are refused at registration too; this holds for a registration written by hand).
-    env = {**env, **(cfg.get("env") or {})}
+    env = {**env, **cfg.env}
     env.pop(RESUME_FROM_ALIAS, None)  # only what this attempt found counts
-    if resume and cfg.get("resume_flag"):
-        argv += [cfg["resume_flag"], resume]
-    if resume and cfg.get("resume_env"):
-        env[cfg["resume_env"]] = resume
+    if resume and cfg.resume_flag:
+        argv += [cfg.resume_flag, resume]
+    if resume and cfg.resume_env:
+        env[cfg.resume_env] = resume
     env.update(dataclasses.replace(launch, resume_from=resume).to_env())
-    cwd = cfg.get("cwd") or "."
+    cwd = cfg.cwd or "."
     return Launch(argv, env, str(Path(trainer.cwd, cwd)), resume)

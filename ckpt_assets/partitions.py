@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
-from trainer.config import config_from_dict
+from trainer.config import TrainConfig, config_from_dict
 from trainer.errors import AlreadyExistsError, ConfigError
 from trainer.storage import NAME_RULE, ObjectStore, validate_name
 
@@ -82,8 +82,8 @@ def config_key(experiment: str, run: str) -> str:
 
 
 def normalize_training_config(raw: dict[str, Any] | None, run: str,
-                              experiment: str | None = None) -> dict[str, Any]:
-    """Validate `raw` exactly as the trainer would and return the full normalized config.
+                              experiment: str | None = None) -> TrainConfig:
+    """Validate `raw` exactly as the trainer would and return the full typed config.
 
     The run name is forced to the partition key; `experiment` (if given) overrides the
     config's. Raises ConfigError (bad input) with the trainer's own message.
@@ -110,7 +110,7 @@ def normalize_training_config(raw: dict[str, Any] | None, run: str,
     cfg = config_from_dict(raw)
     if cfg.command is None:
         _check_task(cfg.task)
-    return json.loads(json.dumps(cfg.to_dict()))
+    return cfg
 
 
 def _check_task(spec: str) -> None:
@@ -122,12 +122,25 @@ def _check_task(spec: str) -> None:
 
 @dataclass(frozen=True)
 class Registration:
+    """A registered training run: its typed config, and where the exact bytes lie that its
+    SHA-256 names (the bytes are the record; the typed config is read from them)."""
+
     run: str
     experiment: str
-    config: dict[str, Any]
+    config: TrainConfig
     config_uri: str
     config_sha256: str
     created: bool = field(default=False, compare=False)  # True if this call wrote it
+
+    @classmethod
+    def from_bytes(cls, run: str, body: bytes, uri: str, created: bool = False) -> Registration:
+        try:
+            config = config_from_dict(json.loads(body))
+        except (ValueError, ConfigError) as e:
+            raise ConfigError(f"the registered config {uri} no longer reads as a training "
+                              f"config ({e}); register a new run name") from None
+        return cls(run, config.experiment, config, uri, hashlib.sha256(body).hexdigest(),
+                   created)
 
 
 def _read_json(store: ObjectStore, key: str) -> dict[str, Any] | None:
@@ -165,7 +178,7 @@ def read_registration(store: ObjectStore, run: str) -> Registration | None:
             f"{store.uri_for(registry_key(run))} says {entry.get('config_sha256')}; the "
             "registered config is corrupt"
         )
-    return Registration(run, experiment, json.loads(data), store.uri_for(key), sha)
+    return Registration.from_bytes(run, data, store.uri_for(key))
 
 
 def register_training_run(store: ObjectStore, run: str, raw_config: dict[str, Any] | None,
@@ -178,7 +191,7 @@ def register_training_run(store: ObjectStore, run: str, raw_config: dict[str, An
     another experiment, raises RegistrationConflict. Nothing is written on bad input.
     """
     config = normalize_training_config(raw_config, run, experiment)
-    experiment = config["experiment"]
+    experiment = config.experiment
     store.check_reachable()  # StorageError before anything is written
 
     existing = read_registration(store, run)
@@ -188,7 +201,7 @@ def register_training_run(store: ObjectStore, run: str, raw_config: dict[str, An
             add_partition(instance, run)
         return existing
 
-    body = canonical_json(config)
+    body = canonical_json(config.to_dict())
     sha = hashlib.sha256(body).hexdigest()
     ckey = config_key(experiment, run)
     try:
@@ -197,8 +210,7 @@ def register_training_run(store: ObjectStore, run: str, raw_config: dict[str, An
         # A registration cut off after config.json: the same config completes it.
         old = store.read_bytes(ckey)
         if old != body:
-            _compare(Registration(run, experiment, json.loads(old), store.uri_for(ckey),
-                                  hashlib.sha256(old).hexdigest()), config)
+            _compare(Registration.from_bytes(run, old, store.uri_for(ckey)), config)
     entry = {"run": run, "experiment": experiment, "config_key": ckey, "config_sha256": sha,
              "registered_at": time.time()}
     try:
@@ -213,18 +225,18 @@ def register_training_run(store: ObjectStore, run: str, raw_config: dict[str, An
         return winner
     if instance is not None:
         add_partition(instance, run)
-    return Registration(run, experiment, config, store.uri_for(ckey), sha, created=True)
+    return Registration.from_bytes(run, body, store.uri_for(ckey), created=True)
 
 
-def _compare(existing: Registration, config: dict[str, Any]) -> None:
-    if existing.experiment != config["experiment"]:
+def _compare(existing: Registration, config: TrainConfig) -> None:
+    if existing.experiment != config.experiment:
         raise RegistrationConflict(
             f"training run {existing.run!r} is already registered in experiment "
-            f"{existing.experiment!r}, not {config['experiment']!r}; partition keys are unique "
+            f"{existing.experiment!r}, not {config.experiment!r}; partition keys are unique "
             "across experiments, so pick another run name"
         )
     if existing.config != config:
-        diff = _diff(existing.config, config)
+        diff = _diff(existing.config.to_dict(), config.to_dict())
         raise RegistrationConflict(
             f"training run {existing.run!r} is already registered with a different config "
             f"({existing.config_uri}); differences: {diff}. A run's config never changes: "

@@ -222,7 +222,7 @@ def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) 
         "run": run_key, "experiment": reg.experiment if reg else None,
         "registered": reg is not None, **state.to_dict(),
         "attempts": 0, "latest_step": None, "latest_checkpoint": None,
-        "max_steps": reg.config.get("max_steps") if reg else None,
+        "max_steps": reg.config.max_steps if reg else None,
     }
     if reg is None:
         return out

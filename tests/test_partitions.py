@@ -47,9 +47,9 @@ def test_registration_records_the_normalized_config_once_and_forces_the_run_name
     store = open_store(str(tmp_path / "store"))
     reg = register_training_run(store, "r1", training_config(run="r1"), experiment="exp")
     assert reg.created
-    assert reg.config["run"] == "r1" and reg.config["experiment"] == "exp"
+    assert reg.config.run == "r1" and reg.config.experiment == "exp"
     on_disk = json.loads((tmp_path / "store" / "exp" / "r1" / "config.json").read_text())
-    assert on_disk == reg.config
+    assert on_disk == reg.config.to_dict()
     # Defaults are filled in, so the same config written differently is the same config.
     assert on_disk["seed"] == 0 and on_disk["optim"]["lr"] > 0
     again = register_training_run(store, "r1", {**training_config(), "seed": 0}, "exp")

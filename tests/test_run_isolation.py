@@ -56,7 +56,7 @@ def test_registering_a_run_whose_env_names_the_orchestrators_variable_exits_2_na
 def _register_by_hand(store_dir: str, run: str, config: dict, env: dict) -> None:
     """What a hostile or careless hand could leave in the store: a registration whose env
     names the orchestrator's variables, never checked."""
-    full = {**normalize_training_config(config, run), "env": env}
+    full = {**normalize_training_config(config, run).to_dict(), "env": env}
     body = canonical_json(full)
     store = open_store(store_dir)
     store.put_new(config_key(full["experiment"], run), body)
