@@ -43,11 +43,16 @@ class AttemptEnd:
     def kind(self) -> Kind:
         return self.outcome.kind
 
+    @property
+    def failure_class(self) -> str:
+        """The outcome's class name, as recorded in metadata, tags and MLflow."""
+        return self.outcome.value
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values: the outcome as its class name (`failure_class`), as recorded."""
         values = dataclasses.asdict(self)
         values.pop("outcome")
-        return {"failure_class": self.outcome.value, **values}
+        return {"failure_class": self.failure_class, **values}
 
     def to_dagster(self, description: str) -> dg.Failure:
         return dg.Failure(description=description, metadata=to_metadata(self.to_dict()))
