@@ -21,6 +21,7 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.attempt_end import AttemptEnd
 from ckpt_assets.engine_events import report_engine_event
 from ckpt_assets.events import (
     ATTEMPT_ENDED,
@@ -28,7 +29,6 @@ from ckpt_assets.events import (
     MODEL_CHECKPOINT_KEY,
     recorded_checkpoint_names,
 )
-from ckpt_assets.failures import AttemptEnd
 from ckpt_assets.metadata import checkpoint_metadata, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_DECISION_REASON, TAG_PARENT_RUN_ID, TAG_RESUMED_BY

@@ -102,7 +102,7 @@ def _instance():
 
 
 def _store(uri: str | None):
-    from ckpt_assets.resources import default_store_uri
+    from ckpt_assets.defs.resources import default_store_uri
     from trainer.storage import open_store
 
     return open_store(uri or default_store_uri())
@@ -122,13 +122,13 @@ def _read_config(path: str) -> dict:
 
 
 def cmd_register(args) -> int:
-    from ckpt_assets.partitions import register_training_run, validate_partition_key
+    from ckpt_assets.registration import register_training_run, validate_partition_key
 
     validate_partition_key(args.name)
     raw = _read_config(args.config)
     store = _store(args.store)
     # Validate before touching the instance, so that bad input creates nothing anywhere.
-    from ckpt_assets.partitions import normalize_training_config
+    from ckpt_assets.registration import normalize_training_config
 
     normalize_training_config(raw, args.name, args.experiment)
     instance = _instance()
@@ -139,13 +139,13 @@ def cmd_register(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from ckpt_assets.partitions import (
-        PARTITION_TAG,
-        PARTITIONS_NAME,
+    from ckpt_assets.defs.names import PARTITIONS_NAME
+    from ckpt_assets.registration import (
         read_registration,
         register_training_run,
         validate_partition_key,
     )
+    from ckpt_assets.tags import PARTITION_TAG
 
     validate_partition_key(args.name)
     tags = {}
@@ -157,7 +157,7 @@ def cmd_launch(args) -> int:
     raw = _read_config(args.config) if args.config else None
     store = _store(args.store)
     if raw is not None:
-        from ckpt_assets.partitions import normalize_training_config
+        from ckpt_assets.registration import normalize_training_config
 
         normalize_training_config(raw, args.name, args.experiment)
     instance = _instance()
@@ -202,8 +202,8 @@ def cmd_launch(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from ckpt_assets.partitions import PARTITIONS_NAME
-    from ckpt_assets.run_state import run_summary
+    from ckpt_assets.defs.names import PARTITIONS_NAME
+    from ckpt_assets.listing import run_summary
 
     store = _store(args.store)
     instance = _instance()
@@ -230,7 +230,7 @@ def cmd_list(args) -> int:
 
 def cmd_lineage(args) -> int:
     from ckpt_assets.lineage import format_lineage, lineage_report
-    from ckpt_assets.partitions import validate_partition_key
+    from ckpt_assets.registration import validate_partition_key
 
     validate_partition_key(args.name)
     store = _store(args.store)

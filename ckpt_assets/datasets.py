@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckpt_assets.partitions import Registration
+from ckpt_assets.registration import Registration
 from trainer.dataset import check_same_data, dataset_manifest
 from trainer.errors import CheckpointError
 from trainer.records import Lineage, from_known_fields

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dagster as dg
 
-from ckpt_assets.assets import TRAINING_ASSETS
-from ckpt_assets.check_runs import CHECK_SENSORS
-from ckpt_assets.checks import TRAINING_CHECKS
-from ckpt_assets.io_managers import CheckpointIOManager
-from ckpt_assets.jobs import JOBS
-from ckpt_assets.resources import CheckpointStore, MLflowResource, TrainerResource
-from ckpt_assets.sensors import SENSORS
+from ckpt_assets.defs.assets import TRAINING_ASSETS
+from ckpt_assets.defs.check_runs import CHECK_SENSORS
+from ckpt_assets.defs.checks import TRAINING_CHECKS
+from ckpt_assets.defs.io_managers import CheckpointIOManager
+from ckpt_assets.defs.jobs import JOBS
+from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource
+from ckpt_assets.defs.sensors import SENSORS
 
 
 def make_resources(store_uri: str | None = None, *, tracking_uri: str | None = None,

@@ -14,9 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ckpt_assets.failures import checkpoint_unloadable
+from ckpt_assets.attempt_end import checkpoint_unloadable
 from ckpt_assets.mlflow_tracking import MlflowTracker
-from ckpt_assets.partitions import Registration
+from ckpt_assets.registration import Registration
 from trainer.errors import ConfigError
 
 

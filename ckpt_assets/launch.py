@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_assets.datasets import DatasetRecord
-from ckpt_assets.partitions import Registration
-from ckpt_assets.resources import REPO_ROOT, TrainerResource
+from ckpt_assets.defs.resources import REPO_ROOT, TrainerResource
+from ckpt_assets.registration import Registration
 from trainer.contract import RESUME_FROM_ALIAS, LaunchEnv
 from trainer.repo import CheckpointRepo
 

@@ -1,7 +1,7 @@
 """The failure policy: which failed training runs are worth resuming, and when.
 
 Pure functions over plain data, so every rule is unit-tested without a Dagster instance;
-the sensors (`ckpt_assets.sensors`) gather the facts into one `AttemptEnd` and act on the
+the sensors (`ckpt_assets.defs.sensors`) gather the facts into one `AttemptEnd` and act on the
 decision. What each outcome is and whether it is resumed is `trainer.outcomes` (the
 README's table is generated from it); what is decided here is the budgets: preemptions,
 transient failures with back-off, and the crash loop (a chain that fails again without a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from ckpt_assets.failures import AttemptEnd
+from ckpt_assets.attempt_end import AttemptEnd
 from trainer.outcomes import Kind, Resume
 
 

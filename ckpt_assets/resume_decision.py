@@ -1,6 +1,6 @@
 """The resume decision for one ended training run: gather the facts, decide once, record.
 
-The sensors (`ckpt_assets.sensors`) call `consider` for each ended training run they see.
+The sensors (`ckpt_assets.defs.sensors`) call `consider` for each ended training run they see.
 It reads how the attempt ended into one `AttemptEnd` (from the step's failure record, or,
 for a run that recorded none, from how Dagster saw it end), applies the failure policy
 (`ckpt_assets.policy`) once, writes the decision where the sensors and people look, and
@@ -22,21 +22,18 @@ from dataclasses import asdict, dataclass, replace
 
 import dagster as dg
 
+from ckpt_assets.attempt_end import AttemptEnd
+from ckpt_assets.clock import iso, parse_time
+from ckpt_assets.defs.jobs import train_job
+from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.engine_events import report_engine_event
-from ckpt_assets.failures import AttemptEnd
-from ckpt_assets.jobs import train_job
 from ckpt_assets.metadata import to_metadata
-from ckpt_assets.partitions import PARTITION_TAG, read_registration
 from ckpt_assets.policy import Budget, Decision, PolicyConfig, decide
-from ckpt_assets.resources import CheckpointStore
-from ckpt_assets.run_state import (
-    is_training_run,
-    iso,
-    newest_training_run,
-    parse_time,
-    report_state,
-)
+from ckpt_assets.registration import read_registration
+from ckpt_assets.run_queries import is_training_run, newest_training_run
+from ckpt_assets.run_state import report_state
 from ckpt_assets.tags import (
+    PARTITION_TAG,
     TAG_ATTEMPT,
     TAG_BUDGET,
     TAG_DECIDED_AT,

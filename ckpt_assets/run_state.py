@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.clock import iso, parse_time
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY, STATE
-from ckpt_assets.partitions import PARTITION_TAG, read_registration
+from ckpt_assets.run_queries import newest_training_run
 from ckpt_assets.tags import (
+    PARTITION_TAG,
     TAG_ATTEMPT,
     TAG_DECISION,
     TAG_DECISION_REASON,
@@ -42,12 +43,6 @@ from ckpt_assets.tags import (
     TAG_RESUME_FROM,
     TAG_STOP_REASON,
 )
-from trainer.errors import CheckpointError
-from trainer.repo import CheckpointRepo
-from trainer.storage import ObjectStore
-
-# Tags the resume sensors and `stop` write on a run (defined here, where they are read).
-TRAINING_JOB_NAMES = frozenset({"train_job", "train_demo"})
 
 
 class State(StrEnum):
@@ -83,54 +78,6 @@ class RunState:
         return {"state": self.state.value, "detail": self.detail,
                 "dagster_run_id": self.dagster_run_id, "attempt": self.attempt,
                 "resume_at": self.resume_at}
-
-
-def is_training_run(run: dg.DagsterRun) -> bool:
-    """A run of a training job, or an ad hoc run that trains model_checkpoint (the UI's
-    Materialize, `dagster asset materialize`, `materialize()`: Dagster's hidden asset jobs,
-    whose runs name no selection, or an empty one, when they materialize all their assets)."""
-    if PARTITION_TAG not in run.tags:
-        return False
-    if run.job_name in TRAINING_JOB_NAMES:
-        return True
-    if not run.asset_selection:
-        return run.job_name.startswith("__")
-    return MODEL_CHECKPOINT_KEY in run.asset_selection
-
-
-def training_runs_of(instance: dg.DagsterInstance, partition: str) -> list[dg.DagsterRun]:
-    """The partition's training runs, newest first (its check runs left out)."""
-    runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}))
-    return [r for r in runs if is_training_run(r)]
-
-
-def newest_training_run(instance: dg.DagsterInstance, partition: str) -> dg.DagsterRun | None:
-    # A training run is followed by at most one check run: a few runs always reach it.
-    for run in instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}),
-                                 limit=20):
-        if is_training_run(run):
-            return run
-    return None
-
-
-def iso(ts: float) -> str:
-    """`2026-11-30T00:01:02.300Z`: a time in tags and messages, readable and exact."""
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z")
-
-
-def parse_time(value: str | None) -> float | None:
-    """An ISO 8601 tag value (or epoch seconds, as older runs wrote) as epoch seconds."""
-    if not value:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def run_state(instance: dg.DagsterInstance, partition: str,
@@ -212,29 +159,3 @@ def report_state(instance: dg.DagsterInstance, partition: str,
         return state
     except Exception:  # an event-log hiccup must not fail a sensor tick or a stop
         return None
-
-
-def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
-    """One row of `ckpt-assets list`: the state, and the latest checkpoint from the store."""
-    reg = read_registration(store, run_key)
-    state = run_state(instance, run_key)
-    out: dict[str, Any] = {
-        "run": run_key, "experiment": reg.experiment if reg else None,
-        "registered": reg is not None, **state.to_dict(),
-        "attempts": 0, "latest_step": None, "latest_checkpoint": None,
-        "max_steps": reg.config.max_steps if reg else None,
-    }
-    if reg is None:
-        return out
-    repo = CheckpointRepo(store, reg.experiment, run_key)
-    try:
-        ptr = repo.read_pointer()
-    except CheckpointError as e:
-        out["error"] = str(e)
-        ptr = None
-    if ptr:
-        out["attempts"] = ptr.attempt
-        if ptr.checkpoint:
-            out["latest_step"] = ptr.step
-            out["latest_checkpoint"] = repo.uri(ptr.checkpoint)
-    return out

@@ -5,16 +5,16 @@ from __future__ import annotations
 import dagster as dg
 from pydantic import Field
 
-from ckpt_assets.failures import bad_input, storage_unavailable
+from ckpt_assets.attempt_end import bad_input, storage_unavailable
+from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.launch_form import TrainingForm, training_from_form
-from ckpt_assets.partitions import (
+from ckpt_assets.registration import (
     Registration,
     read_registration,
     register_training_run,
     validate_partition_key,
 )
-from ckpt_assets.resources import CheckpointStore
-from ckpt_assets.run_state import training_runs_of
+from ckpt_assets.run_queries import training_runs_of
 from ckpt_assets.tags import TAG_ATTEMPT
 from trainer.errors import ConfigError, StorageError
 from trainer.repo import CheckpointRepo

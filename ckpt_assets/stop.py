@@ -9,7 +9,7 @@ A run that already ended with a resume still pending (a backed-off resume the re
 launches later, or a failure not decided yet) is withdrawn as well: without that, a stop
 issued during the back-off would be undone by the reconciler minutes later.
 
-Used by the `stop_training_run` job (ckpt_assets.jobs) and by `ckpt-assets stop`. The
+Used by the `stop_training_run` job (ckpt_assets.defs.jobs) and by `ckpt-assets stop`. The
 partition's new state ("stopping" or "stopped by user") is recorded on it as an observation.
 """
 
@@ -19,9 +19,17 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from ckpt_assets.partitions import PARTITION_TAG, PARTITIONS_NAME, validate_partition_key
-from ckpt_assets.run_state import is_training_run, newest_training_run, report_state
-from ckpt_assets.tags import TAG_DECISION, TAG_DECISION_REASON, TAG_NO_RESUME, TAG_STOP_REASON
+from ckpt_assets.defs.names import PARTITIONS_NAME
+from ckpt_assets.registration import validate_partition_key
+from ckpt_assets.run_queries import is_training_run, newest_training_run
+from ckpt_assets.run_state import report_state
+from ckpt_assets.tags import (
+    PARTITION_TAG,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_NO_RESUME,
+    TAG_STOP_REASON,
+)
 
 ACTIVE_STATUSES = (dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
                    dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED,

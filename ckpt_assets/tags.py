@@ -4,6 +4,8 @@ Besides these, every training run carries Dagster's own `dagster/partition` (the
 run) and `dagster/max_retries: 0` (resuming is the sensors' decision, made once per failure).
 """
 
+PARTITION_TAG = "dagster/partition"  # Dagster's own: the partition (training run) of a run
+
 # On a resume run (set by the resume sensors; they chain the attempts):
 TAG_PARENT_RUN_ID = "ckpt/parent_run_id"  # the failed run it resumes
 TAG_ROOT_RUN_ID = "ckpt/root_run_id"  # the training run's first Dagster run

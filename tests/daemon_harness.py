@@ -126,7 +126,7 @@ class Daemon:
     # -- observation ----------------------------------------------------------------------
     def runs(self, partition: str) -> list:
         """The partition's training runs, oldest first (its check runs left out)."""
-        from ckpt_assets.run_state import training_runs_of
+        from ckpt_assets.run_queries import training_runs_of
 
         return list(reversed(training_runs_of(self.instance, partition)))
 

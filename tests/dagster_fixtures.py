@@ -90,8 +90,8 @@ def materialize_run(instance: dg.DagsterInstance, key: str, resources: dict,
                     with_checks: bool = True,
                     config_op: str = "training_dataset") -> dg.ExecuteInJobResult:
     """materialize() the training assets (and their checks) for partition `key`."""
-    from ckpt_assets.assets import TRAINING_ASSETS
-    from ckpt_assets.checks import TRAINING_CHECKS
+    from ckpt_assets.defs.assets import TRAINING_ASSETS
+    from ckpt_assets.defs.checks import TRAINING_CHECKS
 
     if not instance.has_dynamic_partition("training_runs", key):
         instance.add_dynamic_partitions("training_runs", [key])

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from ckpt_assets.attempt_end import AttemptEnd
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.failures import AttemptEnd
 from ckpt_assets.policy import decide
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (

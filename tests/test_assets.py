@@ -10,11 +10,11 @@ import dagster as dg
 import pytest
 import torch
 
+from ckpt_assets.attempt_end import FAILURE_METADATA_KEYS
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.failures import FAILURE_METADATA_KEYS
-from ckpt_assets.io_managers import VersionedRepo
+from ckpt_assets.defs.io_managers import VersionedRepo
+from ckpt_assets.defs.resources import CheckpointStore, git_commit
 from ckpt_assets.metadata import CHECKPOINT_METADATA_KEYS
-from ckpt_assets.resources import CheckpointStore, git_commit
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     check_results,
@@ -199,7 +199,7 @@ def test_the_final_model_falls_back_to_the_newest_checkpoint_that_verifies(insta
     data = bytearray(state.read_bytes())
     data[len(data) // 3] ^= 0xFF
     state.write_bytes(bytes(data))
-    from ckpt_assets.checks import latest_checkpoint_verifies
+    from ckpt_assets.defs.checks import latest_checkpoint_verifies
 
     again = materialize_run(instance, "fb", res, selection=dg.AssetSelection.assets(
         "final_model") | dg.AssetSelection.checks(latest_checkpoint_verifies))

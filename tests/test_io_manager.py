@@ -14,9 +14,10 @@ import dagster as dg
 import pytest
 import torch
 
-from ckpt_assets.io_managers import CheckpointIOManager, StoredObjectError, VersionedRepo
-from ckpt_assets.partitions import register_training_run, training_runs
-from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.defs.io_managers import CheckpointIOManager, StoredObjectError, VersionedRepo
+from ckpt_assets.defs.partitions import training_runs
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.registration import register_training_run
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import ROOT, training_config
 from trainer.errors import InvalidNameError
@@ -122,7 +123,7 @@ def test_a_writer_sigkilled_between_payload_and_manifest_leaves_nothing_visible(
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
         import dagster as dg
-        from ckpt_assets.io_managers import VersionedRepo
+        from ckpt_assets.defs.io_managers import VersionedRepo
         from tests.test_io_manager import blob, _resources
 
         def die(self, pending, meta):
@@ -206,7 +207,7 @@ def test_an_output_for_an_unregistered_run_is_refused_with_what_to_do(instance, 
 
 def test_load_input_of_model_checkpoint_returns_the_newest_checkpoint_that_verifies(tmp_path):
     """The trainer's walk-back, through the IO manager: a corrupt newest checkpoint is skipped."""
-    from ckpt_assets.io_managers import CHECKPOINT_KEY, load_checkpoint_state
+    from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, load_checkpoint_state
     from tests.trainer_proc import run_trainer, write_config
 
     store = tmp_path / "store"

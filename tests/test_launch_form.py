@@ -11,9 +11,9 @@ import dagster as dg
 import pytest
 from pydantic import BaseModel
 
-from ckpt_assets.jobs import DEMO_CONFIG, JOBS
+from ckpt_assets.defs.jobs import DEMO_CONFIG, JOBS
 from ckpt_assets.launch_form import LAUNCH_DECIDES, TrainingForm, form_class, training_from_form
-from ckpt_assets.partitions import normalize_training_config
+from ckpt_assets.registration import normalize_training_config
 from ckpt_assets.runs import TrainingRunConfig
 from trainer.config import TrainConfig
 
@@ -22,7 +22,7 @@ from trainer.config import TrainConfig
 def defs() -> dg.Definitions:
     from ckpt_assets.definitions import defs as location
 
-    # The project's assets and resources with every job of ckpt_assets.jobs (the code
+    # The project's assets and resources with every job of ckpt_assets.defs.jobs (the code
     # location registers them itself once definitions.py lists JOBS).
     return dg.Definitions(assets=location.assets, resources=location.resources, jobs=JOBS)
 

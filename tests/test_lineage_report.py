@@ -8,7 +8,8 @@ import pytest
 from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets.lineage import format_lineage, lineage_report
-from ckpt_assets.partitions import PARTITION_TAG, register_training_run
+from ckpt_assets.registration import register_training_run
+from ckpt_assets.tags import PARTITION_TAG
 from tests.dagster_runs import lost_worker_run, started_run
 from trainer.storage import open_store
 

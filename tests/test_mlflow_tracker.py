@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ckpt_assets.defs.resources import MLflowResource
 from ckpt_assets.mlflow_tracking import MlflowTracker, flatten_params, mlflow_run_url
-from ckpt_assets.resources import MLflowResource
 from trainer.contract import Started
 
 

@@ -9,12 +9,12 @@ import dagster as dg
 import pytest
 
 from ckpt_assets.cli import main as cli_main
-from ckpt_assets.partitions import (
-    PARTITIONS_NAME,
+from ckpt_assets.defs.names import PARTITIONS_NAME
+from ckpt_assets.defs.partitions import training_runs
+from ckpt_assets.registration import (
     RegistrationConflict,
     read_registration,
     register_training_run,
-    training_runs,
     validate_partition_key,
 )
 from tests.dagster_fixtures import *  # noqa: F403

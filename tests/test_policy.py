@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_assets.failures import AttemptEnd
+from ckpt_assets.attempt_end import AttemptEnd
 from ckpt_assets.policy import Budget, PolicyConfig, decide
 from trainer.outcomes import Outcome
 

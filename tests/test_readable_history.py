@@ -13,13 +13,12 @@ import pytest
 from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets.attempt import AttemptReport, attempt_failure, checkpoint_event, link_resume
-from ckpt_assets.failures import AttemptEnd
+from ckpt_assets.attempt_end import AttemptEnd
 from ckpt_assets.history import history_frame, history_metadata
 from ckpt_assets.metadata import checkpoint_metadata
-from ckpt_assets.partitions import PARTITION_TAG
 from ckpt_assets.policy import Budget, Decision
 from ckpt_assets.resume_decision import record as record_decision
-from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
+from ckpt_assets.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from ckpt_assets.trainer_process import _pump, _start
 from tests import dagster_runs
 from trainer.contract import Failed

@@ -9,11 +9,13 @@ import time
 import dagster as dg
 import pytest
 
+from ckpt_assets.clock import iso
+from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.events import STATE, partition_events
-from ckpt_assets.partitions import register_training_run
-from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.listing import run_summary
+from ckpt_assets.registration import register_training_run
 from ckpt_assets.resume_decision import consider
-from ckpt_assets.run_state import State, iso, run_state, run_summary
+from ckpt_assets.run_state import State, run_state
 from ckpt_assets.stop import stop_training_run
 from ckpt_assets.tags import (
     TAG_ATTEMPT,
@@ -139,8 +141,8 @@ def test_ckpt_assets_list_rows_carry_the_state_the_detail_and_the_latest_step(in
 
 
 def test_the_training_job_names_the_state_knows_are_the_code_locations_training_jobs():
-    from ckpt_assets.jobs import JOBS, train_demo, train_job
-    from ckpt_assets.run_state import TRAINING_JOB_NAMES
+    from ckpt_assets.defs.jobs import JOBS, train_demo, train_job
+    from ckpt_assets.defs.names import TRAINING_JOB_NAMES
 
     assert TRAINING_JOB_NAMES == {train_job.name, train_demo.name}
     assert {j.name for j in JOBS} - TRAINING_JOB_NAMES == {"check_training_run",

@@ -12,7 +12,7 @@ import dagster as dg
 import pytest
 
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.defs.resources import CheckpointStore
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, training_config
 

@@ -19,18 +19,19 @@ from dagster._core.events import DagsterEvent, DagsterEventType
 from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets import events
-from ckpt_assets.failures import AttemptEnd
-from ckpt_assets.partitions import PARTITION_TAG
-from ckpt_assets.policy import Budget
-from ckpt_assets.resources import CheckpointStore
-from ckpt_assets.resume_decision import ResumeSettings
-from ckpt_assets.run_state import is_training_run, iso, parse_time
-from ckpt_assets.sensors import (
+from ckpt_assets.attempt_end import AttemptEnd
+from ckpt_assets.clock import iso, parse_time
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.defs.sensors import (
     reconcile_training_runs,
     resume_failed_training,
     resume_terminated_training,
 )
+from ckpt_assets.policy import Budget
+from ckpt_assets.resume_decision import ResumeSettings
+from ckpt_assets.run_queries import is_training_run
 from ckpt_assets.tags import (
+    PARTITION_TAG,
     TAG_ATTEMPT,
     TAG_BUDGET,
     TAG_DECIDED_AT,

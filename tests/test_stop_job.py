@@ -10,11 +10,11 @@ import time
 import dagster as dg
 import pytest
 
-from ckpt_assets.jobs import stop_training_run_job
-from ckpt_assets.partitions import PARTITION_TAG
+from ckpt_assets.clock import iso
+from ckpt_assets.defs.jobs import stop_training_run_job
 from ckpt_assets.resume_decision import consider
-from ckpt_assets.run_state import iso
 from ckpt_assets.tags import (
+    PARTITION_TAG,
     TAG_DECIDED_AT,
     TAG_DECISION,
     TAG_NO_RESUME,

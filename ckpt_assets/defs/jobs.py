@@ -22,7 +22,7 @@ would fail as bad input). A failed `train_demo` run is resumed as a `train_job` 
 
 `check_training_run`: the asset checks of the training assets alone, for one partition,
 launched once per succeeded training run (why they are not in the training jobs:
-ckpt_assets.check_runs). It has no partitions definition (Dagster 1.13 infers none for a
+ckpt_assets.defs.check_runs). It has no partitions definition (Dagster 1.13 infers none for a
 selection of checks alone, and ignores one given): its run's `dagster/partition` tag is the
 partition the partitioned checks evaluate on. By hand: launch it with that tag.
 
@@ -37,10 +37,11 @@ import warnings
 import dagster as dg
 from pydantic import Field, ValidationError
 
-from ckpt_assets.assets import TRAINING_ASSETS
-from ckpt_assets.checks import TRAINING_CHECKS
+from ckpt_assets.defs.assets import TRAINING_ASSETS
+from ckpt_assets.defs.checks import TRAINING_CHECKS
+from ckpt_assets.defs.names import CHECK_JOB, STOP_JOB, TRAIN_DEMO_JOB, TRAIN_JOB
+from ckpt_assets.defs.resources import REPO_ROOT
 from ckpt_assets.launch_form import TrainingForm
-from ckpt_assets.resources import REPO_ROOT
 from ckpt_assets.stop import is_known, stop_training_run
 from ckpt_assets.tags import TAG_STOP_TARGET
 from trainer.config import read_config_file
@@ -62,7 +63,7 @@ def _training_job(name: str, description: str, config=None):
 
 
 train_job = _training_job(
-    "train_job", "Train (or resume) one training run: dataset -> trainer via Pipes -> final model.")
+    TRAIN_JOB, "Train (or resume) one training run: dataset -> trainer via Pipes -> final model.")
 
 
 def demo_run_config() -> dg.RunConfig:
@@ -81,14 +82,14 @@ def _train_demo():
         warnings.warn(f"train_demo is not defined: {DEMO_CONFIG}: {e}", stacklevel=2)
         return None
     return _training_job(
-        "train_demo", "train_job with the demo config (scripts/demo_config.json) filled in: "
+        TRAIN_DEMO_JOB, "train_job with the demo config (scripts/demo_config.json) filled in: "
                       "pick or add a partition (the run name) and launch.", config)
 
 
 train_demo = _train_demo()
 
 check_training_run = dg.define_asset_job(
-    "check_training_run",
+    CHECK_JOB,
     selection=dg.AssetSelection.checks(*TRAINING_CHECKS),
     executor_def=dg.in_process_executor,
     description="The asset checks of one training run (partition): the latest checkpoint "
@@ -124,7 +125,7 @@ def stop_training_run_op(context: dg.OpExecutionContext, config: StopTrainingRun
 
 
 @dg.job(
-    name="stop_training_run",
+    name=STOP_JOB,
     executor_def=dg.in_process_executor,
     tags={"dagster/max_retries": "0"},
     description="Stop a training run for good: its active runs are terminated and never resumed.",

@@ -1,6 +1,5 @@
-"""The `training_runs` dynamic partitions and the registration of a training run.
-
-One partition key is one training run; the key is the run name of the trainer config.
+"""The registration of a training run (one partition key of `training_runs` per run; the
+key is the run name of the trainer config).
 
 Registering a run records its training config ONCE, in the checkpoint store:
 
@@ -27,8 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import dagster as dg
-
+from ckpt_assets.defs.names import PARTITIONS_NAME
 from trainer.config import TrainConfig, config_from_dict
 from trainer.errors import AlreadyExistsError, ConfigError
 from trainer.storage import NAME_RULE, ObjectStore, validate_name
@@ -36,16 +34,12 @@ from trainer.storage import NAME_RULE, ObjectStore, validate_name
 if TYPE_CHECKING:
     from dagster import DagsterInstance
 
-PARTITIONS_NAME = "training_runs"
-PARTITION_TAG = "dagster/partition"
 REGISTRY_PREFIX = "REGISTRY"
 CONFIG_FILE = "config.json"
 
-training_runs = dg.DynamicPartitionsDefinition(name=PARTITIONS_NAME)
 
 __all__ = [
     "NAME_RULE",
-    "PARTITIONS_NAME",
     "Registration",
     "RegistrationConflict",
     "add_partition",
@@ -55,7 +49,6 @@ __all__ = [
     "read_registration",
     "register_training_run",
     "registry_key",
-    "training_runs",
     "validate_partition_key",
 ]
 

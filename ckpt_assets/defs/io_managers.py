@@ -30,8 +30,8 @@ from typing import Any
 
 import dagster as dg
 
-from ckpt_assets.partitions import read_registration, validate_partition_key
-from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.registration import read_registration, validate_partition_key
 from trainer.errors import AlreadyExistsError, CheckpointError, CheckpointNotFoundError
 from trainer.manifest import MANIFEST, Manifest
 from trainer.records import CheckpointRecord

@@ -17,7 +17,7 @@ from pydantic import Field
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore, open_store
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # ckpt_assets/defs/resources.py
 S3_MAX_ATTEMPTS = 5  # the trainer's too (trainer.storage.s3.default_client)
 
 

@@ -1,6 +1,6 @@
 """Runs the asset checks of a training run once, after the training run succeeded.
 
-The checks (ckpt_assets.checks) are not planned inside the training jobs: an interrupted
+The checks (ckpt_assets.defs.checks) are not planned inside the training jobs: an interrupted
 attempt (preemption, exit 143) ends as a failed Dagster run, and every check planned in it
 would be recorded as "execution failed" although nothing was checked. Instead
 `check_succeeded_training` watches for training runs that succeed and launches
@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import dagster as dg
 
-from ckpt_assets.checks import TRAINING_CHECKS
-from ckpt_assets.jobs import check_training_run
-from ckpt_assets.partitions import PARTITION_TAG
-from ckpt_assets.run_state import is_training_run, newest_training_run
-from ckpt_assets.tags import TAG_CHECKED_RUN
+from ckpt_assets.defs.checks import TRAINING_CHECKS
+from ckpt_assets.defs.jobs import check_training_run
+from ckpt_assets.run_queries import is_training_run, newest_training_run
+from ckpt_assets.tags import PARTITION_TAG, TAG_CHECKED_RUN
 
 CHECKS_KEY_PREFIX = "checks-"
 

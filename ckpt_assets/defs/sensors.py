@@ -14,12 +14,11 @@ import time
 
 import dagster as dg
 
-from ckpt_assets.jobs import train_job
-from ckpt_assets.partitions import PARTITION_TAG
-from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.defs.jobs import train_job
+from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.resume_decision import ResumeSettings, consider, run_repo
-from ckpt_assets.run_state import is_training_run
-from ckpt_assets.tags import TAG_DECISION, TAG_DECISION_REASON, TAG_HEARTBEAT_LOST
+from ckpt_assets.run_queries import is_training_run
+from ckpt_assets.tags import PARTITION_TAG, TAG_DECISION, TAG_DECISION_REASON, TAG_HEARTBEAT_LOST
 
 LOOKBACK_RUNS = 200
 

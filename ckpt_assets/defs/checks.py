@@ -4,7 +4,7 @@ They are not part of the training jobs: a training run is interrupted routinely 
 preemption ends its Dagster run as failed and a resume follows as a new run), and checks
 planned inside such a run would be recorded as "execution failed" for every interrupted
 attempt. They run in their own job, `check_training_run`, which the sensor in
-`ckpt_assets.check_runs` launches once for every training run that succeeds, for its
+`ckpt_assets.defs.check_runs` launches once for every training run that succeeds, for its
 partition; the evaluations are recorded on that partition.
 
 * `latest_checkpoint_verifies`: the checkpoint latest.json names exists and every file
@@ -20,10 +20,11 @@ import warnings
 import dagster as dg
 from pydantic import Field
 
-from ckpt_assets.assets import final_model, model_checkpoint
-from ckpt_assets.io_managers import StoredObjectError, VersionedRepo
-from ckpt_assets.partitions import read_registration, training_runs, validate_partition_key
-from ckpt_assets.resources import CheckpointStore
+from ckpt_assets.defs.assets import final_model, model_checkpoint
+from ckpt_assets.defs.io_managers import StoredObjectError, VersionedRepo
+from ckpt_assets.defs.partitions import training_runs
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.registration import read_registration, validate_partition_key
 from trainer.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from trainer.repo import CheckpointRepo
 

@@ -1,7 +1,7 @@
 """The three assets of a training run: training_dataset -> model_checkpoint -> final_model.
 
 All are partitioned by `training_runs` (partition key = run name). The training config of
-a run is registered once (`ckpt_assets.partitions`); every asset of every attempt reads the
+a run is registered once (`ckpt_assets.registration`); every asset of every attempt reads the
 registered config. A run's first launch may carry it in the run config:
 
     ops:
@@ -30,21 +30,21 @@ from ckpt_assets.attempt import (
     record_end,
     record_unseen_checkpoints,
 )
-from ckpt_assets.datasets import DatasetRecord, describe_dataset, refuse_changed_data
-from ckpt_assets.events import MODEL_CHECKPOINT_KEY
-from ckpt_assets.failures import (
+from ckpt_assets.attempt_end import (
     AttemptEnd,
     bad_input,
     checkpoint_unloadable,
     storage_unavailable,
 )
+from ckpt_assets.datasets import DatasetRecord, describe_dataset, refuse_changed_data
+from ckpt_assets.defs.io_managers import CHECKPOINT_KEY
+from ckpt_assets.defs.partitions import training_runs
+from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
+from ckpt_assets.events import MODEL_CHECKPOINT_KEY
 from ckpt_assets.history import history_metadata
-from ckpt_assets.io_managers import CHECKPOINT_KEY
 from ckpt_assets.launch import AttemptIds, base_env, command_launch, contract, task_launch
 from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
-from ckpt_assets.partitions import training_runs
-from ckpt_assets.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.run_state import RunState, State, run_state, state_observation
 from ckpt_assets.runs import TrainingRunConfig, attempt_number, resolve_registration
 from ckpt_assets.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
