@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs the project with pinned dependencies; as root on
-# Debian, also the distribution's Chromium for tests/test_browser.py.
+# Debian, also the distribution's Chromium (tests/test_browser.py) and PostgreSQL (the team-
+# instance tests).
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,5 +26,18 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
          DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
            chromium fonts-liberation >/dev/null; }; then
     echo "setup: WARNING: could not install chromium; tests/test_browser.py will fail" >&2
+  fi
+fi
+
+# The team-instance tests start a throwaway PostgreSQL server (initdb, pg_ctl, postgres).
+# Debian's `postgresql` package keeps them in /usr/lib/postgresql/<major>/bin, off the PATH;
+# the tests look there too. Without root or apt the tests skip, saying how to get them.
+has_initdb() { command -v initdb >/dev/null || compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; }
+if ! has_initdb && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "setup: installing PostgreSQL (apt-get install postgresql) for the team-instance tests"
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null &&
+         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+           postgresql >/dev/null; }; then
+    echo "setup: WARNING: could not install postgresql; the PostgreSQL tests will fail" >&2
   fi
 fi

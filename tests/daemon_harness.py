@@ -5,6 +5,7 @@ Used by the end-to-end auto-resume tests and by benchmarks/bench_resume_latency.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from tests.dagster_fixtures import stop_process_group
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ACTIVE = ("STARTING", "STARTED", "CANCELING")
+EMBEDDED_INSTANCE_YAML = ROOT / "dagster_home" / "dagster.yaml"
 
 
 def training_config(run: str, **overrides) -> dict:
@@ -33,24 +35,42 @@ def training_config(run: str, **overrides) -> dict:
     return cfg
 
 
-def fresh_instance(workdir: Path, store: str, extra_env: dict | None = None):
-    """(home, env, instance): a new DAGSTER_HOME under `workdir` with the project's
-    dagster.yaml, and the environment its processes run with."""
+def fresh_instance(workdir: Path, store: str, extra_env: dict | None = None,
+                   instance_yaml: Path = EMBEDDED_INSTANCE_YAML):
+    """(home, env, instance): a new DAGSTER_HOME under `workdir` with `instance_yaml` (the
+    project's embedded dagster.yaml unless told otherwise), and the environment its
+    processes run with."""
     from dagster import DagsterInstance
     from dagster._core.instance.ref import InstanceRef
 
     home = workdir / "dagster_home"
     home.mkdir(parents=True)
-    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(instance_yaml, home / "dagster.yaml")
     env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
            "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
            "PYTHONPATH": str(ROOT), "CKPT_RECONCILE_GRACE_S": "20",
            "CKPT_BACKOFF_BASE_S": "2", **(extra_env or {})}
-    # Create the SQLite storage once, here: processes that create it concurrently race on
-    # its schema version table.
-    instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
+    # Create the storage once, here: processes that create it concurrently race on its
+    # schema version table. The instance file's `env:` settings resolve from the same
+    # environment the daemon gets.
+    with _environ(extra_env or {}):
+        instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
     instance.get_runs(limit=1)
     return home, env, instance
+
+
+@contextlib.contextmanager
+def _environ(overrides: dict):
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass
@@ -74,8 +94,9 @@ class Daemon:
 
     # -- lifecycle ------------------------------------------------------------------------
     @classmethod
-    def start(cls, workdir: Path, store: str, extra_env: dict | None = None) -> Daemon:
-        home, env, instance = fresh_instance(workdir, store, extra_env)
+    def start(cls, workdir: Path, store: str, extra_env: dict | None = None,
+              instance_yaml: Path = EMBEDDED_INSTANCE_YAML) -> Daemon:
+        home, env, instance = fresh_instance(workdir, store, extra_env, instance_yaml)
         log_path = workdir / "daemon.log"
         proc = subprocess.Popen([str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
                                 cwd=ROOT, env=env, start_new_session=True,

@@ -1,7 +1,9 @@
 """Kill a training run the ways a cluster does; a real dagster-daemon resumes it, exactly once.
 
-One daemon (with the code server it spawns) serves the module, on a temporary instance made
-from the project's own dagster_home/dagster.yaml; each test trains its own partition.
+Every test runs on both instance kinds: the embedded default (dagster_home/dagster.yaml,
+SQLite, MLflow in a SQLite file) and the team instance (deploy/postgres/dagster.yaml on a
+real PostgreSQL server the module starts, MLflow in a second database on that server). One
+daemon (with the code server it spawns) serves each kind; each test trains its own partition.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser_harness import free_port
 from tests.daemon_harness import Daemon, kill, trainer_parent, training_config
+from tests.postgres_server import require_postgres, running_postgres, team_instance
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
 
 pytestmark = pytest.mark.slow
@@ -24,9 +28,18 @@ SWEEPS = {"resume_failed_training": 1, "resume_terminated_training": 1,
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    work = tmp_path_factory.mktemp("e2e")
-    d = Daemon.start(work, str(work / "store"))
+def postgres():
+    require_postgres()
+    with running_postgres(free_port()) as server:
+        yield server
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def daemon(request, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"e2e-{request.param}")
+    instance = team_instance(request.getfixturevalue("postgres"), work) \
+        if request.param == "postgres" else {}
+    d = Daemon.start(work, str(work / "store"), **instance)
     yield d
     d.stop()
 
@@ -66,6 +79,26 @@ def _check_resumed_once_and_identical(daemon, name, uninterrupted, failed_runs: 
     names = {m["name"] for m in recorded}
     dangling = [(m["name"], m["parent"]) for m in recorded if m["parent"] and m["parent"] not in names]
     assert dangling == [], dangling
+    _check_one_mlflow_run(daemon, name, final, attempts=failed_runs + 1)
+
+
+def _check_one_mlflow_run(daemon, name, final, attempts: int):
+    """MLflow, on the instance's tracking URI, holds one run for the training run that the
+    attempts continued, with one step axis."""
+    from mlflow.tracking import MlflowClient
+
+    from ckpt_assets.mlflow_tracking import TRAINING_RUN_TAG
+
+    client = MlflowClient(tracking_uri=daemon.env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              filter_string=f"tags.{TRAINING_RUN_TAG} = '{name}'")
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["dagster_run_id"] == final.run_id
+    assert run.data.tags["attempt"] == str(attempts)
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == training_config(name)["max_steps"], steps
 
 
 def _checkpoint_events(daemon, name) -> list[dict]:
