@@ -20,8 +20,8 @@ import warnings
 import dagster as dg
 from pydantic import Field
 
+from ckpt_assets.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.assets import final_model, model_checkpoint
-from ckpt_assets.io_managers import StoredObjectError, VersionedRepo
 from ckpt_assets.partitions import read_registration, training_runs, validate_partition_key
 from ckpt_assets.resources import CheckpointStore
 from trainer.errors import CheckpointError, CheckpointNotFoundError, StorageError

@@ -46,7 +46,7 @@ def checkpoint_timeline(repo: CheckpointRepo) -> list[dict[str, Any]]:
 
 def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
     """Attempts (Dagster runs), checkpoints with parent links, and the final model."""
-    from ckpt_assets.io_managers import VersionedRepo
+    from ckpt_assets.asset_versions import VersionedRepo
 
     reg = read_registration(store, run_key)
     if reg is None:
