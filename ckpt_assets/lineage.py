@@ -10,6 +10,7 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.asset_versions import VersionedRepo
 from ckpt_assets.events import ATTEMPT_ENDED, CHECKPOINT, decisions, partition_events
 from ckpt_assets.partitions import read_registration
 from ckpt_assets.run_state import training_runs_of
@@ -46,20 +47,10 @@ def checkpoint_timeline(repo: CheckpointRepo) -> list[dict[str, Any]]:
 
 def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
     """Attempts (Dagster runs), checkpoints with parent links, and the final model."""
-    from ckpt_assets.asset_versions import VersionedRepo
-
     reg = read_registration(store, run_key)
     if reg is None:
         raise KeyError(run_key)
-    attempts = []
-    for r in dagster_runs_of(instance, run_key):
-        record = instance.get_run_record_by_id(r.run_id)
-        attempts.append({"dagster_run_id": r.run_id, "status": r.status.value,
-                         "started": bool(record and record.start_time),
-                         "attempt": r.tags.get(TAG_ATTEMPT),
-                         "root_run_id": r.tags.get(TAG_ROOT_RUN_ID, r.run_id),
-                         "parent_run_id": r.tags.get(TAG_PARENT_RUN_ID),
-                         "job": r.job_name})
+    attempts = _attempt_rows(instance, run_key)
     # What each attempt did and why it was (not) resumed: observations on the partition.
     ended = {rec.run_id: md for md, rec in partition_events(instance, run_key, ATTEMPT_ENDED)}
     reasons = {md["failed_run_id"]: md.get("reason") for md in decisions(instance, run_key)}
@@ -108,21 +99,39 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
         ptr = repo.read_pointer()
     except CheckpointError:
         ptr = None
-    final = None
-    models = VersionedRepo(store, reg.experiment, run_key, "models")
-    try:
-        name = models.current()
-        if name:
-            m = models.read_manifest(name)
-            final = {"uri": models.uri(name), "version": m.step,
-                     "sha256": m.files[m.meta["filename"]]["sha256"],
-                     "dagster_run_id": m.meta.get("dagster_run_id")}
-    except CheckpointError as e:
-        final = {"error": str(e)}
     return {"run": run_key, "experiment": reg.experiment, "config_uri": reg.config_uri,
             "attempts": attempts, "checkpoints": checkpoints,
             "latest_checkpoint": ptr.checkpoint if ptr else None,
-            "final_model": final}
+            "final_model": _final_model(store, reg.experiment, run_key)}
+
+
+def _attempt_rows(instance: dg.DagsterInstance, run_key: str) -> list[dict[str, Any]]:
+    """One row per Dagster run of the training run, from its tags and run record."""
+    attempts = []
+    for r in dagster_runs_of(instance, run_key):
+        record = instance.get_run_record_by_id(r.run_id)
+        attempts.append({"dagster_run_id": r.run_id, "status": r.status.value,
+                         "started": bool(record and record.start_time),
+                         "attempt": r.tags.get(TAG_ATTEMPT),
+                         "root_run_id": r.tags.get(TAG_ROOT_RUN_ID, r.run_id),
+                         "parent_run_id": r.tags.get(TAG_PARENT_RUN_ID),
+                         "job": r.job_name})
+    return attempts
+
+
+def _final_model(store: ObjectStore, experiment: str, run_key: str) -> dict[str, Any] | None:
+    """The final model's current version (None before there is one; its error if unreadable)."""
+    models = VersionedRepo(store, experiment, run_key, "models")
+    try:
+        name = models.current()
+        if not name:
+            return None
+        m = models.read_manifest(name)
+        return {"uri": models.uri(name), "version": m.step,
+                "sha256": m.files[m.meta["filename"]]["sha256"],
+                "dagster_run_id": m.meta.get("dagster_run_id")}
+    except CheckpointError as e:
+        return {"error": str(e)}
 
 
 WORKER_LOST = "worker_lost"  # the run ended without its step reporting how the trainer exited

@@ -31,7 +31,7 @@ from trainer.storage.s3_errors import (
 if TYPE_CHECKING:
     from trainer.storage.s3 import S3Store
 
-log = logging.getLogger("trainer.storage.s3")
+log = logging.getLogger("trainer.storage.s3")  # the S3 store's logger: its warnings read as the store's
 
 MiB = 1 << 20
 DEFAULT_PART_SIZE = 64 * MiB
