@@ -10,6 +10,7 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.asset_versions import VersionedRepo
 from ckpt_assets.events import ATTEMPT_ENDED, CHECKPOINT, decisions, partition_events
 from ckpt_assets.registration import read_registration
 from ckpt_assets.run_queries import training_runs_of
@@ -50,81 +51,77 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
     reg = read_registration(store, run_key)
     if reg is None:
         raise KeyError(run_key)
-    repo = CheckpointRepo(store, reg.experiment, run_key)
-    checkpoints = _checkpoints(instance, run_key, checkpoint_timeline(repo))
-    attempts = _attempts(instance, run_key, checkpoints)
-    try:
-        ptr = repo.read_pointer()
-    except CheckpointError:
-        ptr = None
-    final = _final_model(store, reg.experiment, run_key)
-    return {"run": run_key, "experiment": reg.experiment, "config_uri": reg.config_uri,
-            "attempts": attempts, "checkpoints": checkpoints,
-            "latest_checkpoint": ptr.checkpoint if ptr else None,
-            "final_model": final}
-
-
-def _attempts(instance: dg.DagsterInstance, run_key: str,
-              checkpoints: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The partition's training runs, each with how it ended and why it was (not) resumed
-    (observations on the partition) and the checkpoints its trainer committed."""
+    attempts = _attempt_rows(instance, run_key)
+    # What each attempt did and why it was (not) resumed: observations on the partition.
     ended = {rec.run_id: md for md, rec in partition_events(instance, run_key, ATTEMPT_ENDED)}
     reasons = {md["failed_run_id"]: md.get("reason") for md in decisions(instance, run_key)}
-    by_run: dict[str, list[dict[str, Any]]] = {}
-    for c in checkpoints:
-        if c.get("dagster_run_id"):
-            by_run.setdefault(c["dagster_run_id"], []).append(c)
-    attempts = []
-    for position, r in enumerate(dagster_runs_of(instance, run_key), start=1):
-        record = instance.get_run_record_by_id(r.run_id)
-        e, own = ended.get(r.run_id, {}), by_run.get(r.run_id, [])
-        a = {"dagster_run_id": r.run_id, "status": r.status.value,
-             "started": bool(record and record.start_time),
-             "root_run_id": r.tags.get(TAG_ROOT_RUN_ID, r.run_id),
-             "parent_run_id": r.tags.get(TAG_PARENT_RUN_ID), "job": r.job_name,
-             "exit_code": e.get("exit_code"), "failure_class": e.get("failure_class"),
-             "last_committed_step": e.get("last_committed_step"),
-             "decision": reasons.get(r.run_id)}
-        # The attempt number the trainer claimed (on its checkpoints) is the truth; the tag
-        # is what the orchestrator asked for; a run launched by hand and lost before it
-        # reported anything is numbered by its place among the partition's runs.
-        tag = str(r.tags.get(TAG_ATTEMPT) or "")
-        a["attempt"] = (e.get("attempt") or next((c["attempt"] for c in own if c.get("attempt")),
-                                                 None) or (int(tag) if tag.isdigit() else position))
-        a["end"] = _attempt_end(a, e)
-        if a["last_committed_step"] is None and own:
-            a["last_committed_step"] = max(c.get("step") or 0 for c in own)
-        attempts.append(a)
-    return attempts
-
-
-def _checkpoints(instance: dg.DagsterInstance, run_key: str,
-                 timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every committed checkpoint, oldest first: as observed (those an attempt committed after
-    its orchestrator died were recorded late, by the next attempt), so the history outlives
-    retention, plus any in the store that Dagster has not seen yet. A checkpoint belongs to
-    the Dagster run that launched its trainer (its lineage), not to the run that logged it."""
+    repo = CheckpointRepo(store, reg.experiment, run_key)
+    timeline = checkpoint_timeline(repo)
     stored = {c["name"] for c in timeline}
-    seen: dict[str, dict[str, Any]] = {}
+    # Every committed checkpoint was observed (those an attempt committed after its
+    # orchestrator died, late, by the next attempt), so the history outlives retention.
+    # A checkpoint belongs to the Dagster run that launched its trainer (its lineage), not
+    # to the run that logged the event: a late record is logged by the next attempt.
+    checkpoints: dict[str, dict[str, Any]] = {}
     for md, rec in partition_events(instance, run_key, CHECKPOINT):
-        if not md.get("name") or md["name"] in seen:
+        if not md.get("name") or md["name"] in checkpoints:
             continue
-        seen[md["name"]] = {
+        checkpoints[md["name"]] = {
             "name": md.get("name"), "uri": md.get("uri"), "step": md.get("step"),
             "attempt": md.get("attempt"), "parent": md.get("parent"),
             "sha256": md.get("sha256"), "size": md.get("size"), "loss": md.get("loss"),
             "dagster_run_id": md.get("dagster_run_id") or rec.run_id,
             "stored": md.get("name") in stored, "recorded_late": bool(md.get("recorded_late")),
             **{k: md.get(k) for k in ("resumed_from_step", "code_version", "data_version")}}
-    checkpoints = list(seen.values()) + [
+    checkpoints = list(checkpoints.values()) + [
         dict(c, stored=True, recorded_late=False, unrecorded=True)
-        for c in timeline if c["name"] not in seen]
-    return sorted(checkpoints, key=lambda c: (c.get("step") or 0, c.get("attempt") or 0))
+        for c in timeline if c["name"] not in checkpoints]
+    checkpoints.sort(key=lambda c: (c.get("step") or 0, c.get("attempt") or 0))
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for c in checkpoints:
+        if c.get("dagster_run_id"):
+            by_run.setdefault(c["dagster_run_id"], []).append(c)
+    for position, a in enumerate(attempts, start=1):
+        e = ended.get(a["dagster_run_id"], {})
+        own = by_run.get(a["dagster_run_id"], [])
+        a.update(exit_code=e.get("exit_code"), failure_class=e.get("failure_class"),
+                 last_committed_step=e.get("last_committed_step"),
+                 decision=reasons.get(a["dagster_run_id"]))
+        # The attempt number the trainer claimed (on its checkpoints) is the truth; the tag
+        # is what the orchestrator asked for; a run launched by hand and lost before it
+        # reported anything is numbered by its place among the partition's runs.
+        tag = str(a["attempt"] or "")
+        a["attempt"] = (e.get("attempt") or next((c["attempt"] for c in own if c.get("attempt")),
+                                                 None) or (int(tag) if tag.isdigit() else position))
+        a["end"] = _attempt_end(a, e)
+        if a["last_committed_step"] is None and own:
+            a["last_committed_step"] = max(c.get("step") or 0 for c in own)
+    try:
+        ptr = repo.read_pointer()
+    except CheckpointError:
+        ptr = None
+    return {"run": run_key, "experiment": reg.experiment, "config_uri": reg.config_uri,
+            "attempts": attempts, "checkpoints": checkpoints,
+            "latest_checkpoint": ptr.checkpoint if ptr else None,
+            "final_model": _final_model(store, reg.experiment, run_key)}
+
+
+def _attempt_rows(instance: dg.DagsterInstance, run_key: str) -> list[dict[str, Any]]:
+    """One row per Dagster run of the training run, from its tags and run record."""
+    attempts = []
+    for r in dagster_runs_of(instance, run_key):
+        record = instance.get_run_record_by_id(r.run_id)
+        attempts.append({"dagster_run_id": r.run_id, "status": r.status.value,
+                         "started": bool(record and record.start_time),
+                         "attempt": r.tags.get(TAG_ATTEMPT),
+                         "root_run_id": r.tags.get(TAG_ROOT_RUN_ID, r.run_id),
+                         "parent_run_id": r.tags.get(TAG_PARENT_RUN_ID),
+                         "job": r.job_name})
+    return attempts
 
 
 def _final_model(store: ObjectStore, experiment: str, run_key: str) -> dict[str, Any] | None:
-    from ckpt_assets.defs.io_managers import VersionedRepo
-
+    """The final model's current version (None before there is one; its error if unreadable)."""
     models = VersionedRepo(store, experiment, run_key, "models")
     try:
         name = models.current()
@@ -138,7 +135,7 @@ def _final_model(store: ObjectStore, experiment: str, run_key: str) -> dict[str,
         return {"error": str(e)}
 
 
-WORKER_LOST = Outcome.WORKER_LOST.value
+WORKER_LOST = Outcome.WORKER_LOST.value  # the run ended without recording the trainer's exit
 
 
 def _attempt_end(a: dict[str, Any], ended: dict[str, Any]) -> str | None:

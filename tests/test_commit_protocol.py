@@ -13,6 +13,7 @@ from trainer.errors import (
     InvalidNameError,
     PointerConflictError,
 )
+from trainer.layout import RunLayout, committed, read_heartbeat, read_pointer
 from trainer.repo import MANIFEST, CheckpointRepo
 from trainer.storage import open_store
 
@@ -34,6 +35,22 @@ def _ck(store, attempt=1, keep_last=2, run="r"):
 def test_run_names_that_break_the_rule_are_refused_with_the_rule(store, name):
     with pytest.raises(InvalidNameError, match="lowercase letters, digits"):
         CheckpointRepo(store, "exp", name)
+
+
+def test_a_runs_pointer_heartbeat_and_checkpoints_are_where_its_layout_names_them(store):
+    repo, model, ck = _ck(store)
+    ck.save(1, {})
+    repo.heartbeat({"step": 1})
+    layout = RunLayout(store, "exp", "r")
+    assert (layout.pointer_key, layout.heartbeat_key, layout.configs_prefix) == (
+        "exp/r/checkpoints/latest.json", "exp/r/heartbeat.json", "exp/r/configs")
+    assert read_pointer(layout) == repo.read_pointer()
+    assert read_heartbeat(layout) == repo.read_heartbeat()
+    assert committed(layout) == repo.committed() == ["step-000000001-a1"]
+    models = RunLayout(store, "exp", "r", versions="models")
+    assert models.pointer_key == "exp/r/models/latest.json" and read_pointer(models) is None
+    with pytest.raises(InvalidNameError, match="segment '..'"):
+        RunLayout(store, "exp", "r", versions="../other")
 
 
 def test_the_pointer_moves_only_after_the_manifest_exists(store):
@@ -109,11 +126,11 @@ def test_an_unreadable_pointer_falls_back_to_scanning_manifests(store, tmp_path)
 
 
 def test_a_multi_chunk_file_verifies_and_a_flipped_bit_names_its_chunk(tmp_path, monkeypatch):
-    import trainer.repo as repo_mod
     import trainer.storage.base as base
+    import trainer.verification as verification
 
     monkeypatch.setattr(base, "CHUNK_SIZE", 4096)
-    monkeypatch.setattr(repo_mod, "CHUNK_SIZE", 4096)
+    monkeypatch.setattr(verification, "CHUNK_SIZE", 4096)
     store = open_store(str(tmp_path / "s"))
     repo = CheckpointRepo(store, "exp", "r")
     repo.claim(None)

@@ -26,7 +26,7 @@ from trainer.errors import (
     StorageError,
 )
 from trainer.repo import CheckpointRepo
-from trainer.storage import ObjectStore, UnsafeObjectError, open_store
+from trainer.storage import ObjectStore, UnsafeObjectError, WrittenObject, open_store
 from trainer.storage.local import LocalStore
 
 
@@ -146,6 +146,30 @@ def test_a_write_that_fails_midway_leaves_nothing_visible_and_the_name_free(back
     backend.store.put_new("a/c.bin", b"retry")
     assert backend.store.read_bytes("a/c.bin") == b"retry"
 
+
+
+def test_a_file_written_at_a_given_path_is_committed_create_once_with_its_size_and_sha256(
+        backend):
+    store, data = backend.store, os.urandom(3 << 20)
+    with store.create_from_path("a/file.pt") as (path, result):
+        assert not store.exists("a/file.pt")  # nothing is visible inside the block
+        Path(path).write_bytes(data)
+    assert result == [WrittenObject("a/file.pt", len(data), hashlib.sha256(data).hexdigest())]
+    assert store.read_bytes("a/file.pt") == data
+    with pytest.raises(AlreadyExistsError, match=f"{store.uri}/a/file.pt"), \
+            store.create_from_path("a/file.pt") as (path, _):
+        Path(path).write_bytes(b"never written")
+    assert store.read_bytes("a/file.pt") == data
+
+
+def test_a_file_write_that_fails_midway_leaves_nothing_visible_and_the_name_free(backend):
+    with pytest.raises(Boom), backend.store.create_from_path("a/f.pt") as (path, result):
+        Path(path).write_bytes(b"half")
+        raise Boom()
+    assert result == [] and backend.store.list("a") == []
+    with backend.store.create_from_path("a/f.pt") as (path, _):
+        Path(path).write_bytes(b"retry")
+    assert backend.store.read_bytes("a/f.pt") == b"retry"
 
 def test_missing_objects_read_as_file_not_found(backend):
     store = backend.store

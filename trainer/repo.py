@@ -7,27 +7,29 @@ A checkpoint exists once its MANIFEST.json exists (written last, create-once). I
 run's current checkpoint once latest.json names it; latest.json only moves by a
 conditional write against the version this writer last saw, so of two attempts that
 share a run only one can advance it.
+
+Where things are is `trainer.layout.RunLayout`; reading and verifying them is
+`trainer.verification`, retention `trainer.retention`. The functions here write (a file of
+a pending checkpoint, its manifest, the pointer's move); `CheckpointRepo` is one writer of
+one run: it remembers the pointer version it last saw, the attempt it claimed, and the
+checkpoint its state descends from.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from trainer.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    InvalidNameError,
-    PointerConflictError,
-)
+from trainer import retention, verification
+from trainer.errors import CheckpointError, CheckpointNotFoundError, PointerConflictError
+from trainer.layout import HEARTBEAT, POINTER, RunLayout, committed, list_names, read_heartbeat
 from trainer.manifest import (
     MANIFEST,
     Manifest,
@@ -36,18 +38,20 @@ from trainer.manifest import (
     parse_checkpoint_name,
 )
 from trainer.pointer import Best, Pointer
-from trainer.storage import HashingWriter, ObjectStore, WrittenObject, validate_name
-from trainer.storage.base import CHUNK_SIZE, chunk_digests, combine_chunks, file_size
+from trainer.storage import HashingWriter, ObjectStore, WrittenObject
+
+__all__ = [
+    "CLAIM_TRIES", "HEARTBEAT", "MANIFEST", "POINTER", "POINTER_HISTORY", "CheckpointRepo",
+    "Manifest", "Pending", "Pointer", "checkpoint_name", "committed_pointer",
+    "move_pointer", "parse_checkpoint_name", "write_file", "write_manifest",
+]
 
 log = logging.getLogger("trainer.checkpoint")
 
-POINTER = "latest.json"
-HEARTBEAT = "heartbeat.json"
 # Names latest.json carries besides its current one. Retention removes deleted names from
 # it, so in practice it holds about keep_last names; the bound only caps a damaged pointer.
 POINTER_HISTORY = 256
 CLAIM_TRIES = 20
-
 
 
 @dataclass
@@ -60,14 +64,138 @@ class Pending:
     written: dict[str, WrittenObject] = field(default_factory=dict)
 
 
+# -- writing, as functions over a layout --------------------------------------------------
+
+@contextmanager
+def write_file(layout: RunLayout, pending: Pending, filename: str) -> Iterator[HashingWriter]:
+    """A create-once stream for `filename` of the pending checkpoint."""
+    key = layout.key(pending.name, filename)
+    with layout.store.create(key) as w:
+        yield w
+    pending.written[filename] = w.result(key)
+
+
+def write_manifest(layout: RunLayout, pending: Pending, parent: str | None,
+                   meta: dict[str, Any]) -> Manifest:
+    """MANIFEST.json, create-once and last inside the checkpoint: from now on it exists."""
+    manifest = Manifest(
+        name=pending.name,
+        step=pending.step,
+        attempt=pending.attempt,
+        files={n: file_entry(w) for n, w in pending.written.items()},
+        parent=parent,
+        created_at=time.time(),
+        meta=meta,
+        experiment=layout.experiment,
+        run=layout.run,
+    )
+    layout.store.put_new(layout.key(pending.name, MANIFEST), manifest.to_json())
+    return manifest
+
+
+def committed_pointer(old: Pointer | None, pending: Pending, meta: dict[str, Any],
+                      retired: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The pointer's changes once `pending` is committed: it is current, the previous ones
+    (without `retired` names) its history, and it is the best one when `meta` says so."""
+    old = old or Pointer()
+    best = old.best
+    if meta.get("is_best"):
+        score = meta.get("best_score")
+        best = Best(pending.name, score if isinstance(score, int | float) else None)
+    history = [n for n in old.timeline if n not in retired]
+    return {"checkpoint": pending.name, "step": pending.step, "attempt": pending.attempt,
+            "history": tuple(history[:POINTER_HISTORY]), "best": best}
+
+
+def move_pointer(layout: RunLayout, old: Pointer | None, token: str | None, owner: str,
+                 **changes: Any) -> tuple[Pointer, str]:
+    """Write `old` with `changes` as the next generation, only if the pointer is still at
+    version `token`. Returns the new pointer and its token; PointerConflictError if another
+    writer moved it."""
+    old = old or Pointer()
+    new = dataclasses.replace(old, **changes, generation=old.generation + 1,
+                              owner=owner, updated_at=time.time())
+    try:
+        token = layout.store.write_if(layout.pointer_key, new.to_json(), token)
+    except PointerConflictError as e:
+        raise PointerConflictError(
+            f"another attempt took over run {layout.prefix} ({e}); this attempt stops "
+            "writing so that two attempts never advance one run"
+        ) from e
+    return new, token
+
+
+# -- the claim: which history an attempt continues ----------------------------------------
+
+def claimed_timeline(layout: RunLayout, old: Pointer | None, parent: str | None,
+                     bad: set[str]) -> tuple[list[str], Best | None]:
+    """The history an attempt continuing from `parent` claims, newest first, and the best
+    checkpoint it keeps; names in `bad` (failed verification) are left out."""
+    if old is not None:
+        timeline = [n for n in old.timeline if n not in bad]
+        if parent is None:
+            kept = timeline
+        elif parent in timeline:
+            kept = timeline[timeline.index(parent):]
+        else:
+            kept = lineage(layout, parent, bad)
+    else:
+        timeline = []
+        kept = lineage(layout, parent, bad) if parent else []
+    detached = [n for n in timeline if n not in kept]
+    if detached:
+        log.warning(
+            "checkpoints %s are newer than %s, which this attempt continues from; they "
+            "leave the run's history and retention keeps them. Delete them by hand once "
+            "they are not needed.", ", ".join(detached), parent)
+    best = old.best if old else None
+    if best and (best.checkpoint in bad or best.checkpoint in detached):
+        best = None
+    return kept[:POINTER_HISTORY + 1], best
+
+
+def lineage(layout: RunLayout, name: str, bad: set[str]) -> list[str]:
+    """`name` and its ancestors by the manifests' parent links, newest first, as far as
+    readable manifests of this run reach (names in `bad` left out)."""
+    chain: list[str] = []
+    seen: set[str] = set()
+    while name and name not in seen and len(chain) <= POINTER_HISTORY:
+        seen.add(name)
+        try:
+            m = verification.read_manifest(layout, name)
+        except verification.UNUSABLE:
+            break
+        if name not in bad:
+            chain.append(name)
+        name = m.parent
+    return chain
+
+
+def step_of(layout: RunLayout, name: str | None, old: Pointer | None) -> int | None:
+    if name is None:
+        return None
+    if old is not None and old.checkpoint == name:
+        return old.step
+    parsed = parse_checkpoint_name(name)
+    if parsed:
+        return parsed[0]
+    try:
+        return verification.read_manifest(layout, name).step
+    except (CheckpointError, CheckpointNotFoundError):
+        return None
+
+
+def highest_attempt(layout: RunLayout) -> int:
+    """The highest attempt number in any checkpoint name of the run (0 if none)."""
+    return max((p[1] for n in list_names(layout) if (p := parse_checkpoint_name(n))),
+               default=0)
+
+
 class CheckpointRepo:
+    """One writer of one training run's checkpoints (and a reader of them)."""
+
     def __init__(self, store: ObjectStore, experiment: str, run: str):
-        self.store = store
-        self.experiment = validate_name(experiment, "experiment name")
-        self.run = validate_name(run, "run name")
-        self.prefix = f"{experiment}/{run}"
-        self.ckpt_prefix = f"{self.prefix}/checkpoints"
-        self.pointer_key = f"{self.ckpt_prefix}/{POINTER}"
+        self.layout = RunLayout(store, experiment, run)
         self._pointer_token: str | None = None
         self._pointer: Pointer | None = None
         self.owner = uuid.uuid4().hex[:12]
@@ -81,38 +209,53 @@ class CheckpointRepo:
         self.parent: str | None = None
 
     # -- naming -------------------------------------------------------------------------
+    @property
+    def store(self) -> ObjectStore:
+        return self.layout.store
+
+    @property
+    def experiment(self) -> str:
+        return self.layout.experiment
+
+    @property
+    def run(self) -> str:
+        return self.layout.run
+
+    @property
+    def prefix(self) -> str:
+        return self.layout.prefix
+
+    @property
+    def ckpt_prefix(self) -> str:
+        return self.layout.versions_prefix
+
+    @property
+    def pointer_key(self) -> str:
+        return self.layout.pointer_key
+
     def key(self, name: str, filename: str | None = None) -> str:
-        k = f"{self.ckpt_prefix}/{name}"
-        return f"{k}/{filename}" if filename else k
+        return self.layout.key(name, filename)
 
     def uri(self, name: str) -> str:
-        return self.store.uri_for(self.key(name))
+        return self.layout.uri(name)
 
     # -- pointer ------------------------------------------------------------------------
     def read_pointer(self) -> Pointer | None:
-        """The pointer, or None if there is none. An unreadable pointer raises CheckpointError."""
+        """The pointer, or None if there is none. An unreadable pointer raises CheckpointError.
+
+        Its version token is kept even then: the next move is conditional on it."""
         data, token = self.store.read_versioned(self.pointer_key)
         self._pointer_token = token
         self._pointer = None
         if data is None:
             return None
-        self._pointer = Pointer.from_json(data, self.store.uri_for(self.pointer_key))
+        self._pointer = Pointer.from_json(data, self.layout.pointer_uri)
         return self._pointer
 
     def _move_pointer(self, **changes: Any) -> Pointer:
-        old = self._pointer or Pointer()
-        new = dataclasses.replace(old, **changes, generation=old.generation + 1,
-                                  owner=self.owner, updated_at=time.time())
-        try:
-            self._pointer_token = self.store.write_if(self.pointer_key, new.to_json(),
-                                                      self._pointer_token)
-        except PointerConflictError as e:
-            raise PointerConflictError(
-                f"another attempt took over run {self.prefix} ({e}); this attempt stops "
-                "writing so that two attempts never advance one run"
-            ) from e
-        self._pointer = new
-        return new
+        self._pointer, self._pointer_token = move_pointer(
+            self.layout, self._pointer, self._pointer_token, self.owner, **changes)
+        return self._pointer
 
     def claim(self, parent: str | None, at_least: int = 1) -> int:
         """Take the run for a new attempt and return its number; older attempts' next
@@ -142,77 +285,22 @@ class CheckpointRepo:
                 # fences the write against another writer.
                 log.error("CHECKPOINT POINTER: %s; rebuilding it from the checkpoints", e)
                 old = None
-            highest = max((p[1] for n in self.list_names() if (p := parse_checkpoint_name(n))),
-                          default=0)
-            attempt = max(at_least, (old.attempt if old else 0) + 1, highest + 1)
-            timeline, best = self._claimed_timeline(old, parent)
+            attempt = max(at_least, (old.attempt if old else 0) + 1,
+                          highest_attempt(self.layout) + 1)
+            timeline, best = claimed_timeline(self.layout, old, parent, set(self._skipped))
             current = timeline[0] if timeline else None
             try:
                 self._move_pointer(
                     attempt=attempt, checkpoint=current, history=tuple(timeline[1:]),
-                    step=self._step_of(current, old), best=best)
+                    step=step_of(self.layout, current, old), best=best)
             except PointerConflictError:
                 continue  # another attempt claimed first: read again, take a higher number
             return attempt
         raise PointerConflictError(
             f"could not claim run {self.prefix}: {CLAIM_TRIES} conditional writes of "
-            f"{self.store.uri_for(self.pointer_key)} lost to other writers. Make sure only "
+            f"{self.layout.pointer_uri} lost to other writers. Make sure only "
             "one attempt of this run is started at a time, then start it again."
         )
-
-    def _claimed_timeline(self, old: Pointer | None, parent: str | None
-                          ) -> tuple[list[str], Best | None]:
-        bad = set(self._skipped)
-        if old is not None:
-            timeline = [n for n in old.timeline if n not in bad]
-            if parent is None:
-                kept = timeline
-            elif parent in timeline:
-                kept = timeline[timeline.index(parent):]
-            else:
-                kept = self._lineage(parent)
-        else:
-            timeline = []
-            kept = self._lineage(parent) if parent else []
-        detached = [n for n in timeline if n not in kept]
-        if detached:
-            log.warning(
-                "checkpoints %s are newer than %s, which this attempt continues from; they "
-                "leave the run's history and retention keeps them. Delete them by hand once "
-                "they are not needed.", ", ".join(detached), parent)
-        best = old.best if old else None
-        if best and (best.checkpoint in bad or best.checkpoint in detached):
-            best = None
-        return kept[:POINTER_HISTORY + 1], best
-
-    def _lineage(self, name: str) -> list[str]:
-        """`name` and its ancestors by the manifests' parent links, newest first, as far
-        as readable manifests of this run reach."""
-        chain: list[str] = []
-        seen: set[str] = set()
-        while name and name not in seen and len(chain) <= POINTER_HISTORY:
-            seen.add(name)
-            try:
-                m = self.read_manifest(name)
-            except (CheckpointError, CheckpointNotFoundError, InvalidNameError):
-                break
-            if name not in self._skipped:
-                chain.append(name)
-            name = m.parent
-        return chain
-
-    def _step_of(self, name: str | None, old: Pointer | None) -> int | None:
-        if name is None:
-            return None
-        if old is not None and old.checkpoint == name:
-            return old.step
-        parsed = parse_checkpoint_name(name)
-        if parsed:
-            return parsed[0]
-        try:
-            return self.read_manifest(name).step
-        except (CheckpointError, CheckpointNotFoundError):
-            return None
 
     def next_attempt(self) -> int:
         """A read-only estimate of the next attempt number; `claim` decides the real one."""
@@ -220,25 +308,21 @@ class CheckpointRepo:
             ptr = self.read_pointer()
         except CheckpointError:
             ptr = None
-        attempts = [ptr.attempt] if ptr else [0]
-        attempts += [p[1] for n in self.list_names() if (p := parse_checkpoint_name(n))]
-        return max(attempts) + 1
+        return max(ptr.attempt if ptr else 0, highest_attempt(self.layout)) + 1
 
     # -- writing ------------------------------------------------------------------------
     def begin(self, step: int, attempt: int) -> Pending:
         return Pending(checkpoint_name(step, attempt), step, attempt)
 
-    @contextmanager
-    def write_file(self, pending: Pending, filename: str) -> Iterator[HashingWriter]:
-        key = self.key(pending.name, filename)
-        with self.store.create(key) as w:
-            yield w
-        pending.written[filename] = w.result(key)
+    def write_file(self, pending: Pending,
+                   filename: str) -> AbstractContextManager[HashingWriter]:
+        """A create-once stream for `filename` of the pending checkpoint (context manager)."""
+        return write_file(self.layout, pending, filename)
 
     @contextmanager
     def write_path(self, pending: Pending, filename: str) -> Iterator[str]:
         """Yield a file path to write `filename` of the pending checkpoint to (create-once).
-        Only for stores with `native_files`; others take a stream (`write_file`)."""
+        For stores with `native_files` it is written in place; others copy it."""
         key = self.key(pending.name, filename)
         with self.store.create_from_path(key) as (path, result):
             yield path
@@ -246,229 +330,56 @@ class CheckpointRepo:
 
     def commit(self, pending: Pending, meta: dict[str, Any]) -> Manifest:
         """Manifest last inside the checkpoint, then the pointer (conditional)."""
-        parent = self.parent
-        manifest = Manifest(
-            name=pending.name,
-            step=pending.step,
-            attempt=pending.attempt,
-            files={n: file_entry(w) for n, w in pending.written.items()},
-            parent=parent,
-            created_at=time.time(),
-            meta=meta,
-            experiment=self.experiment,
-            run=self.run,
-        )
-        self.store.put_new(self.key(pending.name, MANIFEST), manifest.to_json())
-        old = self._pointer or Pointer()
-        best = old.best
-        if meta.get("is_best"):
-            score = meta.get("best_score")
-            best = Best(pending.name, score if isinstance(score, int | float) else None)
-        history = [n for n in old.timeline if n not in self._retired]
-        self._move_pointer(checkpoint=pending.name, step=pending.step, attempt=pending.attempt,
-                           history=tuple(history[:POINTER_HISTORY]), best=best)
+        manifest = write_manifest(self.layout, pending, self.parent, meta)
+        self._move_pointer(**committed_pointer(self._pointer, pending, meta, self._retired))
         self.parent = pending.name
         return manifest
 
     # -- discovery and verification -------------------------------------------------------
     def list_names(self) -> list[str]:
         """Names of checkpoint directories (committed or not), oldest first."""
-        names = set()
-        for key in self.store.list(self.ckpt_prefix):
-            rest = key[len(self.ckpt_prefix) + 1:]
-            if "/" in rest and parse_checkpoint_name(rest.split("/")[0]):
-                names.add(rest.split("/")[0])
-        return sorted(names, key=lambda n: parse_checkpoint_name(n))
+        return list_names(self.layout)
 
     def committed(self) -> list[str]:
         """Checkpoints that have a manifest, oldest first."""
-        keys = set(self.store.list(self.ckpt_prefix))
-        return [n for n in self.list_names() if self.key(n, MANIFEST) in keys]
+        return committed(self.layout)
 
     def read_manifest(self, name: str) -> Manifest:
-        key = self.key(name, MANIFEST)
-        try:
-            data = self.store.read_bytes(key)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(
-                f"checkpoint {self.uri(name)} does not exist (no {MANIFEST}); pass one of the "
-                f"run's checkpoints, or resume from the newest that verifies (`auto`, the "
-                f"default of --resume and of CheckpointSession)"
-            ) from e
-        where = self.store.uri_for(key)
-        m = Manifest.from_json(data, where)
-        if m.name != name:
-            raise CheckpointError(f"manifest {where} names {m.name!r}, not {name!r}")
-        parsed = parse_checkpoint_name(name)
-        if parsed and parsed != (m.step, m.attempt):
-            raise CheckpointError(f"manifest {where} says step {m.step}, attempt {m.attempt}; "
-                                  f"its name says otherwise (it is corrupt)")
-        if m.experiment is not None and (m.experiment, m.run) != (self.experiment, self.run):
-            raise CheckpointError(
-                f"manifest {where} belongs to run {m.experiment}/{m.run}, not "
-                f"{self.experiment}/{self.run}: it was copied from another run and is not "
-                "loaded. Remove it, or resume that run with its own config."
-            )
-        return m
+        return verification.read_manifest(self.layout, name)
 
     def verify_file(self, manifest: Manifest, filename: str, f: BinaryIO) -> None:
-        """Check size and SHA-256 of an open file against the manifest (CheckpointError).
-
-        Multi-chunk files are hashed chunk by chunk on all cores when the file has a
-        descriptor; the error names the first chunk that does not match.
-        """
-        want = manifest.files[filename]
-        uri = self.store.uri_for(self.key(manifest.name, filename))
-        size = file_size(f)
-        if size != int(want["size"]):
-            raise CheckpointError(
-                f"checkpoint file {uri} is {size} bytes but its manifest says {want['size']} "
-                "(truncated or corrupt)"
-            )
-        chunks = want.get("chunks") or []
-        if chunks:
-            if combine_chunks(chunks) != want["sha256"]:
-                raise CheckpointError(f"manifest of {uri} lists chunk digests that do not add "
-                                      "up to its SHA-256 (the manifest is corrupt)")
-            got = chunk_digests(f, size, int(want.get("chunk_size", CHUNK_SIZE)))
-            for i, (g, w) in enumerate(zip(got, chunks, strict=True)):
-                if g != w:
-                    lo = i * int(want.get("chunk_size", CHUNK_SIZE))
-                    raise CheckpointError(
-                        f"checkpoint file {uri} does not match its manifest: chunk {i} "
-                        f"(bytes {lo}..) has SHA-256 {g}, manifest says {w} (corrupt)"
-                    )
-            return
-        sha = hashlib.sha256()
-        f.seek(0)
-        for block in iter(lambda: f.read(8 << 20), b""):
-            sha.update(block)
-        if sha.hexdigest() != want["sha256"]:
-            raise CheckpointError(
-                f"checkpoint file {uri} has SHA-256 {sha.hexdigest()} but its manifest says "
-                f"{want['sha256']} (corrupt)"
-            )
+        """Check size and SHA-256 of an open file against the manifest (CheckpointError)."""
+        verification.verify_file(self.layout, manifest, filename, f)
 
     def verify(self, name: str) -> Manifest:
         """Read the manifest and check every file's size and SHA-256; raise CheckpointError."""
-        m = self.read_manifest(name)
-        for filename in m.files:
-            try:
-                f = self.store.open_read(self.key(name, filename))
-            except FileNotFoundError as e:
-                raise CheckpointError(
-                    f"checkpoint file {self.store.uri_for(self.key(name, filename))} listed in "
-                    "its manifest is missing"
-                ) from e
-            with f:
-                self.verify_file(m, filename, f)
-        return m
+        return verification.verify(self.layout, name)
 
     def candidates(self) -> list[str]:
-        """Checkpoints to try, newest first: the pointer's, then its history.
-
-        The pointer is authoritative: a manifest it never named (a save that lost the
-        pointer race, or was cut off before step 3) is not part of the run's history.
-        Only when the pointer is unreadable, or missing although manifests exist (it was
-        deleted: a claim writes it before any manifest), do we fall back to scanning every
-        manifest, newest attempt first.
-        """
-        try:
-            ptr = self.read_pointer()
-        except CheckpointError as e:
-            log.error("CHECKPOINT FALLBACK: %s; scanning all committed checkpoints instead", e)
-            return self._scan()
-        if ptr is None:
-            scanned = self._scan()
-            if scanned:
-                log.error("CHECKPOINT FALLBACK: %s is missing but %d committed checkpoint(s) "
-                          "exist; scanning them", self.store.uri_for(self.pointer_key),
-                          len(scanned))
-            return scanned
-        return ptr.timeline
-
-    def _scan(self) -> list[str]:
-        names = self.committed()
-        order = [parse_checkpoint_name(n) for n in names]
-        if all(order):
-            # A later attempt supersedes an earlier one whatever their steps: an earlier
-            # attempt's newer step can only be a save that lost the race for the pointer.
-            return [n for _, n in sorted(zip(order, names, strict=True),
-                                         key=lambda t: (t[0][1], t[0][0]), reverse=True)]
-        return list(reversed(names))
+        """Checkpoints to try, newest first (`trainer.verification.candidates`)."""
+        return verification.candidates(self.layout, lambda _layout: self.read_pointer())
 
     def find_latest_valid(self) -> tuple[Manifest | None, list[tuple[str, str]]]:
-        """Newest checkpoint that verifies, and the (name, reason) of each one skipped."""
-        skipped: list[tuple[str, str]] = []
-        for name in self.candidates():
-            try:
-                m = self.verify(name)
-            except (CheckpointError, CheckpointNotFoundError, InvalidNameError) as e:
-                skipped.append((name, str(e)))
-                self._skipped[name] = str(e)
-                log.error("CHECKPOINT FALLBACK: skipping %s: %s", self.uri(name), e)
-                continue
-            if skipped:
-                log.error(
-                    "CHECKPOINT FALLBACK: resuming from %s (step %d) because %d newer "
-                    "checkpoint(s) failed verification", self.uri(name), m.step, len(skipped)
-                )
-            return m, skipped
-        return None, skipped
+        """Newest checkpoint that verifies, and the (name, reason) of each one skipped.
+        The skipped ones stay out of the history this repo's next claim keeps."""
+        manifest, skipped = verification.find_latest_valid(
+            self.layout, lambda _layout: self.read_pointer())
+        self._skipped.update(skipped)
+        return manifest, skipped
 
     # -- retention ----------------------------------------------------------------------
     def apply_retention(self, keep_last: int, keep_best: bool, current_attempt: int) -> list[str]:
-        """Delete the run's committed checkpoints beyond the newest `keep_last` (and the best
-        one), and partial ones left by older, dead attempts.
-
-        Only checkpoints in the pointer's history are counted and deleted: the claim keeps
-        that history to the line this attempt continues, without names that failed
-        verification. A committed checkpoint the history does not name (detached by a
-        walk-back or an explicit resume, or a save that lost the pointer race) is left in
-        place: retention never deletes what it has not accounted for. Never the one the
+        """Delete committed checkpoints beyond the newest `keep_last` (and the best one) and
+        partial ones left by older, dead attempts (`trainer.retention`). Never the one the
         pointer names, nor the one this attempt descends from."""
-        ptr = self._pointer or Pointer()
-        committed = set(self.committed())
-        good = [n for n in ptr.timeline if n in committed]
-        self._retired.update(n for n in ptr.timeline if n not in committed)
-        keep = {ptr.checkpoint, self.parent, *good[: max(keep_last, 1)]}
-        if keep_best and ptr.best:
-            keep.add(ptr.best.checkpoint)
-        deleted = []
-        for name in good:
-            if name not in keep:
-                self._delete(name)
-                self._retired.add(name)
-                deleted.append(name)
-        accounted = set(ptr.timeline)
-        for name in self.list_names():
-            if name in committed or name in accounted:
-                continue
-            parsed = parse_checkpoint_name(name)
-            if parsed is None or parsed[1] >= current_attempt:
-                continue  # possibly a save in flight
-            if self._delete(name, only_partial=True):
-                deleted.append(name)
-        return deleted
-
-    def _delete(self, name: str, only_partial: bool = False) -> bool:
-        keys = self.store.list(self.key(name))
-        manifest = self.key(name, MANIFEST)
-        if only_partial and manifest in keys:
-            return False  # committed since it was listed: not a partial any more
-        # Manifest first: from that moment the checkpoint no longer exists for readers.
-        if manifest in keys:
-            self.store.delete(manifest)
-        for k in keys:
-            if k != manifest:
-                self.store.delete(k)
-        return True
+        return retention.apply_retention(
+            self.layout, self._pointer or Pointer(), self.parent, keep_last, keep_best,
+            current_attempt, self._retired)
 
     # -- heartbeat ----------------------------------------------------------------------
     def heartbeat(self, payload: dict[str, Any]) -> None:
         body = json.dumps({**payload, "owner": self.owner, "time": time.time()}).encode()
-        self.store.write_overwrite(f"{self.prefix}/{HEARTBEAT}", body)
+        self.store.write_overwrite(self.layout.heartbeat_key, body)
 
     def read_heartbeat(self) -> dict[str, Any] | None:
-        data, _ = self.store.read_versioned(f"{self.prefix}/{HEARTBEAT}")
-        return json.loads(data) if data else None
+        return read_heartbeat(self.layout)

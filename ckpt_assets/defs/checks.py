@@ -20,8 +20,8 @@ import warnings
 import dagster as dg
 from pydantic import Field
 
+from ckpt_assets.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.defs.assets import final_model, model_checkpoint
-from ckpt_assets.defs.io_managers import StoredObjectError, VersionedRepo
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.registration import read_registration, validate_partition_key

@@ -1,15 +1,9 @@
 """CheckpointIOManager: asset outputs stored with the trainer's own commit protocol.
 
-    <store>/<experiment>/<run>/assets/<asset>/v-000001/value.pt|value.json + MANIFEST.json
-    <store>/<experiment>/<run>/assets/<asset>/latest.json        pointer, moved last
-    <store>/<experiment>/<run>/models/v-000001/model.pt + MANIFEST.json   (final_model)
-
-Each output is a new version: its payload is written create-once, then MANIFEST.json
-(size + SHA-256 of every file) is written create-once, then latest.json moves by a
-conditional write. That is `trainer.repo.CheckpointRepo` with another naming scheme, so
-there is exactly one commit protocol in the project. Nothing is overwritten in place: a
-kill before the manifest leaves an invisible orphan, a kill before the pointer leaves the
-previous version current.
+Each output is a new create-once version of the asset's value in the checkpoint store
+(`ckpt_assets.asset_versions`, which also says where versions live and how they commit):
+nothing is overwritten in place, and a writer killed halfway leaves the previous version
+current.
 
 Loading verifies the bytes against the manifest before deserializing anything (JSON for
 small structured values, `torch.load(weights_only=True)` for tensors) and refuses a
@@ -25,109 +19,18 @@ model_checkpoint).
 
 import io
 import json
-import re
 from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.registration import read_registration, validate_partition_key
-from trainer.errors import AlreadyExistsError, CheckpointError, CheckpointNotFoundError
-from trainer.manifest import MANIFEST, Manifest
 from trainer.records import CheckpointRecord
-from trainer.repo import CheckpointRepo, Pending
-from trainer.storage import ObjectStore, validate_key
+from trainer.repo import CheckpointRepo
+from trainer.storage import ObjectStore
 
 CHECKPOINT_KEY = "__checkpoint__"
-_VERSION_RE = re.compile(r"^v-(\d{6,})$")
-
-
-class StoredObjectError(CheckpointError):
-    """A stored asset value is missing, corrupt or unreadable; it was not loaded."""
-
-
-class VersionedRepo(CheckpointRepo):
-    """The checkpoint commit protocol for asset values: versions `v-NNNNNN` under `subdir`."""
-
-    def __init__(self, store: ObjectStore, experiment: str, run: str, subdir: str):
-        super().__init__(store, experiment, run)
-        validate_key(subdir)
-        self.ckpt_prefix = f"{self.prefix}/{subdir}"
-        self.pointer_key = f"{self.ckpt_prefix}/latest.json"
-
-    @staticmethod
-    def version_name(version: int) -> str:
-        return f"v-{version:06d}"
-
-    def list_names(self) -> list[str]:
-        names = set()
-        for key in self.store.list(self.ckpt_prefix):
-            head = key[len(self.ckpt_prefix) + 1:].split("/")[0]
-            if _VERSION_RE.match(head):
-                names.add(head)
-        return sorted(names, key=lambda n: int(n[2:]))
-
-    def begin(self, step: int, attempt: int) -> Pending:  # step = version number here
-        return Pending(self.version_name(step), step, attempt)
-
-    def next_version(self) -> int:
-        names = self.list_names()
-        return int(names[-1][2:]) + 1 if names else 1
-
-    def put(self, filename: str, payload: bytes, meta: dict[str, Any],
-            retries: int = 5) -> Manifest:
-        """Commit `payload` as a new version; a lost race for a version name takes the next.
-        Its parent is the version latest.json named when this write began."""
-        ptr = self.read_pointer()
-        self.parent = ptr.checkpoint if ptr else None
-        for _ in range(retries):
-            pending = self.begin(self.next_version(), 0)
-            try:
-                with self.write_file(pending, filename) as w:
-                    w.write(payload)
-            except AlreadyExistsError:
-                continue
-            return self.commit(pending, meta)
-        raise StoredObjectError(f"could not find a free version name under "
-                                f"{self.store.uri_for(self.ckpt_prefix)} after {retries} tries")
-
-    def current(self) -> str | None:
-        ptr = self.read_pointer()
-        return ptr.checkpoint if ptr else None
-
-    def load_current(self) -> tuple[Any, Manifest]:
-        """Verify, then deserialize, the version latest.json names."""
-        where = self.store.uri_for(self.ckpt_prefix)
-        try:
-            name = self.current()
-        except CheckpointError as e:
-            raise StoredObjectError(f"cannot load from {where}: {e}") from e
-        if name is None:
-            raise StoredObjectError(
-                f"nothing is stored at {where} (no committed version); materialize the asset "
-                "for this partition first")
-        try:
-            m = self.read_manifest(name)
-            filename, fmt = m.meta.get("filename"), m.meta.get("format")
-            if filename not in m.files or fmt not in ("json", "torch"):
-                raise CheckpointError(f"manifest {self.store.uri_for(self.key(name, MANIFEST))} "
-                                      "does not describe a stored asset value")
-            key = self.key(name, filename)
-            try:
-                data = self.store.read_bytes(key)
-            except FileNotFoundError as e:
-                raise CheckpointError(f"file {self.store.uri_for(key)} listed in its manifest "
-                                      "is missing") from e
-            self.verify_file(m, filename, io.BytesIO(data))
-        except (CheckpointError, CheckpointNotFoundError) as e:
-            raise StoredObjectError(
-                f"refusing to load version {name} from {where}: {e}. Nothing was deserialized; "
-                "re-materialize the asset for this partition") from e
-        if fmt == "json":
-            return json.loads(data), m
-        from trainer.checkpointer import safe_torch_load
-
-        return safe_torch_load(io.BytesIO(data), self.store.uri_for(key)), m
 
 
 def _contains_tensor(obj: Any) -> bool:

@@ -12,6 +12,8 @@ import io
 import mmap
 import os
 import re
+import shutil
+import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from trainer.errors import CheckpointError, InvalidNameError
+from trainer.errors import AlreadyExistsError, CheckpointError, InvalidNameError
 
 NAME_RULE = (
     "lowercase letters, digits, '.', '_' and '-', starting with a letter or digit, "
@@ -68,6 +70,7 @@ def validate_key(key: str) -> str:
 
 
 CHUNK_SIZE = 64 << 20
+_COPY_BLOCK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -196,8 +199,9 @@ class ObjectStore(ABC):
     """Create-once objects plus one kind of conditionally updated pointer object."""
 
     uri: str
-    # True where a writer may write the object's file in place (`create_from_path`): for a
-    # local directory, torch.save's native file writer beats streaming through Python.
+    # True where `create_from_path` writes the object's file in place: for a local
+    # directory, torch.save's native file writer beats streaming through Python. Elsewhere
+    # a writer streams into `create` instead of paying for a temp copy.
     native_files: bool = False
 
     @abstractmethod
@@ -209,6 +213,31 @@ class ObjectStore(ABC):
         overwritten). On error nothing becomes visible under `key`.
         The written size and hash are on the writer after the block.
         """
+
+    @contextmanager
+    def create_from_path(self, key: str) -> Iterator[tuple[str, list[WrittenObject]]]:
+        """Like `create`, for a writer that wants a real file (torch.save to a path).
+
+        Yields (path, result): the caller writes the object's bytes to `path`; on clean
+        exit they are committed under `key` and `result[0]` describes them. The same
+        create-once rules as `create` apply (AlreadyExistsError; nothing visible on error).
+
+        This default writes a private temp file (under TMPDIR) and streams it through
+        `create` after the block, so it costs a second pass over the bytes: a store whose
+        objects are files (`native_files`) overrides it to write the file in place.
+        """
+        # Fail before the caller spends minutes producing a file for a taken name; the
+        # create below is what actually guarantees create-once.
+        if self.exists(key):
+            raise AlreadyExistsError(f"{self.uri_for(key)} already exists; refusing to overwrite")
+        result: list[WrittenObject] = []
+        with tempfile.TemporaryDirectory(prefix="ckpt-object-") as tmp:
+            path = os.path.join(tmp, "object")
+            yield path, result
+            with open(path, "rb") as f, self.create(key) as w:
+                # Blocks of at least 1 MiB: HashingWriter hashes them while they are written.
+                shutil.copyfileobj(f, w, _COPY_BLOCK)
+        result.append(w.result(key))
 
     def put_new(self, key: str, data: bytes) -> WrittenObject:
         with self.create(key) as w:

@@ -17,8 +17,7 @@ import hashlib
 import os
 import stat
 import threading
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -32,59 +31,20 @@ from trainer.storage.base import (
     digest_file,
     validate_key,
 )
+from trainer.storage.local_files import (
+    DISK_FULL_ERRNOS,
+    NEW_FILE_FLAGS,
+    STORAGE_ERRNOS,
+    catching,
+    disk_refuses_bytes,
+    unlink_quiet,
+    write_all,
+)
+from trainer.storage.local_files import temp_name as _temp_name
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_STORAGE_ERRNOS = DISK_FULL_ERRNOS | {errno.EROFS, errno.EIO}
-# How much a failed writer's temp file is grown to tell a full disk from other failures:
-# more than any filesystem's slack at the end of a file's last block.
-_PROBE_BYTES = 1 << 20
-
-
-def _temp_name(name: str) -> str:
-    """Name of the temp file a write of `name` goes through (hidden from `list`)."""
-    return f".{name}.tmp-{uuid.uuid4().hex[:12]}"
-
-
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        view = view[os.write(fd, view):]
-
-
-def _unlink_quiet(name: str, dir_fd: int) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-
-
-def disk_refuses_bytes(name: str, dir_fd: int) -> bool:
-    """After a writer failed on `name`: does the filesystem refuse more bytes there?
-
-    Native writers (torch's C++ stream) report ENOSPC as a bare iostream error, so the
-    failure itself cannot be told apart from a bug. Appending to the same file (freed with
-    it right after) answers the question on the same filesystem and quota."""
-    try:
-        fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, dir_fd=dir_fd)
-    except FileNotFoundError:
-        try:
-            fd = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=dir_fd)
-        except OSError as e:
-            return e.errno in DISK_FULL_ERRNOS
-    except OSError:
-        return False
-    try:
-        block = bytes(64 << 10)
-        for _ in range(_PROBE_BYTES // len(block)):
-            _write_all(fd, block)
-        os.fsync(fd)
-    except OSError as e:
-        return e.errno in DISK_FULL_ERRNOS
-    finally:
-        os.close(fd)
-    return False
+# `_temp_name` is looked up in this module at each write, so a fault-injection harness can
+# replace it here (benchmarks/soak_faults.py makes a writer meet a full disk that way).
 
 
 class LocalStore(ObjectStore):
@@ -127,7 +87,7 @@ class LocalStore(ObjectStore):
         try:
             yield
         except OSError as e:
-            if e.errno in _STORAGE_ERRNOS:
+            if e.errno in STORAGE_ERRNOS:
                 raise self._os_error(action, key, e) from e
             raise
 
@@ -206,7 +166,7 @@ class LocalStore(ObjectStore):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            if e.errno in _STORAGE_ERRNOS:
+            if e.errno in STORAGE_ERRNOS:
                 raise StorageError(f"cannot use local store {self.root}: {e.strerror}. Free "
                                    "space or fix the disk, or pass --store with another "
                                    "directory.") from e
@@ -229,9 +189,9 @@ class LocalStore(ObjectStore):
             if self._kind(name, dfd) != "missing":
                 raise AlreadyExistsError(f"{self.uri_for(key)} already exists; refusing to overwrite")
             tmp = _temp_name(name)
-            fd = os.open(tmp, _NEW_FILE_FLAGS, 0o644, dir_fd=dfd)
+            fd = os.open(tmp, NEW_FILE_FLAGS, 0o644, dir_fd=dfd)
             try:
-                writer = HashingWriter(lambda data: _write_all(fd, data))
+                writer = HashingWriter(lambda data: write_all(fd, data))
                 yield writer
                 os.fsync(fd)
                 os.close(fd)
@@ -240,7 +200,7 @@ class LocalStore(ObjectStore):
             finally:
                 if fd >= 0:
                     os.close(fd)
-                _unlink_quiet(tmp, dfd)
+                unlink_quiet(tmp, dfd)
 
     def _link_new(self, tmp: str, name: str, dfd: int, key: str) -> None:
         try:
@@ -253,8 +213,8 @@ class LocalStore(ObjectStore):
 
     @contextmanager
     def create_from_path(self, key: str) -> Iterator[tuple[str, list[WrittenObject]]]:
-        """Like `create`, but yields (temp path, result) for a writer that wants a real file;
-        after the block the file is committed under `key` and result[0] describes it."""
+        """`ObjectStore.create_from_path` in place: the yielded path is the temp file that
+        is linked under `key` after the block, so the bytes are written once."""
         # The writer writes the temp file directly; hashing reads it back from the page cache
         # on every core while fsync runs, which beats hashing inside a Python-level writer.
         parts, name = self._split(key)
@@ -273,7 +233,7 @@ class LocalStore(ObjectStore):
                 fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
                 with os.fdopen(fd, "rb") as f:
                     synced: list[BaseException] = []
-                    syncer = threading.Thread(target=_catching(os.fsync, synced), args=(fd,))
+                    syncer = threading.Thread(target=catching(os.fsync, synced), args=(fd,))
                     syncer.start()
                     try:
                         size, digest, chunks = digest_file(f)
@@ -284,7 +244,7 @@ class LocalStore(ObjectStore):
                 self._link_new(tmp, name, dfd, key)
                 result.append(WrittenObject(key, size, digest, chunks))
             finally:
-                _unlink_quiet(tmp, dfd)
+                unlink_quiet(tmp, dfd)
 
     # -- reading ------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes:
@@ -337,7 +297,7 @@ class LocalStore(ObjectStore):
         with self._io("delete", key):
             try:
                 with self._dir(parts) as dfd:
-                    _unlink_quiet(name, dfd)  # a link is removed itself, never its target
+                    unlink_quiet(name, dfd)  # a link is removed itself, never its target
             except FileNotFoundError:
                 return
             for i in range(len(parts), 0, -1):
@@ -387,16 +347,16 @@ class LocalStore(ObjectStore):
     def _atomic_replace(self, dfd: int, name: str, data: bytes) -> None:
         tmp = _temp_name(name)
         try:
-            fd = os.open(tmp, _NEW_FILE_FLAGS, 0o644, dir_fd=dfd)
+            fd = os.open(tmp, NEW_FILE_FLAGS, 0o644, dir_fd=dfd)
             try:
-                _write_all(fd, data)
+                write_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             os.fsync(dfd)
         finally:
-            _unlink_quiet(tmp, dfd)
+            unlink_quiet(tmp, dfd)
 
     def write_if(self, key: str, data: bytes, expected_token: str | None) -> str:
         # The flock makes read-compare-replace one step for every writer on this machine.
@@ -414,12 +374,3 @@ class LocalStore(ObjectStore):
         parts, name = self._split(key)
         with self._io("write", key), self._dir(parts, create=True) as dfd:
             self._atomic_replace(dfd, name, data)
-
-
-def _catching(fn: Callable, errors: list[BaseException]) -> Callable:
-    def run(*args):
-        try:
-            fn(*args)
-        except BaseException as e:  # re-raised by the thread that waits for it
-            errors.append(e)
-    return run
