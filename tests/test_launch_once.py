@@ -26,7 +26,7 @@ from ckpt_assets.submit import (
     submit,
 )
 from tests.dagster_fixtures import *  # noqa: F403
-from tests.dagster_fixtures import DAGSTER, PYTHON, ROOT, training_config
+from tests.dagster_fixtures import DAGSTER, PYTHON, ROOT, cli, training_config
 
 S = dg.DagsterRunStatus
 
@@ -197,3 +197,31 @@ def test_the_in_process_launch_creates_the_run_dagster_job_launch_creates(queue_
     assert (new_repo.code_pointer, new_repo.entry_point) == (old_repo.code_pointer,
                                                              old_repo.entry_point)
     assert new.remote_job_origin.location_name == "ckpt_assets"
+
+
+IMMEDIATE_INSTANCE = """
+telemetry:
+  enabled: false
+run_coordinator:
+  module: dagster.core.run_coordinator
+  class: DefaultRunCoordinator
+run_launcher:
+  module: dagster.core.launcher
+  class: DefaultRunLauncher
+"""
+
+
+@pytest.mark.slow
+def test_an_instance_without_the_run_queue_has_the_launched_run_run_at_once(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    # No queue: the run coordinator launches the run itself, through a code server, so the
+    # workspace is served as `dagster job launch` serves it (and, as then, the command
+    # returns once the code server it started has finished the run).
+    (dagster_home / "dagster.yaml").write_text(IMMEDIATE_INSTANCE)
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps(training_config()))
+    proc = cli("launch", "unqueued", "--config", str(config), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = _runs(dg.DagsterInstance.get(), "unqueued")
+    assert run.status == S.SUCCESS
+    assert run.remote_job_origin.location_name == "ckpt_assets"
