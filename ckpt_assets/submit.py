@@ -99,8 +99,8 @@ def launch_training_run(instance: dg.DagsterInstance, partition: str,
     if plan.active is not None:  # no need to load the code location
         return Launch(plan.active, created=False)
     with open_training_location(instance, workspace_file) as loc:
-        # Read again now that the location is loaded: the narrower the window between this
-        # read and the run's creation, the fewer launches race at all.
+        # Read again now that the location is loaded: a run queued meanwhile (a resume the
+        # sensors launched, a launch that finished first) is seen rather than raced.
         return submit(instance, loc, plan_launch(instance, partition, force=force), tags)
 
 
@@ -119,7 +119,11 @@ def submit(instance: dg.DagsterInstance, loc: TrainingLocation, plan: LaunchPlan
             raise LaunchError(f"run {plan.run_id} was created by another launch and deleted "
                               "at once; launch again") from None
         return Launch(winner, created=False)
-    return Launch(instance.submit_run(run.run_id, loc.workspace), created=True)
+    try:
+        return Launch(instance.submit_run(run.run_id, loc.workspace), created=True)
+    except Exception as e:  # the run coordinator's own; the instance marked the run failed
+        raise LaunchError(f"Dagster run {run.run_id} was created but the run coordinator "
+                          f"refused it (the run is marked failed; its log says why): {e}") from e
 
 
 @contextmanager
