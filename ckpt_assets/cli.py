@@ -2,6 +2,7 @@
 
     register NAME --config FILE [--experiment E]   record the run's config, add the partition
     launch   NAME [--config FILE] [--experiment E] register if needed, queue a train_job run
+                                                   (none if one is active: exit 0, says which)
     list     [--json]                              runs: state, attempts, latest step/checkpoint
     lineage  NAME [--json]                         attempts, checkpoints (parent links), model
     stop     NAME                                  terminate its active run; do not resume it
@@ -12,7 +13,10 @@ $DAGSTER_HOME (default: dagster_home/ under the repository root).
 
 Exit codes (the trainer's): 0 ok; 2 bad input (name, config, arguments, an unusable
 local store path; nothing was written); 5 store unavailable (S3 endpoint, bucket or
-credentials; nothing was written); 1 anything else (e.g. the launch failed).
+credentials; nothing was written); 1 anything else (e.g. the launch failed). `launch` of a
+run that already has a queued or running Dagster run queues nothing, names that run and
+exits 0; of several concurrent launches of one name exactly one queues a run, and the
+others name it and exit 0.
 """
 
 from __future__ import annotations
@@ -20,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 from trainer.outcomes import Outcome
@@ -65,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
                     help="extra run tag (repeatable)")
     la.add_argument("--force", action="store_true",
-                    help="queue even if the run already has a queued or running Dagster run")
+                    help="queue another run even if the run already has a queued or running "
+                         "Dagster run")
 
     st = sub.add_parser("stop", parents=[common],
                         help="terminate the run's active Dagster run and mark it not to be resumed")
@@ -138,27 +141,39 @@ def cmd_register(args) -> int:
     return EXIT_OK
 
 
-def cmd_launch(args) -> int:
-    from ckpt_assets.defs.names import PARTITIONS_NAME
-    from ckpt_assets.registration import (
-        read_registration,
-        register_training_run,
-        validate_partition_key,
-    )
+def _launch_tags(args) -> dict[str, str]:
     from ckpt_assets.tags import PARTITION_TAG
 
-    validate_partition_key(args.name)
     tags = {}
     for t in args.tag:
         k, sep, v = t.partition("=")
         if not sep or not k:
             raise CliError(f"--tag {t!r}: expected KEY=VALUE")
+        if k == PARTITION_TAG:
+            raise CliError(f"--tag {t!r}: the partition is the training run's name; "
+                           "drop this tag")
         tags[k] = v
+    return tags
+
+
+def cmd_launch(args) -> int:
+    """Register if needed, then queue a train_job run (`ckpt_assets.submit`): once, even
+    when launches of the name race. A run that is active already is what the user asked
+    for: that is reported, and the launch succeeds without queuing another."""
+    from ckpt_assets.registration import (
+        add_partition,
+        normalize_training_config,
+        read_registration,
+        register_training_run,
+        validate_partition_key,
+    )
+    from ckpt_assets.submit import LaunchError, launch_training_run
+
+    validate_partition_key(args.name)
+    tags = _launch_tags(args)
     raw = _read_config(args.config) if args.config else None
     store = _store(args.store)
     if raw is not None:
-        from ckpt_assets.registration import normalize_training_config
-
         normalize_training_config(raw, args.name, args.experiment)
     instance = _instance()
     if raw is not None:
@@ -168,37 +183,34 @@ def cmd_launch(args) -> int:
         if reg is None:
             raise CliError(f"training run {args.name!r} is not registered in {store.uri}; "
                            "pass --config FILE the first time")
-        if not instance.has_dynamic_partition(PARTITIONS_NAME, args.name):
-            instance.add_dynamic_partitions(PARTITIONS_NAME, [args.name])
-    from ckpt_assets.stop import active_runs
-
-    active = active_runs(instance, args.name)
-    if active and not args.force:
-        ids = ", ".join(f"{r.run_id} ({r.status.value})" for r in active)
-        raise CliError(f"training run {args.name!r} already has an active Dagster run: {ids}; "
-                       "it resumes by itself, or pass --force to queue another")
-    run_id = str(uuid.uuid4())
-    tags = {PARTITION_TAG: args.name, **tags}
-    env = dict(os.environ)
-    if args.store:
-        env["CKPT_STORE_URI"] = store.uri
-    root = _repo_root()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    dagster_bin = Path(sys.executable).parent / "dagster"
-    cmd = [str(dagster_bin) if dagster_bin.exists() else "dagster", "job", "launch",
-           "-w", str(root / "workspace.yaml"), "-j", "train_job",
-           "--tags", json.dumps(tags), "--run-id", run_id]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise CliError(f"dagster job launch failed (exit {proc.returncode}):\n{tail}", EXIT_ERROR)
-    run = instance.get_run_by_id(run_id)
-    status = run.status.value if run else "UNKNOWN"
-    print(f"launched train_job for training run {reg.run} (experiment {reg.experiment}): "
-          f"Dagster run {run_id} {status}")
-    if status == "QUEUED":
-        print("the run waits in the queue until a dagster-daemon (or `dagster dev`) dequeues it")
+        add_partition(instance, args.name)
+    try:
+        launch = launch_training_run(instance, args.name, tags, force=args.force)
+    except LaunchError as e:
+        raise CliError(str(e), EXIT_ERROR) from e
+    _print_launch(reg, launch)
     return EXIT_OK
+
+
+def _print_launch(reg, launch) -> None:
+    from dagster import DagsterRunStatus
+
+    from ckpt_assets.stop import ACTIVE_STATUSES
+
+    run_id, status = launch.run.run_id, launch.run.status
+    if launch.created:
+        print(f"launched train_job for training run {reg.run} (experiment {reg.experiment}): "
+              f"Dagster run {run_id} {status.value}")
+        if status == DagsterRunStatus.QUEUED:
+            print("the run waits in the queue until a dagster-daemon (or `dagster dev`) "
+                  "dequeues it")
+    elif status in ACTIVE_STATUSES:
+        print(f"training run {reg.run} already has an active Dagster run: {run_id} "
+              f"({status.value}); nothing else queued (it resumes by itself; --force queues "
+              "another)")
+    else:  # a concurrent launch created it, and it has ended since
+        print(f"training run {reg.run}: Dagster run {run_id} ({status.value}) was launched by "
+              "another launch at the same moment; nothing else queued")
 
 
 def cmd_list(args) -> int:

@@ -252,6 +252,14 @@ def _diff(a: Any, b: Any, path: str = "") -> str:
 
 
 def add_partition(instance: DagsterInstance, run: str) -> None:
+    from sqlalchemy.exc import IntegrityError
+
     validate_partition_key(run)
-    if not instance.has_dynamic_partition(PARTITIONS_NAME, run):
+    if instance.has_dynamic_partition(PARTITIONS_NAME, run):
+        return
+    try:
         instance.add_dynamic_partitions(PARTITIONS_NAME, [run])
+    except IntegrityError:
+        # A concurrent registration added it in between (the key is a unique index).
+        if not instance.has_dynamic_partition(PARTITIONS_NAME, run):
+            raise

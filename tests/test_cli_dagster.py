@@ -110,8 +110,10 @@ def test_cli_launch_queues_one_train_job_run_per_partition_that_the_daemon_runs(
     (run,) = instance.get_runs()
     assert run.job_name == "train_job" and run.status == dg.DagsterRunStatus.QUEUED
     assert run.tags["dagster/partition"] == "queued-run" and run.tags["team"] == "ml"
+    # The run is active: that is what the user asked for, so nothing more and no error.
     again = cli("launch", "queued-run")
-    assert again.returncode == 2 and "already has an active Dagster run" in again.stderr
+    assert again.returncode == 0, again.stderr
+    assert f"already has an active Dagster run: {run.run_id}" in again.stdout
     assert len(instance.get_runs()) == 1
 
     log = open(tmp_path / "daemon.log", "wb")
