@@ -25,6 +25,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from trainer import strict_json
+
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_STORAGE = 0, 1, 2, 5
 
 
@@ -205,7 +207,7 @@ def cmd_list(args) -> int:
     rows = [run_summary(instance, store, key)
             for key in sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))]
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(strict_json.dumps(rows, indent=1))
         return EXIT_OK
     if not rows:
         print("no training runs (register one: python -m ckpt_assets register NAME --config FILE)")
@@ -234,7 +236,7 @@ def cmd_lineage(args) -> int:
         rep = lineage_report(instance, store, args.name)
     except KeyError:
         raise CliError(f"training run {args.name!r} is not registered in {store.uri}") from None
-    print(json.dumps(rep, indent=1) if args.json else format_lineage(rep))
+    print(strict_json.dumps(rep, indent=1) if args.json else format_lineage(rep))
     return EXIT_OK
 
 

@@ -10,7 +10,6 @@ place whichever way in was taken.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 from ckpt_assets.datasets import DatasetRecord
 from ckpt_assets.partitions import Registration
 from ckpt_assets.resources import REPO_ROOT, TrainerResource
+from trainer import strict_json
 from trainer.repo import CheckpointRepo
 
 
@@ -58,7 +58,7 @@ def base_env(reg: Registration, store_uri: str, ids: AttemptIds, dataset: Datase
 def task_launch(reg: Registration, store_uri: str, env: dict[str, str],
                 trainer: TrainerResource, workdir: Path) -> Launch:
     config_path = workdir / "config.json"
-    config_path.write_text(json.dumps(reg.config, indent=1))
+    config_path.write_text(strict_json.dumps(reg.config, indent=1))
     argv = [trainer.python, "-m", "trainer", "--config", str(config_path), "--store", store_uri,
             "--resume", "auto", "--log-level", trainer.log_level]
     return Launch(argv, env, trainer.cwd)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
+from trainer import strict_json
 from trainer.config import config_from_dict
 from trainer.errors import AlreadyExistsError, ConfigError
 from trainer.storage import NAME_RULE, ObjectStore, validate_name
@@ -70,7 +71,7 @@ def validate_partition_key(key: str) -> str:
 
 
 def canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, indent=1, sort_keys=True).encode()
+    return strict_json.dumps(obj, indent=1, sort_keys=True).encode()
 
 
 def registry_key(run: str) -> str:
