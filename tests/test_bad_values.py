@@ -174,3 +174,13 @@ def test_the_edges_of_every_range_train_or_diverge_but_never_fail_as_a_bug(
                        checkpoint={"every_steps": 2, "every_seconds": 1e300})
     res = run_trainer(cfg, str(tmp_path / "store"), timeout=180)
     assert res.returncode in (EXIT_OK, EXIT_DIVERGED), res.log
+
+
+def test_a_cuda_index_beyond_the_machines_devices_is_bad_input(monkeypatch):
+    from trainer.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="'cuda:3' but this machine has 1 CUDA device"):
+        resolve_device("cuda:3")
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
