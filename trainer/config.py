@@ -45,10 +45,8 @@ class Section(BaseModel):
 
 
 class OptimConfig(Section):
-    lr: float = Field(3e-3, gt=0, le=MAX_LR,
-                      description=f"peak learning rate (default optimizer), at most {MAX_LR:g}")
-    weight_decay: float = Field(0.01, ge=0, le=MAX_WEIGHT_DECAY,
-                                description=f"AdamW weight decay, at most {MAX_WEIGHT_DECAY:g}")
+    lr: float = Field(3e-3, gt=0, le=MAX_LR, description="peak learning rate (default optimizer)")
+    weight_decay: float = Field(0.01, ge=0, le=MAX_WEIGHT_DECAY, description="AdamW weight decay")
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.999],
                                description="AdamW betas, two numbers in [0, 1)")
     warmup_steps: int = Field(20, ge=0, le=MAX_STEP, description="linear warm-up steps")
@@ -90,8 +88,7 @@ class CheckpointConfig(Section):
 
 class DataConfig(Section):
     shuffle: bool = Field(True, description="false: the dataset's own order (text in sequence)")
-    num_workers: int = Field(0, ge=0, le=MAX_PARALLEL,
-                             description=f"DataLoader worker processes (at most {MAX_PARALLEL})")
+    num_workers: int = Field(0, ge=0, le=MAX_PARALLEL, description="DataLoader worker processes")
 
 
 class AmpConfig(Section):
@@ -110,15 +107,12 @@ class TrainConfig(Section):
     dataset: str | None = Field(None, description="data by reference: a path, "
                                 "file:///abs/path or s3://bucket/prefix (null: the task "
                                 "generates its own)")
-    seed: int = Field(0, ge=0, le=MAX_SEED,
-                      description=f"seeds Python, NumPy and torch (0 to {MAX_SEED})")
-    max_steps: int = Field(200, ge=1, le=MAX_STEP,
-                           description=f"optimizer steps to train (at most {MAX_STEP})")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seeds Python, NumPy and torch")
+    max_steps: int = Field(200, ge=1, le=MAX_STEP, description="optimizer steps to train")
     batch_size: int = Field(32, ge=1, description="samples per batch")
     grad_accum_steps: int = Field(1, ge=1, description="batches per optimizer step")
     eval_every: int = Field(50, ge=0, description="evaluate every N steps (0: only at the end)")
-    threads: int = Field(1, ge=1, le=MAX_PARALLEL,
-                         description=f"torch CPU threads (at most {MAX_PARALLEL})")
+    threads: int = Field(1, ge=1, le=MAX_PARALLEL, description="torch CPU threads")
     deterministic: bool = Field(True, description="torch.use_deterministic_algorithms")
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
     amp: AmpConfig = Field(default_factory=AmpConfig)
