@@ -10,6 +10,9 @@ history to lose), then applies one fault and resumes until the run finishes:
     s3-errors     S3 store behind a proxy that answers 503 from step k on; expect exit 5
     race          two trainers of the run started at once asking for the same attempt;
                   expect one to finish (0) and the other to be fenced (6)
+    fifo-in-data  a FIFO appears in the run's dataset directory; expect exit 2 naming it,
+                  within FIFO_DEADLINE_S (a reader that opened it would block for ever),
+                  then the FIFO is removed and the run resumes
 
 It prints a matrix: trials, committed checkpoints lost (verifying before the fault, gone or
 failing after; must be 0, keep_last is high so retention drops nothing), runs that ended
@@ -45,7 +48,13 @@ from trainer.storage import open_store  # noqa: E402
 
 MAX_STEPS, EVERY = 110, 20
 EXPERIMENT, RUN = "default", "equiv"
-LOCAL_KINDS = ["kill", "ptr-deleted", "ptr-garbled", "ptr-types", "disk-full", "race"]
+LOCAL_KINDS = ["kill", "ptr-deleted", "ptr-garbled", "ptr-types", "disk-full", "race",
+               "fifo-in-data"]
+# fifo-in-data: the run versions a directory of files while it trains on the toy task's
+# data, so it ends identical to the reference; a trainer still running after the deadline
+# was blocked on the FIFO.
+DIRECTORY_TASK = "tests.user_tasks:directory_dataset"
+FIFO_DEADLINE_S = 60
 
 # Loaded into trainer processes through PYTHONPATH: from the CKPT_SOAK_DISK_FULL_AT-th file
 # save on, the file the writer opens is /dev/full, so torch's own writer meets ENOSPC.
@@ -78,9 +87,10 @@ def start_trainer(config: Path, store: str, env: dict) -> subprocess.Popen:
         env={**os.environ, **env})
 
 
-def follow(proc: subprocess.Popen, at_step: int | None = None, action=None) -> tuple[int, str]:
+def follow(proc: subprocess.Popen, at_step: int | None = None, action=None,
+           timeout: float = 600) -> tuple[int, str]:
     """Read the trainer's log to the end; call `action` once step `at_step` is done."""
-    timer = threading.Timer(600, proc.kill)
+    timer = threading.Timer(timeout, proc.kill)
     timer.start()
     lines, done = [], False
     try:
@@ -128,9 +138,16 @@ def kill(proc) -> None:
 
 def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, reference: dict,
               s3: dict | None) -> dict:
+    data = work / "data"
+    extra = {}
+    if kind == "fifo-in-data":
+        (data / "shard").mkdir(parents=True)
+        for i in range(rng.randint(1, 4)):
+            (data / "shard" / f"part-{i}.bin").write_bytes(rng.randbytes(rng.randint(1, 4096)))
+        extra = {"task": DIRECTORY_TASK, "dataset": str(data)}
     config = write_config(work / "config.json", max_steps=MAX_STEPS,
                           checkpoint={"every_steps": EVERY, "keep_last": 50,
-                                      "on_epoch_end": False})
+                                      "on_epoch_end": False}, **extra)
     if kind == "s3-errors":
         store = f"s3://{s3['bucket']}/trial-{rng.getrandbits(40):x}"
     else:
@@ -177,6 +194,13 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
         procs = [start_trainer(slow, store, env2) for _ in range(2)]
         rcs = sorted(follow(p)[0] for p in procs)
         expected, got = [0, 6], rcs
+    elif kind == "fifo-in-data":
+        fifo = data / rng.choice(["", "shard"]) / "incoming.pipe"
+        os.mkfifo(fifo)
+        rc, log = follow(start_trainer(config, store, env), timeout=FIFO_DEADLINE_S)
+        named = f"'{fifo.relative_to(data).as_posix()}' is a FIFO" in log
+        expected, got = 2, (rc if named else f"{rc} (FIFO not named)")
+        fifo.unlink()
 
     newest_before = max((int(n.split("-")[1]) for n in before), default=0)
     resumed_ok = True

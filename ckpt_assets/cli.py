@@ -22,11 +22,11 @@ others name it and exit 0.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
+from trainer import strict_json
 from trainer.outcomes import Outcome
 
 # The CLI answers with the trainer's codes: 2 bad input, 5 store unavailable, 1 otherwise.
@@ -222,7 +222,7 @@ def cmd_list(args) -> int:
     rows = [run_summary(instance, store, key)
             for key in sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))]
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(strict_json.dumps(rows, indent=1))
         return EXIT_OK
     if not rows:
         print("no training runs (register one: python -m ckpt_assets register NAME --config FILE)")
@@ -251,7 +251,7 @@ def cmd_lineage(args) -> int:
         rep = lineage_report(instance, store, args.name)
     except KeyError:
         raise CliError(f"training run {args.name!r} is not registered in {store.uri}") from None
-    print(json.dumps(rep, indent=1) if args.json else format_lineage(rep))
+    print(strict_json.dumps(rep, indent=1) if args.json else format_lineage(rep))
     return EXIT_OK
 
 

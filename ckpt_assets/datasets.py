@@ -10,11 +10,11 @@ on other data is not a resume.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckpt_assets.registration import Registration
+from trainer import strict_json
 from trainer.dataset import check_same_data, dataset_manifest
 from trainer.errors import CheckpointError
 from trainer.records import Lineage, from_known_fields
@@ -46,7 +46,7 @@ def describe_dataset(reg: Registration, s3_client=None) -> tuple[DatasetRecord, 
         m = dataset_manifest(cfg.dataset, s3_client=s3_client)
         return DatasetRecord("uri", m.version, m.uri, len(m.files), m.total_bytes), m.files
     generator = {"task": cfg.task, "task_args": cfg.task_args, "seed": cfg.seed}
-    body = json.dumps(generator, sort_keys=True, separators=(",", ":")).encode()
+    body = strict_json.dumps(generator, sort_keys=True, separators=(",", ":")).encode()
     return DatasetRecord("generated", hashlib.sha256(body).hexdigest(),
                          generator=generator), {}
 

@@ -9,7 +9,6 @@ checkpoint.
 from __future__ import annotations
 
 import hashlib
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from ckpt_assets.attempt_end import checkpoint_unloadable
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.registration import Registration
+from trainer import strict_json
 from trainer.errors import ConfigError
 
 
@@ -70,5 +70,5 @@ def export_weights(reg: Registration, weights: dict[str, Any], ck: dict[str, Any
              "command": cfg.command, "task_args": cfg.task_args, "seed": cfg.seed, "step": int(ck.get("step") or 0), "eval": metrics,
              "num_classes": num_classes, "checkpoint": ck.get("uri"),
              "checkpoint_sha256": ck.get("sha256"), "experiment": reg.experiment,
-             "training_run": reg.run, "config": json.dumps(cfg.to_dict(), sort_keys=True)}
+             "training_run": reg.run, "config": strict_json.dumps(cfg.to_dict(), sort_keys=True)}
     return value, weights_sha, model_version

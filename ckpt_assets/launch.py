@@ -11,7 +11,6 @@ place whichever way in was taken.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from ckpt_assets.datasets import DatasetRecord
 from ckpt_assets.defs.resources import REPO_ROOT, TrainerResource
 from ckpt_assets.registration import Registration
+from trainer import strict_json
 from trainer.contract import RESUME_FROM_ALIAS, LaunchEnv
 from trainer.repo import CheckpointRepo
 
@@ -66,7 +66,7 @@ def base_env(trainer: TrainerResource, aws_env: dict[str, str]) -> dict[str, str
 def task_launch(reg: Registration, launch: LaunchEnv, env: dict[str, str],
                 trainer: TrainerResource, workdir: Path) -> Launch:
     config_path = workdir / "config.json"
-    config_path.write_text(json.dumps(reg.config.to_dict(), indent=1))
+    config_path.write_text(strict_json.dumps(reg.config.to_dict(), indent=1))
     argv = [trainer.python, "-m", "trainer", "--config", str(config_path), "--store",
             launch.store_uri, "--resume", "auto", "--log-level", trainer.log_level]
     return Launch(argv, {**env, **launch.to_env()}, trainer.cwd)

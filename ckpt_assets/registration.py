@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt_assets.defs.names import PARTITIONS_NAME
+from trainer import strict_json
 from trainer.config import TrainConfig, config_from_dict
 from trainer.errors import AlreadyExistsError, ConfigError
 from trainer.storage import NAME_RULE, ObjectStore, validate_name
@@ -63,7 +64,7 @@ def validate_partition_key(key: str) -> str:
 
 
 def canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, indent=1, sort_keys=True).encode()
+    return strict_json.dumps(obj, indent=1, sort_keys=True).encode()
 
 
 def registry_key(run: str) -> str:

@@ -94,8 +94,9 @@ def test_the_forms_keys_defaults_and_help_are_the_trainers_models_key_by_key():
 
 def test_the_form_shows_each_keys_range_in_its_help():
     shape = TrainingForm.to_config_schema().as_field().config_type
-    assert shape.fields["max_steps"].description.endswith("(>= 1)")
-    assert shape.fields["optim"].config_type.fields["lr"].description.endswith("(> 0)")
+    assert shape.fields["max_steps"].description.endswith("(>= 1, <= 999999999)")
+    assert shape.fields["optim"].config_type.fields["lr"].description.endswith(
+        "(> 0, <= 1000000.0)")
     assert shape.fields["optim"].config_type.fields["min_lr_ratio"].description.endswith(
         "(>= 0, <= 1)")
 

@@ -22,6 +22,13 @@ def own_optimizer(t: TaskArgs) -> Task:
     return task
 
 
+def directory_dataset(t: TaskArgs) -> Task:
+    """A run whose `dataset` is a directory of files the trainer versions (and refuses when
+    it holds what cannot be read safely); the model trains on the toy task's generated data,
+    so its result matches the toy task's on the same seed."""
+    return toy.build(TaskArgs(t.args, t.seed))
+
+
 def strict_eval(t: TaskArgs) -> Task:
     """A task whose evaluation insists on eval mode without gradients."""
     task = toy.build(t)

@@ -21,9 +21,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainer.contract import RESERVED_PREFIXES, Env, reserved
 from trainer.errors import ConfigError
+from trainer.manifest import MAX_STEP
 from trainer.storage import validate_name
+from trainer.strict_json import non_finite_path
 
 MAX_HEARTBEAT_S = 60.0
+# NumPy's seeds are 32-bit: the widest range that seeds Python, NumPy and torch alike.
+MAX_SEED = 2**32 - 1
+# More threads or DataLoader workers than any machine runs: a typo, and torch would try to
+# start them all (beyond 2**31 - 1 it refuses the number outright).
+MAX_PARALLEL = 1024
+# AdamW divides the learning rate by 1 - beta1 (down to about 1e-16) and multiplies it by
+# the weight decay; the results must fit a float32 parameter (3.4e38) or the step raises.
+MAX_LR = 1e6
+MAX_WEIGHT_DECAY = 1e6
 
 
 class Section(BaseModel):
@@ -35,11 +46,11 @@ class Section(BaseModel):
 
 
 class OptimConfig(Section):
-    lr: float = Field(3e-3, gt=0, description="peak learning rate (default optimizer)")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    lr: float = Field(3e-3, gt=0, le=MAX_LR, description="peak learning rate (default optimizer)")
+    weight_decay: float = Field(0.01, ge=0, le=MAX_WEIGHT_DECAY, description="AdamW weight decay")
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.999],
                                description="AdamW betas, two numbers in [0, 1)")
-    warmup_steps: int = Field(20, ge=0, description="linear warm-up steps")
+    warmup_steps: int = Field(20, ge=0, le=MAX_STEP, description="linear warm-up steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1,
                                 description="cosine decay floor, as a fraction of lr")
     grad_clip: float = Field(1.0, ge=0, description="gradient norm clip (0: off)")
@@ -78,7 +89,7 @@ class CheckpointConfig(Section):
 
 class DataConfig(Section):
     shuffle: bool = Field(True, description="false: the dataset's own order (text in sequence)")
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    num_workers: int = Field(0, ge=0, le=MAX_PARALLEL, description="DataLoader worker processes")
 
 
 class AmpConfig(Section):
@@ -97,12 +108,12 @@ class TrainConfig(Section):
     dataset: str | None = Field(None, description="data by reference: a path, "
                                 "file:///abs/path or s3://bucket/prefix (null: the task "
                                 "generates its own)")
-    seed: int = Field(0, description="seeds Python, NumPy and torch")
-    max_steps: int = Field(200, ge=1, description="optimizer steps to train")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seeds Python, NumPy and torch")
+    max_steps: int = Field(200, ge=1, le=MAX_STEP, description="optimizer steps to train")
     batch_size: int = Field(32, ge=1, description="samples per batch")
     grad_accum_steps: int = Field(1, ge=1, description="batches per optimizer step")
     eval_every: int = Field(50, ge=0, description="evaluate every N steps (0: only at the end)")
-    threads: int = Field(1, ge=1, description="torch CPU threads")
+    threads: int = Field(1, ge=1, le=MAX_PARALLEL, description="torch CPU threads")
     deterministic: bool = Field(True, description="torch.use_deterministic_algorithms")
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
     amp: AmpConfig = Field(default_factory=AmpConfig)
@@ -143,6 +154,15 @@ class TrainConfig(Section):
                              f"orchestrator reserves; use {Env.RESUME_FROM.value} or a name "
                              "of your own")
         return name
+    @field_validator("task_args")
+    @classmethod
+    def _strict_json_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        bad = non_finite_path(v)
+        if bad is not None:
+            raise ValueError(f"config key 'task_args{bad}' is not a finite number: the config "
+                             "is stored as JSON, which has no NaN or infinity; pass a number "
+                             "or a string the task parses")
+        return v
 
     @model_validator(mode="after")
     def _one_way_in(self) -> TrainConfig:
@@ -182,11 +202,11 @@ def _message(err: dict[str, Any], model: type[BaseModel], prefix: str) -> str:
         return f"config key {path!r}: expected {_TYPE_WORDS[kind[:-5]]}, got {err['input']!r}"
     if kind == "greater_than":
         rule = "positive" if ctx.get("gt") == 0 else f"greater than {ctx.get('gt')}"
-        return f"config key {path!r} must be {rule}"
+        return f"config key {path!r} must be {rule} (got {err['input']!r})"
     if kind == "greater_than_equal":
-        return f"config key {path!r} must be at least {ctx.get('ge')}"
+        return f"config key {path!r} must be at least {ctx.get('ge')} (got {err['input']!r})"
     if kind == "less_than_equal":
-        return f"config key {path!r} must be at most {ctx.get('le')}"
+        return f"config key {path!r} must be at most {ctx.get('le')} (got {err['input']!r})"
     msg = str(err["msg"]).removeprefix("Value error, ")
     if msg.startswith("config key"):
         return msg

@@ -5,12 +5,17 @@ every file with its size and SHA-256 (local) or size and ETag / SHA-256 checksum
 hashing would mean downloading everything); its version is the SHA-256 of that list. One
 changed byte in one file changes the version, and a resume on another version is refused
 (`check_same_data`): resuming on different data is not a resume.
+
+Versioning reads regular files only and never blocks: a FIFO, socket or device in a local
+dataset is refused naming the entry (bad input), and so is a symlink that leaves the
+dataset. A symlink to a file inside the dataset is followed (hashed under the link's name);
+a symlink to a directory inside it is not walked, since its files are versioned under
+their own paths already.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 from dataclasses import dataclass
@@ -18,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from trainer import strict_json
 from trainer.errors import ConfigError, StorageError
 
 
@@ -28,7 +34,7 @@ class DatasetManifest:
 
     @property
     def version(self) -> str:
-        body = json.dumps(self.files, sort_keys=True, separators=(",", ":")).encode()
+        body = strict_json.dumps(self.files, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(body).hexdigest()
 
     @property
@@ -52,39 +58,112 @@ def local_path(uri: str) -> Path | None:
     return Path(uri).expanduser().absolute()
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+# What a dataset entry that is not a regular file is, for the message that refuses it.
+_SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+            (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def _kind(mode: int) -> str:
+    return next((word for test, word in _SPECIAL if test(mode)), "not a regular file")
+
+
+def _not_regular(uri: str, rel: str, what: str) -> ConfigError:
+    if not rel:
+        return ConfigError(f"dataset {uri} is {what}; a dataset is a regular file or a "
+                           "directory of them: fix the config's 'dataset'")
+    return ConfigError(
+        f"dataset {uri}: entry {rel!r} is {what}; a dataset holds regular files only (reading "
+        "anything else can block for ever or never end). Remove it from the dataset, or "
+        "point the config's 'dataset' at a directory of regular files")
+
+
+def _described(path: str) -> str:
+    """`path` and what it is: '/dev/zero (a character device)'."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"{path} ({e.strerror.lower()})"
+    what = "a file" if stat.S_ISREG(mode) else "a directory" if stat.S_ISDIR(mode) else _kind(mode)
+    return f"{path} ({what})"
+
+
+def _hashed(uri: str, path: str, rel: str) -> dict[str, Any]:
+    """Size and SHA-256 of the regular file at `path`; anything else is refused, never read.
+
+    O_NOFOLLOW | O_NONBLOCK: opening cannot follow a link swapped in after the walk looked,
+    nor wait for a FIFO's writer; the type is checked again on what was opened."""
+    fd = os.open(path, _OPEN_FLAGS)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(uri, rel, _kind(st.st_mode))
+        return {"size": st.st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _link_entry(uri: str, root: str, path: str, rel: str) -> dict[str, Any] | None:
+    """A symlink inside the dataset: its file's entry (None: a directory, not walked)."""
+    target = os.path.realpath(path)
+    if os.path.commonpath([root, target]) != root:
+        raise ConfigError(
+            f"dataset {uri}: entry {rel!r} is a symlink to {_described(target)}, outside "
+            "the dataset; "
+            "versioning does not follow links out of the dataset. Copy the file into the "
+            "dataset or point the config's 'dataset' at the directory that holds it")
+    st = os.stat(target)
+    if stat.S_ISDIR(st.st_mode):
+        return None  # its files are versioned under their own paths in the dataset
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(uri, rel, f"a symlink to {_kind(st.st_mode)} ({target})")
+    return _hashed(uri, target, rel)
+
+
+def _walk(uri: str, root: str) -> dict[str, dict[str, Any]]:
+    """Every regular file under `root` (resolved) by its path relative to it, never
+    following a symlink out of the dataset, never opening anything but a regular file."""
+    files: dict[str, dict[str, Any]] = {}
+    pending = [""]
+    while pending:
+        rel_dir = pending.pop()
+        with os.scandir(os.path.join(root, rel_dir)) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                pending.append(rel)
+            elif stat.S_ISLNK(mode):
+                linked = _link_entry(uri, root, entry.path, rel)
+                if linked is not None:
+                    files[rel] = linked
+            elif stat.S_ISREG(mode):
+                files[rel] = _hashed(uri, entry.path, rel)
+            else:
+                raise _not_regular(uri, rel, _kind(mode))
+    return dict(sorted(files.items()))
 
 
 def _local_manifest(uri: str, root: Path) -> DatasetManifest:
     try:
-        st = os.stat(root)
+        st = os.stat(root)  # the dataset's own path may be a link (/data/current -> v3)
     except FileNotFoundError:
         raise ConfigError(f"dataset {uri} does not exist; fix the config's 'dataset' or "
                           "create the data first") from None
     except OSError as e:
         raise ConfigError(f"dataset {uri} cannot be read: {e.strerror}") from None
+    real = os.path.realpath(root)
     try:
         if stat.S_ISREG(st.st_mode):
-            return DatasetManifest(uri, {root.name: {"size": st.st_size, "sha256": _sha256(root)}})
-        files = {}
-        for dirpath, dirnames, filenames in os.walk(root, onerror=_raise):
-            dirnames.sort()
-            for name in sorted(filenames):
-                p = Path(dirpath, name)
-                rel = p.relative_to(root).as_posix()
-                files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+            return DatasetManifest(uri, {root.name: _hashed(uri, real, "")})
+        if not stat.S_ISDIR(st.st_mode):
+            raise _not_regular(uri, "", _kind(st.st_mode))
+        files = _walk(uri, real)
     except OSError as e:
         raise ConfigError(f"dataset {uri}: {e.filename or ''} cannot be read "
                           f"({e.strerror}); fix its permissions or the config's 'dataset'") from None
     if not files:
         raise ConfigError(f"dataset {uri} is an empty directory")
     return DatasetManifest(uri, files)
-
-
-def _raise(e: OSError) -> None:
-    raise e
 
 
 def _s3_manifest(uri: str, client=None) -> DatasetManifest:

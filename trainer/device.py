@@ -33,6 +33,10 @@ def resolve_device(spec: str) -> torch.device:
                           "device; use device: auto or cpu")
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"config key 'device' is {spec!r}: use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"config key 'device' is {spec!r} but this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s), numbered from 0; use "
+                          "device: auto or an index below the count")
     return dev
 
 

@@ -8,6 +8,7 @@ a user's own loop does exactly the same.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -37,28 +38,65 @@ def lr_schedule(optim: OptimConfig, max_steps: int):
     return factor
 
 
+# What torch raises when it refuses a value: from a config value, bad input.
+_REFUSALS = (ValueError, TypeError, OverflowError, RuntimeError)
+
+
+def _refused(key: str, e: BaseException) -> ConfigError:
+    return ConfigError(f"config key {key!r} was refused by torch: {e}; fix it in the config")
+
+
+@contextlib.contextmanager
+def config_value(key: str):
+    """What torch raises while it takes a config value is bad input naming the key: the
+    config's ranges are meant to catch it first, and retrying cannot help."""
+    try:
+        yield
+    except _REFUSALS as e:
+        raise _refused(key, e) from None
+
+
 def seed_everything(cfg: TrainConfig) -> None:
     """Every generator a task might draw from starts from the seed, so that a fresh run is
     reproducible and a resumed one can be compared with it."""
-    torch.set_num_threads(cfg.threads)
+    with config_value("threads"):
+        torch.set_num_threads(cfg.threads)
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it
-    torch.use_deterministic_algorithms(cfg.deterministic)
-    seed_all(cfg.seed)
+    with config_value("deterministic"):
+        torch.use_deterministic_algorithms(cfg.deterministic)
+    with config_value("seed"):
+        seed_all(cfg.seed)
+
+
+# torch.optim's messages for the arguments the default optimizer takes from `optim`.
+_OPTIM_WORDS = (("learning rate", "optim.lr"), ("beta", "optim.betas"),
+                ("weight_decay", "optim.weight_decay"))
+
+
+def default_optimizer(o: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW from `optim`; a value torch refuses is bad input naming its key."""
+    try:
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas),
+                                 weight_decay=o.weight_decay)
+    except _REFUSALS as e:
+        key = next((k for word, k in _OPTIM_WORDS if word in str(e)), "optim")
+        raise _refused(key, e) from None
 
 
 def optimizer_and_scheduler(cfg: TrainConfig, task: Task):
     """The task's own, or AdamW with warm-up and cosine decay from `cfg.optim`."""
     optimizer = task_optimizer(cfg.task, task)
     if optimizer is None:
-        o = cfg.optim
-        optimizer = torch.optim.AdamW(task.model.parameters(), lr=o.lr, betas=tuple(o.betas),
-                                      weight_decay=o.weight_decay)
-        factor = lr_schedule(o, cfg.max_steps)
+        optimizer = default_optimizer(cfg.optim, task.model)
+        factor = lr_schedule(cfg.optim, cfg.max_steps)
     else:
         factor = _constant
     scheduler = task_scheduler(cfg.task, task, optimizer)
-    return optimizer, scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    if scheduler is None:
+        with config_value("optim"):  # warm-up and decay come from `optim`
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return optimizer, scheduler
 
 
 def _constant(step: int) -> float:
@@ -126,8 +164,11 @@ def train(cfg: TrainConfig, store_uri: str | None = None, resume: str | None = N
 def _run(cfg: TrainConfig, session: CheckpointSession) -> None:
     session.code_path = getattr(inspect.getmodule(resolve_task(cfg.task)), "__file__", None)
     device = resolve_device(cfg.device)
+    # Versioned before the task opens it: a dataset that cannot be read safely (a FIFO, a
+    # device, a link out of it) is refused before any code of the task reads from it.
+    data_version = session.data_version
     task = build_task(cfg.task, cfg.task_args, cfg.seed, session.dataset)
-    if session.data_version is None:
+    if data_version is None:
         session.data_version = task.data_version
     task.model.to(device)
     optimizer, scheduler = optimizer_and_scheduler(cfg, task)

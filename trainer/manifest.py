@@ -15,12 +15,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer import strict_json
 from trainer.errors import CheckpointError
 from trainer.storage import WrittenObject, is_segment
 from trainer.storage.base import CHUNK_SIZE
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1
+# Checkpoint names carry the step in nine digits (so that they sort by name): the highest
+# step a run can reach.
+MAX_STEP = 10**9 - 1
 _NAME_RE = re.compile(r"step-([0-9]{9})-a([0-9]{1,9})")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -57,7 +61,7 @@ class Manifest:
     run: str | None = None
 
     def to_json(self) -> bytes:
-        return json.dumps(self.__dict__, indent=1, sort_keys=True).encode()
+        return strict_json.dumps(self.__dict__, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -115,7 +119,7 @@ class Manifest:
     @property
     def sha256(self) -> str:
         """One digest for the whole checkpoint: the hash of its manifest's file list."""
-        body = json.dumps(self.files, sort_keys=True).encode()
+        body = strict_json.dumps(self.files, sort_keys=True).encode()
         return hashlib.sha256(body).hexdigest()
 
 

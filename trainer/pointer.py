@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from trainer import strict_json
 from trainer.errors import CheckpointError
 from trainer.manifest import checked_count, checked_name, checked_type
 
@@ -39,7 +40,7 @@ class Pointer:
     def to_json(self) -> bytes:
         body = {**self.__dict__, "history": list(self.history),
                 "best": self.best.__dict__ if self.best else None}
-        return json.dumps(body, indent=1, sort_keys=True).encode()
+        return strict_json.dumps(body, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Pointer:

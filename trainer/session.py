@@ -30,7 +30,6 @@ dataset and attempt take precedence over the arguments, which serve standalone r
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer import strict_json
 from trainer.checkpointer import Checkpointer, RNGState
 from trainer.code_version import ckpt_assets_version, code_version_of
 from trainer.config import CheckpointConfig, parse
@@ -59,7 +59,7 @@ from trainer.contract import (
 )
 from trainer.dataset import check_same_data, dataset_manifest
 from trainer.errors import AlreadyExistsError, ConfigError, DivergedError
-from trainer.manifest import Manifest
+from trainer.manifest import MAX_STEP, Manifest
 from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord, Lineage
 from trainer.repo import CheckpointRepo
@@ -90,6 +90,12 @@ class LoopState:
         self.losses = s["losses"].tolist()
         self.best_score = float(s["best_score"])
         self.metrics = dict(s["metrics"])
+
+    @property
+    def best(self) -> float | None:
+        """The best score so far, None before the first (what manifests record: JSON has
+        no infinity)."""
+        return self.best_score if math.isfinite(self.best_score) else None
 
 
 class DictPart:
@@ -243,7 +249,7 @@ class CheckpointSession:
         (a manifest stays small however large the config)."""
         if self.config is None:
             return None
-        body = json.dumps(self.config, sort_keys=True, indent=1).encode()
+        body = strict_json.dumps(self.config, sort_keys=True, indent=1).encode()
         sha = hashlib.sha256(body).hexdigest()
         key = f"{self.repo.prefix}/configs/{sha}.json"
         try:
@@ -255,9 +261,24 @@ class CheckpointSession:
     # -- the per-step call -----------------------------------------------------------------
     def step(self, step: int, *, loss: float | torch.Tensor | None = None,
              metrics: dict[str, float] | None = None, epoch_end: bool = False) -> bool:
-        """Record step `step` as done; commit if a trigger fires; True: stop the loop now."""
+        """Record step `step` as done; commit if a trigger fires; True: stop the loop now.
+
+        Steps must increase, from 1 (after a resume, from the step `restore` returned plus
+        one). A repeated step is an error too, not a no-op: pass a step's loss and metrics
+        in one call. Nothing committed is touched by a refused step."""
         if self._ck is None:
             raise ConfigError("call restore() with your parts before the first step()")
+        if isinstance(step, bool) or not isinstance(step, int | np.integer):
+            raise ConfigError(f"step {step!r} is not an integer: pass the step number")
+        if step <= self.loop.step:
+            raise ConfigError(
+                f"step {step} after {self.loop.step}: steps must increase, from 1. Pass each "
+                "step once, with its loss and metrics in one call; after a resume, continue "
+                "from the step restore() returned, plus one")
+        if step > MAX_STEP:
+            raise ConfigError(f"step {step} is above {MAX_STEP}, the highest step a "
+                              "checkpoint name holds")
+        step = int(step)
         if loss is not None:
             loss = float(loss)
             if not math.isfinite(loss):
@@ -320,7 +341,7 @@ class CheckpointSession:
         """Commit the parts as they are now, at the current step (once per step)."""
         loop = self.loop
         meta = {"reason": reason, "loss": loop.losses[-1] if loop.losses else None,
-                "metrics": loop.metrics, "best_score": loop.best_score,
+                "metrics": loop.metrics, "best_score": loop.best,
                 "is_best": reason == "best", "lineage": self.lineage.to_dict(),
                 "config": self._config_ref}
         self._ck.save(loop.step, meta)

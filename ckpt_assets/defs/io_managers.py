@@ -49,7 +49,9 @@ def serialize(obj: Any) -> tuple[str, bytes]:
     """('json', bytes) for plain structured values, ('torch', bytes) for anything with tensors."""
     if not _contains_tensor(obj):
         try:
-            return "json", json.dumps(obj, indent=1, sort_keys=True).encode()
+            # Strict JSON or none: a value holding NaN or infinity is stored with torch,
+            # which keeps it exactly.
+            return "json", json.dumps(obj, indent=1, sort_keys=True, allow_nan=False).encode()
         except (TypeError, ValueError):
             pass
     import torch
