@@ -67,7 +67,8 @@ def export_weights(reg: Registration, weights: dict[str, Any], ck: dict[str, Any
             description=f"{reg.experiment}/{reg.run} step {ck.get('step')} from {ck.get('uri')}")
     cfg = reg.config
     value = {"model": weights, "task": None if cfg.command else cfg.task,
-             "command": cfg.command, "task_args": cfg.task_args, "seed": cfg.seed, "step": int(ck.get("step") or 0), "eval": metrics,
+             "command": cfg.command, "task_args": cfg.task_args, "seed": cfg.seed,
+             "step": int(ck.get("step") or 0), "eval": metrics,
              "num_classes": num_classes, "checkpoint": ck.get("uri"),
              "checkpoint_sha256": ck.get("sha256"), "experiment": reg.experiment,
              "training_run": reg.run, "config": strict_json.dumps(cfg.to_dict(), sort_keys=True)}

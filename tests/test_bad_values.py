@@ -23,9 +23,10 @@ from trainer.config import (
     TrainConfig,
     config_from_dict,
 )
-from trainer.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK, ConfigError
+from trainer.errors import ConfigError
 from trainer.loop import default_optimizer, seed_everything
 from trainer.manifest import MAX_STEP
+from trainer.outcomes import Outcome
 from trainer.repo import CheckpointRepo
 from trainer.session import CheckpointSession
 from trainer.storage import open_store
@@ -56,7 +57,7 @@ def _steps_in_process(store: Path, steps: list, caplog) -> int:
 ])
 def test_a_step_that_does_not_increase_is_bad_input_and_keeps_what_was_committed(
         tmp_path, caplog, steps, message):
-    assert _steps_in_process(tmp_path, steps, caplog) == EXIT_BAD_INPUT
+    assert _steps_in_process(tmp_path, steps, caplog) == Outcome.BAD_INPUT.exit_code
     assert message in caplog.text
     repo = _repo(tmp_path)
     kept = [s for s in steps if isinstance(s, int) and 0 < s <= MAX_STEP and s % 10 == 0]
@@ -90,7 +91,7 @@ def _run_steps(tmp_path: Path, steps: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_a_loop_passing_steps_10_20_10_exits_2_and_both_checkpoints_stay_verifiable(tmp_path):
     res = _run_steps(tmp_path, "10,20,10")
-    assert res.returncode == EXIT_BAD_INPUT, res.stderr
+    assert res.returncode == Outcome.BAD_INPUT.exit_code, res.stderr
     assert "bad_input: step 10 after 20: steps must increase" in res.stderr
     assert "storage_unavailable" not in res.stderr and "Traceback" not in res.stderr
     repo = _repo(tmp_path / "store")
@@ -155,7 +156,7 @@ def test_the_highest_thread_count_allowed_is_one_torch_takes():
 def test_the_trainer_exits_2_naming_the_key_for_values_torch_would_refuse(tmp_path, raw, key):
     cfg = write_config(tmp_path / "cfg.json", max_steps=3, **raw)
     res = run_trainer(cfg, str(tmp_path / "store"), timeout=120)
-    assert res.returncode == EXIT_BAD_INPUT, res.log
+    assert res.returncode == Outcome.BAD_INPUT.exit_code, res.log
     assert f"bad_input: config key '{key}'" in res.log and "Traceback" not in res.log
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("MANIFEST.json"))
 
@@ -173,7 +174,7 @@ def test_the_edges_of_every_range_train_or_diverge_but_never_fail_as_a_bug(
                               "warmup_steps": warmup_steps, "grad_clip": 1e300},
                        checkpoint={"every_steps": 2, "every_seconds": 1e300})
     res = run_trainer(cfg, str(tmp_path / "store"), timeout=180)
-    assert res.returncode in (EXIT_OK, EXIT_DIVERGED), res.log
+    assert res.returncode in (Outcome.SUCCESS.exit_code, Outcome.DIVERGED.exit_code), res.log
 
 
 def test_a_cuda_index_beyond_the_machines_devices_is_bad_input(monkeypatch):

@@ -17,6 +17,7 @@ import pytest
 from ckpt_assets.datasets import describe_dataset
 from ckpt_assets.registration import Registration
 from tests.trainer_proc import ROOT, run_trainer, write_config
+from trainer.config import config_from_dict
 from trainer.dataset import dataset_manifest
 from trainer.errors import ConfigError
 from trainer.repo import CheckpointRepo
@@ -126,8 +127,8 @@ def test_a_link_out_of_the_dataset_is_refused_even_to_a_regular_file(tmp_path):
 def test_the_function_the_asset_calls_refuses_a_fifo_without_blocking(tmp_path):
     d = _data_dir(tmp_path / "data")
     _fifo(d)
-    reg = Registration("r", "default", {"dataset": str(d), "task": "trainer.tasks.toy:build"},
-                       "file:///nowhere/config.json", "0" * 64)
+    config = config_from_dict({"run": "r", "dataset": str(d), "task": "trainer.tasks.toy:build"})
+    reg = Registration("r", "default", config, "file:///nowhere/config.json", "0" * 64)
     out = _finishes(lambda: describe_dataset(reg))
     assert isinstance(out.get("error"), ConfigError), out
     assert "'shard/pipe' is a FIFO" in str(out["error"])
