@@ -56,6 +56,7 @@ import math
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -261,6 +262,19 @@ def _logging_configured() -> bool:
             return True
         logger = logger.parent if logger.propagate else None
     return False
+
+
+def _at_interpreter_exit(func) -> None:
+    """Call `func` when the script ends, before thread pools refuse work: concurrent.futures
+    shuts its pools down first thing at exit (before `atexit` callbacks), and a commit
+    hashes on one. Pipes is closed later, by Reporter's `atexit` callback."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            return register(func)
+    except RuntimeError:  # the interpreter is already on its way out
+        pass
+    atexit.register(func)
 
 
 def _ends_like_the_block(method):
@@ -581,14 +595,15 @@ class CheckpointSession:
         if self._exit_hooks:
             return
         self._exit_hooks = True
-        atexit.register(self._at_exit)  # after Reporter.shared()'s: runs before it closes Pipes
+        _at_interpreter_exit(self._at_exit)
         self._prev_excepthook, sys.excepthook = sys.excepthook, self._excepthook
 
     def _drop_exit_hooks(self) -> None:
         if not self._exit_hooks:
             return
         self._exit_hooks = False
-        atexit.unregister(self._at_exit)
+        atexit.unregister(self._at_exit)  # (threading's exit callbacks cannot be withdrawn:
+        # `_at_exit` does nothing once the session finished)
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._prev_excepthook
 
