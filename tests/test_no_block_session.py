@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dagster_fixtures import *  # noqa: F403
 from tests.trainer_proc import ROOT
 from trainer.contract import Env
 from trainer.outcomes import Outcome
@@ -101,3 +102,22 @@ def test_without_a_block_a_failure_exits_with_the_blocks_code_reported_once_and_
         assert _repo(tmp_path).read_pointer().step == 4  # the last trigger, not a final commit
     else:
         assert "without state_dict()/load_state_dict()" in res.stderr
+
+
+def test_the_no_block_example_runs_under_dagster_as_a_command_and_a_second_launch_resumes_it(
+        instance, tmp_path, mlflow_uri):
+    """The last step of the README's "Your script in five minutes"."""
+    from ckpt_assets.definitions import make_resources
+    from tests.dagster_fixtures import checkpoints, materialize_run, step_failure_metadata
+    from trainer.config import read_config_file
+
+    store = str(tmp_path / "s")
+    cfg = read_config_file(ROOT / "examples" / "no_block" / "run.yaml")
+    res = materialize_run(instance, "spirals-1", make_resources(store), training=cfg)
+    assert res.success, step_failure_metadata(res)
+    steps = [c["step"] for c in checkpoints(res)]
+    assert steps[:4] == [10, 20, 30, 32] and steps[-1] == 192  # every 10, and each epoch end
+    again = materialize_run(instance, "spirals-1", make_resources(store))
+    assert again.success, step_failure_metadata(again)
+    logs = "\n".join(e.user_message for e in instance.all_logs(again.run_id))
+    assert "resumed from file://" in logs and "spirals/spirals-1/checkpoints/step-000000192" in logs

@@ -553,7 +553,8 @@ class CheckpointSession:
         self._ck.close()
         if not self.stopped:
             self.reporter.send(Finished(self.loop.step, dict(self.loop.metrics)))
-            self._say(f"training finished at step {self.loop.step}: {self.loop.metrics}")
+            metrics = f": {self.loop.metrics}" if self.loop.metrics else ""
+            self._say(f"training finished at step {self.loop.step}{metrics}")
 
     def __enter__(self) -> CheckpointSession:
         self._in_block = True
