@@ -289,7 +289,7 @@ def _ends_like_the_block(method):
             if self._in_block or self._finishing:
                 raise
             raise SystemExit(self._finish(e)) from None
-        if self.stopped and not self._in_block and not self._finishing:
+        if result is True and not self._in_block and not self._finishing:  # step: a stop
             raise SystemExit(self._finish(None))
         return result
 
