@@ -7,10 +7,14 @@ exactly the bytes of tensors, optimizer state, data position, RNG states and los
 of the uninterrupted one.
 
 The signal is timed by an event, not by a guess: a `sitecustomize` module put on the
-child's PYTHONPATH holds the child inside its "step N done" log call (at DEBUG, which
-each example turns on with `--log-level DEBUG`) until the test has sent the signal and
-closed the child's stdin. So the signal lands at step N exactly, on a fast or a slow
-machine alike.
+child's PYTHONPATH holds the child inside its "step N done" log call (at DEBUG, which it
+turns on for the `trainer` logger with a filter, not a handler, so that a script without
+logging configuration stays without) until the test has sent the signal and closed the
+child's stdin. So the signal lands at step N exactly, on a fast or a slow machine alike.
+
+`examples/no_block` is a script ported to the session without a `with` block: the test
+counts the lines its port changed, and kills it exactly at an epoch boundary to check that
+the end-of-epoch evaluation and LR decision of that epoch run once, after the resume.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_proc import COMMIT_RE, ROOT, Result, assert_bitwise_equal, final_state
+from trainer.contract import Env
 
 pytestmark = pytest.mark.slow
 
@@ -40,29 +45,37 @@ import logging, os, re, sys
 _AT = int(os.environ["EXAMPLES_GATE_STEP"])
 
 
-class _Gate(logging.Handler):
+class _Gate(logging.Filter):
     """Hold the process inside the log call of step _AT until stdin closes."""
 
-    def emit(self, record):
+    def filter(self, record):
         m = re.match(r"step (\\d+) done", record.getMessage())
         if m and int(m.group(1)) == _AT:
             os.write(2, f"GATE step {_AT}\\n".encode())
             sys.stdin.buffer.read()
+        return True
 
 
-logging.getLogger("trainer").addHandler(_Gate(logging.DEBUG))
+_trainer = logging.getLogger("trainer")
+_trainer.addFilter(_Gate())
+_trainer.setLevel(logging.DEBUG)
 '''
 
 
 @dataclass(frozen=True)
 class Example:
     argv: tuple[str, ...]  # after the interpreter, before the store and resume arguments
-    store_flag: str
-    resume_flag: str  # how to name the checkpoint to continue from
+    store_flag: str | None  # None: the store is named by $CKPT_STORE_URI
+    resume_flag: str | None  # how to name the checkpoint to continue from (None: the env)
     experiment: str
     run: str
     steps: int
     pythonpath: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ("--log-level", "DEBUG")
+    env: tuple[tuple[str, str], ...] = ()
+    # Generators the script never seeds (and never draws from): each fresh process starts
+    # them elsewhere, so they are left out of the comparison.
+    unseeded: tuple[str, ...] = ()
 
 
 EXAMPLES = {
@@ -75,22 +88,38 @@ EXAMPLES = {
     "plain_script": Example(
         ("examples/plain_script/train.py", "--steps", "150"), "--store", "--resume-from",
         "plain", "plain", 150),
+    # No logging configured, no flags of ours: store and resume point by environment.
+    "no_block": Example(
+        ("examples/no_block/train.py",), None, None, "spirals", "spirals", 192,
+        extra_args=(), env=(("OMP_NUM_THREADS", "1"),), unseeded=("python", "numpy")),
 }
+NO_BLOCK = ROOT / "examples" / "no_block"
+BATCHES_PER_EPOCH = 32  # examples/no_block: 2048 points in batches of 64
 
 
-def run_example(ex: Example, store: Path, *extra: str, gate_at: int | None = None,
-                sig: int | None = None, gate_dir: Path | None = None,
-                timeout: float = 300) -> Result:
-    """Run the example to its end, or, with `gate_at`, send `sig` when step `gate_at` is done."""
+def run_example(ex: Example, store: Path, *, resume: str | None = None,
+                gate_at: int | None = None, sig: int | None = None,
+                gate_dir: Path | None = None, timeout: float = 300) -> Result:
+    """Run the example to its end, or, with `gate_at`, send `sig` when step `gate_at` is done;
+    `resume` names the checkpoint to continue from, the way the example takes it."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("CKPT_", "DAGSTER_PIPES")) and k != "CHECKPOINT_PATH"}
+    env.update(ex.env)
     paths = [str(ROOT / p) for p in ex.pythonpath] + [str(ROOT)]
     if gate_at is not None:
         (gate_dir / "sitecustomize.py").write_text(GATE_MODULE)
         paths.insert(0, str(gate_dir))
         env["EXAMPLES_GATE_STEP"] = str(gate_at)
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    argv = [sys.executable, *ex.argv, ex.store_flag, str(store), "--log-level", "DEBUG", *extra]
+    argv = [sys.executable, *ex.argv, *ex.extra_args]
+    if ex.store_flag:
+        argv += [ex.store_flag, str(store)]
+    else:
+        env[Env.STORE_URI] = str(store)
+    if resume and ex.resume_flag:
+        argv += [ex.resume_flag, resume]
+    elif resume:
+        env[Env.RESUME_FROM] = resume
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     out, fd, signalled = bytearray(), proc.stdout.fileno(), False
@@ -134,7 +163,11 @@ def latest(store: Path, ex: Example) -> tuple[str, int]:
 
 
 def final(store: Path, ex: Example) -> dict:
-    return final_state(store, ex.experiment, ex.run)
+    state = final_state(store, ex.experiment, ex.run)
+    for rng in (state["rng"], state["loop"].get("epoch_rng") or {}):
+        for name in ex.unseeded:
+            rng.pop(name)
+    return state
 
 
 @pytest.fixture(scope="module")
@@ -189,9 +222,55 @@ def test_sigkill_then_sigterm_at_random_steps_then_resume_ends_bitwise_identical
     assert step == term_at
 
     # Resumed from the checkpoint named explicitly, as the orchestrator does.
-    last = run_example(ex, store, ex.resume_flag, uri)
+    last = run_example(ex, store, resume=uri)
     assert last.returncode == 0, f"{where}\n{last.log}"
     assert f"resumed from {uri} at step {term_at} " in last.log, f"{where}\n{last.log}"
     assert latest(store, ex)[1] == ex.steps
 
     assert_bitwise_equal(uninterrupted(name)[1], final(store, ex), name)
+
+
+def test_the_no_block_port_changes_at_most_12_lines_of_the_original_script():
+    """`diff` as a user would run it: every added, removed or changed line counts, blank
+    lines and whitespace included."""
+    out = subprocess.run(["diff", str(NO_BLOCK / "original.py"), str(NO_BLOCK / "train.py")],
+                         capture_output=True, text=True, check=False).stdout
+    changed = [line for line in out.splitlines() if line.startswith(("<", ">"))]
+    original = (NO_BLOCK / "original.py").read_text().count("\n")
+    print(f"diff examples/no_block/original.py examples/no_block/train.py: {len(changed)} "
+          f"changed lines (original: {original} lines)")
+    assert 0 < len(changed) <= 12, out
+    assert original >= 120, "the original stands for a typical script of ~150 lines"
+
+
+def _epoch_lines(log: str) -> list[str]:
+    return re.findall(r"^epoch \d+: .*$", log, flags=re.MULTILINE)
+
+
+def test_sigterm_at_an_epoch_boundary_of_the_no_block_script_exits_143_and_the_resume_runs_that_epochs_evaluation_once(
+        uninterrupted, tmp_path):
+    """Killed mid-epoch, then exactly at the last batch of an epoch: the committed step is an
+    epoch boundary whose evaluation and LR decision had not run. Across the three processes
+    every epoch's line is printed once, equal to the uninterrupted run's, and the run ends
+    bitwise identical."""
+    ex = EXAMPLES["no_block"]
+    store, gate = tmp_path / "store", tmp_path / "gate"
+    gate.mkdir()
+    mid, boundary = BATCHES_PER_EPOCH + 13, 3 * BATCHES_PER_EPOCH
+
+    first = run_example(ex, store, gate_at=mid, sig=signal.SIGTERM, gate_dir=gate)
+    assert first.returncode == 143 and first.committed[-1] == mid, first.log
+    assert "stop requested" in first.log, first.log
+    second = run_example(ex, store, gate_at=boundary, sig=signal.SIGTERM, gate_dir=gate)
+    assert second.returncode == 143 and second.committed[-1] == boundary, second.log
+    assert f"resumed from file://{store}" in second.log and f"at step {mid} " in second.log
+    third = run_example(ex, store)
+    assert third.returncode == 0, third.log
+    assert f"at step {boundary} " in third.log, third.log
+
+    base, base_state = uninterrupted("no_block")
+    runs = [_epoch_lines(r.log) for r in (first, second, third)]
+    assert [len(lines) for lines in runs] == [1, 1, 4], runs  # epoch 2's after the resume
+    assert runs[2][0].startswith("epoch 2: "), runs
+    assert sum(runs, []) == _epoch_lines(base.log)
+    assert_bitwise_equal(base_state, final(store, ex), "no_block")

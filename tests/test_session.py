@@ -223,3 +223,191 @@ def test_a_session_seed_seeds_every_generator_the_session_saves(tmp_path):
     first = (random.random(), float(np.random.rand()), float(torch.rand(())))
     _session(tmp_path, seed=3)
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == first
+
+
+# -- a loss as a tensor, best without metrics, part sizes ---------------------------------------
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_a_loss_and_metrics_passed_as_tensors_that_require_grad_are_taken_without_a_warning(tmp_path):
+    model, opt = _parts()
+    with _session(tmp_path, every_steps=2) as ckpt:
+        ckpt.restore(model=model, optimizer=opt)
+        for step in range(1, 5):
+            loss = model(torch.ones(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            assert loss.requires_grad
+            ckpt.step(step, loss=loss, metrics={"loss": loss * 2})
+    assert ckpt.loop.losses[-1] == loss.item()
+    assert ckpt.loop.metrics["loss"] == (loss * 2).item()
+
+
+def test_a_loss_tensor_of_more_than_one_number_is_bad_input_naming_its_shape(tmp_path):
+    ckpt = _session(tmp_path)
+    with pytest.raises(SystemExit) as exc, ckpt:
+        ckpt.restore(model=_parts()[0])
+        ckpt.step(1, loss=torch.ones(3))
+    assert exc.value.code == Outcome.BAD_INPUT.exit_code
+
+
+def _committed(store) -> list:
+    repo = _repo(store)
+    return [repo.read_manifest(n) for n in repo.committed()]
+
+
+def test_without_the_best_metric_in_the_metrics_the_best_checkpoint_follows_the_training_loss(tmp_path):
+    losses = [3.0, 2.0, 4.0, 1.0, 5.0, 1.5]
+    with _session(tmp_path, every_steps=1, keep_last=1) as ckpt:
+        ckpt.restore(model=_parts()[0])
+        for step, loss in enumerate(losses, 1):
+            ckpt.step(step, loss=loss, metrics={"accuracy": 0.5})  # no "loss" among them
+    repo = _repo(tmp_path)
+    best = repo.read_pointer().best
+    assert best.checkpoint.startswith("step-000000004") and best.score == 1.0
+    # Retention kept the best besides the last; only commits at a new low were marked best.
+    kept = {m.step: m.meta["is_best"] for m in _committed(tmp_path)}
+    assert kept == {4: True, 6: False}
+    assert [m.meta["reason"] for m in _committed(tmp_path)] == ["interval", "interval"]
+
+
+def test_once_the_metrics_name_the_best_metric_it_decides_and_the_loss_no_longer_counts(tmp_path):
+    with _session(tmp_path, every_steps=1, keep_last=10) as ckpt:
+        ckpt.restore(model=_parts()[0])
+        ckpt.step(1, loss=0.1)  # best by the loss, for now
+        ckpt.step(2, loss=5.0, metrics={"loss": 2.0})  # the metric takes over: a new best
+        ckpt.step(3, loss=0.01)  # a lower training loss is not a better checkpoint now
+        ckpt.step(4, loss=9.0, metrics={"loss": 3.0})
+    by_step = {m.step: m.meta["is_best"] for m in _committed(tmp_path)}
+    assert by_step == {1: True, 2: True, 3: False, 4: False}
+    assert _repo(tmp_path).read_pointer().best.checkpoint.startswith("step-000000002")
+
+
+def test_the_checkpoint_record_carries_each_parts_bytes_and_an_lbfgs_history_200_times_the_model_is_named_in_a_warning(
+        tmp_path, caplog):
+    from trainer.records import CheckpointRecord
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(30, 30)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=20, history_size=100)
+    data = {}
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(data["x"]), data["y"])
+        loss.backward()
+        return loss
+
+    with caplog.at_level(logging.WARNING, "trainer"), _session(tmp_path, every_steps=3) as ckpt:
+        ckpt.restore(model=model, optimizer=opt)
+        for step in range(1, 10):
+            data.update(x=torch.randn(64, 30), y=torch.randn(64, 30))  # never converges
+            ckpt.step(step, loss=opt.step(closure))
+    repo = _repo(tmp_path)
+    m = repo.read_manifest(repo.committed()[-1])
+    rec = CheckpointRecord.from_dict(CheckpointRecord.from_manifest(m, repo.uri(m.name)).to_dict())
+    parts = rec.part_bytes
+    assert set(parts) == {"model", "optimizer", "loop", "rng"}
+    assert parts["model"] == 31 * 30 * 4
+    history = len(opt.state_dict()["state"][0]["old_dirs"])
+    assert history == 100 and parts["optimizer"] > 200 * parts["model"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "checkpoint part 'optimizer'" in warnings[0], warnings
+    assert "history_size" in warnings[0]
+
+
+def test_an_optimizer_state_the_size_of_the_model_raises_no_warning(tmp_path, caplog):
+    model, opt = _parts()
+    with caplog.at_level(logging.WARNING, "trainer"), _session(tmp_path, every_steps=1) as ckpt:
+        ckpt.restore(model=model, optimizer=opt)
+        for step in range(1, 4):
+            ckpt.step(step, loss=_train(model, opt, step))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    m = _committed(tmp_path)[-1]
+    assert m.meta["part_bytes"]["optimizer"] == m.meta["part_bytes"]["model"]  # momentum
+
+
+# -- epochs of a hand-rolled batch loop -------------------------------------------------------
+
+EPOCHS, PER_EPOCH = 3, 4
+
+
+def _train_epochs(store, stop_at: int | None = None):
+    """EPOCHS epochs of PER_EPOCH batches, each epoch shuffled with the global generator
+    first (the prologue), its end-of-epoch work recorded in `ends`; a stop at `stop_at`."""
+    model, opt = _parts()
+    ends: list[int] = []
+    ckpt = _session(store, every_steps=None, on_epoch_end=False)
+
+    def loop():
+        for epoch in ckpt.epochs(EPOCHS, PER_EPOCH):
+            order = torch.randperm(PER_EPOCH)
+            for b in ckpt.batches():
+                loss = _train(model, opt, int(order[b]) + 10 * epoch)
+                if ckpt.loop.step + 1 == stop_at:
+                    ckpt.stop.signal_name = "SIGTERM"
+                if ckpt.step(loss=loss):
+                    return
+            ends.append(epoch)
+
+    code = 0
+    try:
+        with ckpt:
+            ckpt.restore(model=model, optimizer=opt)
+            loop()
+    except SystemExit as e:
+        code = e.code
+    return ends, model, code
+
+
+@pytest.mark.parametrize("stop_at", [PER_EPOCH * 2, PER_EPOCH + 2])
+def test_epochs_and_batches_resume_a_stop_at_the_epoch_boundary_or_inside_an_epoch_exactly(
+        tmp_path, stop_at):
+    """At an epoch's last batch, the stop comes before that epoch's end-of-epoch work: the
+    resume runs it (once). Inside an epoch, the resume replays the epoch's shuffle from the
+    generators the epoch began with and continues with the next batch."""
+    ends, whole, code = _train_epochs(tmp_path / "a")
+    assert (ends, code) == ([0, 1, 2], 0)
+    ends, _, code = _train_epochs(tmp_path / "b", stop_at=stop_at)
+    assert (ends, code) == ([0], 143)
+    ends, resumed, code = _train_epochs(tmp_path / "b")
+    assert (ends, code) == ([1, 2], 0)
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_position_without_epochs_takes_a_checkpoint_at_an_epochs_last_batch_as_before_its_end_of_epoch_work(tmp_path):
+    from trainer.session import Position
+
+    with _session(tmp_path, every_steps=None) as ckpt:
+        ckpt.restore(model=_parts()[0])
+        for step in range(1, 9):
+            ckpt.step(step)
+    with _session(tmp_path) as again:
+        assert again.restore(model=_parts()[0]) == 8
+        assert again.position(4) == Position(epoch=1, batch=4, epoch_end_pending=True)
+        assert again.position(3) == Position(epoch=2, batch=2, epoch_end_pending=False)
+        assert again.position(8) == Position(epoch=0, batch=8, epoch_end_pending=True)
+    fresh = _session(tmp_path / "fresh")
+    with fresh:
+        fresh.restore(model=_parts()[0])
+        assert fresh.position(4) == Position(0, 0, False)
+
+
+def test_a_step_inside_epochs_without_batches_is_bad_input_before_anything_is_committed(tmp_path):
+    ckpt = _session(tmp_path, every_steps=1)
+    with pytest.raises(SystemExit) as exc, ckpt:
+        ckpt.restore(model=_parts()[0])
+        for _epoch in ckpt.epochs(2, 3):
+            for _b in range(3):
+                ckpt.step(loss=1.0)
+    assert exc.value.code == Outcome.BAD_INPUT.exit_code
+    assert _repo(tmp_path).committed() == []
+
+
+def test_a_step_number_left_out_is_the_one_after_the_last(tmp_path):
+    with _session(tmp_path, every_steps=None) as ckpt:
+        assert ckpt.restore(model=_parts()[0]) == 0
+        ckpt.step()
+        ckpt.step(loss=1.0)
+    assert _repo(tmp_path).read_pointer().step == 2

@@ -74,3 +74,44 @@ def test_float16_without_cuda_keeps_a_grad_scaler_part_and_resumes(tmp_path):
     res = run_trainer(cfg, str(tmp_path / "s"))
     assert res.returncode == 0 and "resumed from" in res.log, res.log
     assert final_state(tmp_path / "s", run="fp16")["scaler"]["scale"] > 0
+
+
+@pytest.mark.slow
+def test_lbfgs_a_closure_optimizer_trains_in_task_mode_and_resumes_bitwise(tmp_path):
+    cfg = write_config(tmp_path / "lbfgs.json", run="lbfgs", task="tests.user_tasks:lbfgs",
+                       task_args={"n": 256}, max_steps=30, eval_every=10,
+                       checkpoint={"every_steps": 10, "keep_last": 2})
+    res = run_trainer(cfg, str(tmp_path / "a"))
+    assert res.returncode == 0, res.log
+    res = run_trainer(cfg, str(tmp_path / "b"), interrupt_at=14, sig=signal.SIGTERM)
+    assert res.returncode == 143 and res.committed[-1] >= 14, res.log
+    res = run_trainer(cfg, str(tmp_path / "b"))
+    assert res.returncode == 0 and "resumed from" in res.log, res.log
+    a = final_state(tmp_path / "a", run="lbfgs")
+    b = final_state(tmp_path / "b", run="lbfgs")
+    assert_bitwise_equal(training_state(a), training_state(b))
+    history = a["optimizer"]["state"][0]
+    assert len(history["old_dirs"]) == 8 and history["n_iter"] > 30  # several per step
+
+
+def test_a_closure_optimizer_with_a_float16_grad_scaler_is_refused_naming_it_and_the_own_loop():
+    from trainer.config import config_from_dict
+    from trainer.loop import check_closure_fits
+
+    model = torch.nn.Linear(2, 1)
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    cfg = config_from_dict({"task": "tests.user_tasks:lbfgs", "amp": {"dtype": "float16"}})
+    with pytest.raises(ConfigError, match="LBFGS.step needs a closure.*CheckpointSession"):
+        check_closure_fits(cfg, lbfgs, torch.amp.GradScaler("cpu", enabled=True))
+    assert check_closure_fits(cfg, lbfgs, torch.amp.GradScaler("cpu", enabled=False)) is True
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert check_closure_fits(cfg, sgd, torch.amp.GradScaler("cpu", enabled=True)) is False
+
+
+@pytest.mark.slow
+def test_lbfgs_with_float16_in_task_mode_exits_2_before_anything_is_committed(tmp_path):
+    cfg = write_config(tmp_path / "fp16.json", run="lbfgs16", task="tests.user_tasks:lbfgs",
+                       amp={"dtype": "float16"})
+    res = run_trainer(cfg, str(tmp_path / "s"))
+    assert res.returncode == 2, res.log
+    assert "LBFGS.step needs a closure" in res.log and not res.committed

@@ -41,3 +41,11 @@ def strict_eval(t: TaskArgs) -> Task:
 
     task.eval_fn = eval_fn
     return task
+
+
+def lbfgs(t: TaskArgs) -> Task:
+    """LBFGS: its step needs a closure, and its state keeps a history of past steps."""
+    task = regression.build(t)
+    task.optimizer = lambda model: torch.optim.LBFGS(model.parameters(), lr=0.2, max_iter=4,
+                                                     history_size=8)
+    return task

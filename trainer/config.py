@@ -125,8 +125,9 @@ class TrainConfig(Section):
     cwd: str | None = Field(None, description="command mode: working directory")
     env: dict[str, str] = Field(default_factory=dict,
                                 description="command mode: environment variables added")
-    resume_flag: str | None = Field("--resume-from", description="command mode: the flag "
-                                    "that hands over the checkpoint to resume from")
+    resume_flag: str | None = Field(None, description="command mode: a flag that also hands "
+                                    "over the checkpoint to resume from, e.g. --resume-from "
+                                    "(null: none; CheckpointSession reads resume_env)")
     resume_env: str | None = Field(Env.RESUME_FROM.value, description="command mode: the "
                                    "variable that hands over the checkpoint to resume from")
 

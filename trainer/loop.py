@@ -23,7 +23,14 @@ from trainer.device import autocast, grad_scaler, resolve_device
 from trainer.errors import ConfigError
 from trainer.progress import Progress
 from trainer.session import CheckpointSession, seed_all
-from trainer.task import Task, build_task, resolve_task, task_optimizer, task_scheduler
+from trainer.task import (
+    Task,
+    build_task,
+    needs_closure,
+    resolve_task,
+    task_optimizer,
+    task_scheduler,
+)
 
 
 def lr_schedule(optim: OptimConfig, max_steps: int):
@@ -146,6 +153,42 @@ def train_step(cfg: TrainConfig, task: Task, batches: Iterator[Any], optimizer, 
     return total / accum if accum > 1 else total
 
 
+def closure_step(cfg: TrainConfig, task: Task, batches: Iterator[Any], optimizer,
+                 device: torch.device) -> torch.Tensor:
+    """One step of an optimizer that re-evaluates the loss itself (LBFGS): the closure runs
+    forward and backward over this step's batches, as often as the optimizer asks; the loss
+    reported is its first evaluation, taken before the parameters moved."""
+    model, accum = task.model, cfg.grad_accum_steps
+    model.train()
+    micro = [to_device(next(batches), device) for _ in range(accum)]
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for batch in micro:
+            with autocast(device, cfg.amp.dtype):
+                loss = task.loss_fn(model, batch)
+            (loss / accum if accum > 1 else loss).backward()
+            total += loss.detach().float()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        return total / accum if accum > 1 else total
+
+    return optimizer.step(closure)
+
+
+def check_closure_fits(cfg: TrainConfig, optimizer, scaler) -> bool:
+    """Does the optimizer need a closure? A float16 GradScaler cannot drive one: refused
+    before the run starts."""
+    closure = needs_closure(optimizer)
+    if closure and scaler.is_enabled():
+        raise ConfigError(
+            f"task {cfg.task!r}: {type(optimizer).__name__}.step needs a closure, and "
+            "amp.dtype float16's GradScaler cannot drive one; set amp.dtype to bfloat16 or "
+            "null, or train it in your own loop with trainer.CheckpointSession")
+    return closure
+
+
 def train(cfg: TrainConfig, store_uri: str | None = None, resume: str | None = None) -> int:
     """Run (or continue) training; return the exit code (0 done, 143 stopped, else failed)."""
     seed_everything(cfg)
@@ -173,6 +216,7 @@ def _run(cfg: TrainConfig, session: CheckpointSession) -> None:
     task.model.to(device)
     optimizer, scheduler = optimizer_and_scheduler(cfg, task)
     scaler = grad_scaler(device, cfg.amp.dtype)
+    closure = check_closure_fits(cfg, optimizer, scaler)
     try:
         loader = ResumableLoader(task.train_data, cfg.batch_size, seed=cfg.seed,
                                  shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers,
@@ -186,7 +230,10 @@ def _run(cfg: TrainConfig, session: CheckpointSession) -> None:
     for step in range(start + 1, cfg.max_steps + 1):
         if task.before_step:
             task.before_step(step)
-        loss = train_step(cfg, task, batches, optimizer, scaler, device).item()
+        if closure:
+            loss = closure_step(cfg, task, batches, optimizer, device).item()
+        else:
+            loss = train_step(cfg, task, batches, optimizer, scaler, device).item()
         scheduler.step()
         metrics = None
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):

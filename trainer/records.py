@@ -61,6 +61,8 @@ class CheckpointRecord:
     save_seconds: float | None = None
     blocking_seconds: float | None = None
     lineage: Lineage | None = None
+    # Bytes of tensor data per part (model, optimizer, ..., the session's loop and rng).
+    part_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -72,7 +74,8 @@ class CheckpointRecord:
         rec = from_known_fields(cls, raw)
         lin = raw.get("lineage")
         return dataclasses.replace(rec, lineage=Lineage.from_dict(lin) if lin else None,
-                                   eval=dict(raw.get("eval") or {}))
+                                   eval=dict(raw.get("eval") or {}),
+                                   part_bytes=dict(raw.get("part_bytes") or {}))
 
     @classmethod
     def from_manifest(cls, m: Manifest, uri: str,
@@ -85,4 +88,5 @@ class CheckpointRecord:
                    eval=dict(m.meta.get("metrics") or {}), reason=m.meta.get("reason"),
                    save_seconds=stats.get("save_seconds"),
                    blocking_seconds=stats.get("blocking_seconds"),
-                   lineage=Lineage.from_dict(lin) if lin else None)
+                   lineage=Lineage.from_dict(lin) if lin else None,
+                   part_bytes=dict(m.meta.get("part_bytes") or {}))

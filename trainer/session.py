@@ -2,6 +2,14 @@
 
     from trainer import CheckpointSession
 
+    ckpt = CheckpointSession(every_steps=100, max_steps=steps)
+    start = ckpt.restore(model=model, optimizer=opt, scheduler=sched, data=loader)
+    for step in range(start + 1, steps + 1):
+        loss = train_step(next(batches))
+        ckpt.step(step, loss=loss)  # SIGTERM/SIGINT: commits this step, then exits 143
+
+or, with the exit handled where you can see it:
+
     with CheckpointSession(every_steps=100, max_steps=steps) as ckpt:
         start = ckpt.restore(model=model, optimizer=opt, scheduler=sched, data=loader)
         for step in range(start + 1, steps + 1):
@@ -22,6 +30,16 @@ best, the final step), commits through the store's protocol, reports to Dagster 
 the orchestrator started the script, and returns True once a stop was requested. Leaving
 the `with` block turns the outcome into the documented exit code: 143 after a stop, 2 bad
 input, 3 unloadable checkpoint, 4 divergence, 5 store unavailable, 6 superseded, 1 a bug.
+Without a block the session does the same by itself: an error of its own ends the process
+with its code, `step` exits 143 once a stop's checkpoint is committed, an uncaught
+exception is reported through `sys.excepthook` (exit 1), and leaving the script normally
+closes the session at interpreter exit (the last step committed, exit 0).
+
+A loop without a DataLoader gets its position from the session: `position(n)` is the epoch
+and batch to continue from for `n` batches per epoch, and `epochs()`/`batches()` iterate
+them, re-running an epoch's end-of-epoch work when a resume lands right after its last
+batch. The session's own lines (resumed from, committed, stop) reach stderr when the script
+configured no logging.
 
 When the orchestrator starts the script ($CKPT_RUN set), its run, experiment, store,
 dataset and attempt take precedence over the arguments, which serve standalone runs.
@@ -29,13 +47,17 @@ dataset and attempt take precedence over the arguments, which serve standalone r
 
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import logging
 import math
 import os
 import random
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +80,7 @@ from trainer.contract import (
     Stopped,
 )
 from trainer.dataset import check_same_data, dataset_manifest
-from trainer.errors import AlreadyExistsError, ConfigError, DivergedError
+from trainer.errors import AlreadyExistsError, ConfigError, DivergedError, TrainerError
 from trainer.manifest import MAX_STEP, Manifest
 from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord, Lineage
@@ -70,6 +92,11 @@ from trainer.storage import open_store, split_uri
 log = logging.getLogger("trainer")
 
 RESERVED_PARTS = ("loop", "rng")
+# What the best score measures: an evaluation metric (`best_metric`), or, while the metrics
+# never name it, the training loss of the committed checkpoints.
+BEST_OF_METRIC, BEST_OF_LOSS = "metric", "loss"
+# An optimizer state this many times the model's is worth a warning: every checkpoint pays it.
+OPTIMIZER_SIZE_WARNING = 10
 
 
 @dataclass
@@ -80,16 +107,27 @@ class LoopState:
     losses: list[float] = field(default_factory=list)
     best_score: float = math.inf
     metrics: dict[str, float] = field(default_factory=dict)
+    best_of: str | None = None  # BEST_OF_METRIC or BEST_OF_LOSS, once there is a best
+    # With `epochs()`: epochs whose end-of-epoch work is done, and the generators' states
+    # when the current epoch began (a resume inside it replays its prologue from them).
+    epochs_done: int | None = None
+    epoch_rng: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "losses": torch.tensor(self.losses, dtype=torch.float64),
-                "best_score": self.best_score, "metrics": dict(self.metrics)}
+                "best_score": self.best_score, "metrics": dict(self.metrics),
+                "best_of": self.best_of, "epochs_done": self.epochs_done,
+                "epoch_rng": self.epoch_rng}
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
         self.step = int(s["step"])
         self.losses = s["losses"].tolist()
         self.best_score = float(s["best_score"])
         self.metrics = dict(s["metrics"])
+        # Checkpoints written before these were recorded: a finite best came from metrics.
+        self.best_of = s.get("best_of", BEST_OF_METRIC if math.isfinite(self.best_score) else None)
+        self.epochs_done = s.get("epochs_done")
+        self.epoch_rng = s.get("epoch_rng")
 
     @property
     def best(self) -> float | None:
@@ -133,7 +171,143 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _number(value: float | torch.Tensor, what: str) -> float:
+    """A loss or metric as a float; a tensor is detached first (float() of a tensor that
+    requires grad warns on every call)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError(f"{what} is a tensor of shape {tuple(value.shape)}; pass one "
+                              "number (its mean, say)")
+        value = value.detach()
+    return float(value)
+
+
+def _kind_of(part: Any) -> str | None:
+    if isinstance(part, torch.nn.Module):
+        return "model"
+    if isinstance(part, torch.optim.Optimizer):
+        return "optimizer"
+    return None
+
+
+def tensor_bytes(state: Any) -> int:
+    """Bytes of tensor data in a state dict, each storage once (what torch.save writes;
+    plain values add comparatively little)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = [state]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            try:
+                storage = obj.untyped_storage()
+                key, size = (storage.data_ptr(), storage.nbytes()), storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # sparse and other layouts
+                key, size = (id(obj), 0), obj.numel() * obj.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += size
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            stack.extend(obj)
+    return total
+
+
+def _human(n: int) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+class _Measured:
+    """A part whose state, as the checkpointer takes it, is measured on the way."""
+
+    def __init__(self, part: Any, name: str, measured):
+        self.part, self.name, self.measured = part, name, measured
+
+    def state_dict(self) -> Any:
+        state = self.part.state_dict()
+        self.measured(self.name, tensor_bytes(state))
+        return state
+
+    def load_state_dict(self, state: Any) -> Any:
+        return self.part.load_state_dict(state)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a loop of a fixed number of batches per epoch continues after `restore`."""
+
+    epoch: int  # the epoch to continue in (0-based)
+    batch: int  # how many of its batches are trained: the index of the next one
+    # Every batch of `epoch` is trained but its end-of-epoch work (evaluation, an LR
+    # decision) is not done: the checkpoint was committed at its last batch, before it.
+    epoch_end_pending: bool
+
+
+@dataclass
+class _EpochWalk:
+    """What `epochs()` and `batches()` share about the epoch in progress."""
+
+    per_epoch: int
+    first: int = 0  # the first batch of the current epoch still to train
+    batches_due: bool = False  # an epoch began; batches() has not started on it yet
+    last_batch: bool = False  # batches() handed out the epoch's last batch
+    resume_rng: dict[str, Any] | None = None  # the checkpoint's generators, set back by batches()
+
+
+def _logging_configured() -> bool:
+    """Would a `trainer` log line reach a handler? (logging's own test before it falls back
+    to `logging.lastResort`, which prints warnings and errors only.)"""
+    logger: logging.Logger | None = log
+    while logger is not None:
+        if logger.handlers:
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
+def _at_interpreter_exit(func) -> None:
+    """Call `func` when the script ends, before thread pools refuse work: concurrent.futures
+    shuts its pools down first thing at exit (before `atexit` callbacks), and a commit
+    hashes on one. Pipes is closed later, by Reporter's `atexit` callback."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            return register(func)
+    except RuntimeError:  # the interpreter is already on its way out
+        pass
+    atexit.register(func)
+
+
+def _ends_like_the_block(method):
+    """Without a `with` block, an error of the session's own ends the process as leaving
+    the block would (reported once, its exit code), and so does a stop once committed."""
+
+    @functools.wraps(method)
+    def call(self: CheckpointSession, *args, **kwargs):
+        try:
+            result = method(self, *args, **kwargs)
+        except TrainerError as e:
+            if self._in_block or self._finishing:
+                raise
+            raise SystemExit(self._finish(e)) from None
+        if result is True and not self._in_block and not self._finishing:  # step: a stop
+            raise SystemExit(self._finish(None))
+        return result
+
+    return call
+
+
 class CheckpointSession:
+    """Checkpoints of your own loop (module docstring). `best_metric` names the metric (in
+    `step(metrics=...)`) whose lowest value marks the best checkpoint, the one retention
+    keeps, and commits one with `on_best`; while the metrics never contain it, best follows
+    the loss: the best checkpoint is the committed one with the lowest `step(loss=...)`."""
+
     def __init__(self, *, run: str | None = None, experiment: str | None = None,
                  store: str | None = None, resume: str | None = None,
                  max_steps: int | None = None, best_metric: str = "loss",
@@ -180,16 +354,31 @@ class CheckpointSession:
         self._last_save_t = time.monotonic()
         self._last_beat = 0.0
         self._closed = False
+        self._in_block = False  # inside `with`: leaving the block ends the session
+        self._exit_hooks = False  # no block: atexit and sys.excepthook end it
+        self._finishing = False
+        self._prev_excepthook = None
+        self._part_kinds: dict[str, str] = {}
+        self._sizes: dict[str, int] = {}
+        self._size_warned = False
+        self._walk: _EpochWalk | None = None
 
     # -- resume -------------------------------------------------------------------------
+    @_ends_like_the_block
     def restore(self, parts: dict[str, Any] | None = None, /, **named: Any) -> int:
         """Register the named parts, load the checkpoint to continue from (if any), and
         return the step it holds (0: start fresh)."""
+        if not self._in_block:
+            self._install_exit_hooks()
         if self._ck is not None:
             raise ConfigError("restore() was called twice; call it once, after every part exists")
         all_parts = {**(parts or {}), **named}
         wrapped = {name: _as_part(name, obj) for name, obj in all_parts.items()}
         wrapped.update(loop=self.loop, rng=RNGState())
+        self._part_kinds = {name: _kind_of(obj) for name, obj in all_parts.items()}
+        # Each part measures its state as the checkpointer takes it: the record's part_bytes.
+        wrapped = {name: _Measured(part, name, self._sizes_of_save)
+                   for name, part in wrapped.items()}
 
         store = open_store(self.store_uri)
         store.check_reachable()
@@ -208,11 +397,10 @@ class CheckpointSession:
             t0 = time.perf_counter()
             ck.load(manifest)
             ck.last_saved_step = manifest.step
-            self.reporter.log(f"resumed from {repo.uri(manifest.name)} at step {manifest.step} "
-                              f"(restore {time.perf_counter() - t0:.2f}s)")
+            self._say(f"resumed from {repo.uri(manifest.name)} at step {manifest.step} "
+                      f"(restore {time.perf_counter() - t0:.2f}s)")
         else:
-            self.reporter.log(f"starting {self.experiment}/{self.run} from scratch "
-                              f"(attempt {attempt})")
+            self._say(f"starting {self.experiment}/{self.run} from scratch (attempt {attempt})")
         self.lineage = self._lineage(attempt, manifest, data_version)
         self._config_ref = self._store_config()
         self.reporter.send(Started(
@@ -259,15 +447,24 @@ class CheckpointSession:
         return {"sha256": sha, "uri": self.repo.store.uri_for(key)}
 
     # -- the per-step call -----------------------------------------------------------------
-    def step(self, step: int, *, loss: float | torch.Tensor | None = None,
+    @_ends_like_the_block
+    def step(self, step: int | None = None, *, loss: float | torch.Tensor | None = None,
              metrics: dict[str, float] | None = None, epoch_end: bool = False) -> bool:
-        """Record step `step` as done; commit if a trigger fires; True: stop the loop now.
+        """Record step `step` (default: the one after the last) as done; commit if a trigger
+        fires; True: stop the loop now (without a `with` block: exit 143 instead). The loss
+        and metrics may be tensors (detached here).
 
         Steps must increase, from 1 (after a resume, from the step `restore` returned plus
         one). A repeated step is an error too, not a no-op: pass a step's loss and metrics
         in one call. Nothing committed is touched by a refused step."""
         if self._ck is None:
             raise ConfigError("call restore() with your parts before the first step()")
+        if self._walk is not None and self._walk.batches_due:
+            raise ConfigError("step() ran inside `for epoch in ckpt.epochs(...)` without "
+                              "`for batch in ckpt.batches()`: only batches() knows which "
+                              "batch a resumed epoch continues with; loop over it")
+        if step is None:
+            step = self.loop.step + 1
         if isinstance(step, bool) or not isinstance(step, int | np.integer):
             raise ConfigError(f"step {step!r} is not an integer: pass the step number")
         if step <= self.loop.step:
@@ -280,7 +477,7 @@ class CheckpointSession:
                               "checkpoint name holds")
         step = int(step)
         if loss is not None:
-            loss = float(loss)
+            loss = _number(loss, "loss")
             if not math.isfinite(loss):
                 raise DivergedError(
                     f"loss is {loss} at step {step}; the last good checkpoint is step "
@@ -291,7 +488,8 @@ class CheckpointSession:
         log.debug("step %d done loss %r", step, loss)
         reasons = self._triggered(step, metrics, epoch_end)
         if self.stop.requested:
-            self.reporter.log(f"{self.stop.signal_name}: committing a checkpoint at step {step}")
+            self._say(f"{self.stop.signal_name}: stop requested, committing a checkpoint at "
+                      f"step {step}")
             self.save("preempted")
             self._ck.close()
             self.stopped = True
@@ -306,9 +504,12 @@ class CheckpointSession:
                    epoch_end: bool) -> list[str]:
         c, reasons = self.triggers, []
         if metrics:
-            self.loop.metrics = {k: float(v) for k, v in metrics.items()}
+            self.loop.metrics = {k: _number(v, f"metric {k!r}") for k, v in metrics.items()}
             self.reporter.send(Eval(step, dict(self.loop.metrics)))
             score = self.loop.metrics.get(self.best_metric, math.inf)
+            if self.best_metric in self.loop.metrics and self.loop.best_of != BEST_OF_METRIC:
+                # From now on the metric decides: a loss is on another scale.
+                self.loop.best_of, self.loop.best_score = BEST_OF_METRIC, math.inf
             if score < self.loop.best_score:
                 self.loop.best_score = score
                 if c.on_best:
@@ -317,7 +518,7 @@ class CheckpointSession:
             reasons.append("interval")
         if c.every_seconds and time.monotonic() - self._last_save_t >= c.every_seconds:
             reasons.append("time")
-        if c.on_epoch_end and epoch_end:
+        if c.on_epoch_end and (epoch_end or (self._walk is not None and self._walk.last_batch)):
             reasons.append("epoch_end")
         if self.max_steps is not None and step >= self.max_steps:
             reasons.append("final")
@@ -337,24 +538,31 @@ class CheckpointSession:
         return self.stop.requested
 
     # -- saving ---------------------------------------------------------------------------
+    @_ends_like_the_block
     def save(self, reason: str = "manual") -> None:
         """Commit the parts as they are now, at the current step (once per step)."""
         loop = self.loop
+        is_best = reason == "best" or self._loss_is_best()
+        # Filled by the parts as the checkpointer takes their state, before the manifest is
+        # written; a new dict per save, since a background commit may still hold the last.
+        self._sizes = {}
         meta = {"reason": reason, "loss": loop.losses[-1] if loop.losses else None,
                 "metrics": loop.metrics, "best_score": loop.best,
-                "is_best": reason == "best", "lineage": self.lineage.to_dict(),
-                "config": self._config_ref}
+                "is_best": is_best, "lineage": self.lineage.to_dict(),
+                "config": self._config_ref, "part_bytes": self._sizes}
         self._ck.save(loop.step, meta)
         self._last_save_t = time.monotonic()
+        self._warn_if_the_optimizer_dwarfs_the_model(self._sizes)
 
     def _on_commit(self, m: Manifest, stats: dict[str, Any]) -> None:
         rec = CheckpointRecord.from_manifest(m, self.repo.uri(m.name), stats)
         loss = f", loss {rec.loss:.4g}" if isinstance(rec.loss, float) else ""
-        self.reporter.log(f"checkpoint committed: step {m.step}{loss} -> {rec.uri} "
-                          f"({rec.size} bytes, {rec.save_seconds:.2f}s)")
+        self._say(f"checkpoint committed: step {m.step}{loss} -> {rec.uri} "
+                  f"({rec.size} bytes, {rec.save_seconds:.2f}s)")
         self.reporter.send(rec)
 
     # -- the end --------------------------------------------------------------------------
+    @_ends_like_the_block
     def close(self) -> None:
         """Commit the last step if no trigger did, wait for background saves, report the
         end. Called by the `with` block on success; call it yourself without one."""
@@ -366,14 +574,26 @@ class CheckpointSession:
         self._ck.close()
         if not self.stopped:
             self.reporter.send(Finished(self.loop.step, dict(self.loop.metrics)))
-            self.reporter.log(f"training finished at step {self.loop.step}: {self.loop.metrics}")
+            metrics = f": {self.loop.metrics}" if self.loop.metrics else ""
+            self._say(f"training finished at step {self.loop.step}{metrics}")
 
     def __enter__(self) -> CheckpointSession:
+        self._in_block = True
+        self._drop_exit_hooks()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is not None and not isinstance(exc, Exception):
             return False  # SystemExit, KeyboardInterrupt: not ours to translate
+        code = self._finish(exc)
+        if code:
+            raise SystemExit(code)
+        return False
+
+    def _finish(self, exc: BaseException | None) -> int:
+        """End the session as leaving the block does: close it, or after an error wait for
+        background saves and report the error once; the exit code."""
+        self._finishing = True
         code = 0
         try:
             if exc is None:
@@ -389,9 +609,155 @@ class CheckpointSession:
                     log.exception("background save failed while stopping")
             code = report_failure(exc, self.reporter)
         self.reporter.close()
-        if code:
-            raise SystemExit(code)
+        self._drop_exit_hooks()
+        return code
+
+    # -- without a `with` block -------------------------------------------------------------
+    def _install_exit_hooks(self) -> None:
+        if self._exit_hooks:
+            return
+        self._exit_hooks = True
+        _at_interpreter_exit(self._at_exit)
+        self._prev_excepthook, sys.excepthook = sys.excepthook, self._excepthook
+
+    def _drop_exit_hooks(self) -> None:
+        if not self._exit_hooks:
+            return
+        self._exit_hooks = False
+        atexit.unregister(self._at_exit)  # (threading's exit callbacks cannot be withdrawn:
+        # `_at_exit` does nothing once the session finished)
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+
+    def _at_exit(self) -> None:
+        """The script ended normally: close the session as the end of the block would."""
+        if self._finishing:
+            return
+        code = self._finish(None)
+        if code:  # the final commit failed; an atexit callback cannot set the status otherwise
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _excepthook(self, exc_type, exc, tb) -> None:
+        if self._finishing or self._closed or not isinstance(exc, Exception):
+            # Not the training's failure to report (KeyboardInterrupt, or after close()); and
+            # no final commit of a half-done step at exit either.
+            self._finishing = True
+            prev = self._prev_excepthook
+            self._drop_exit_hooks()
+            return prev(exc_type, exc, tb)
+        raise SystemExit(self._finish(exc))  # the traceback is logged once, by the report
+
+    # -- what the session says, and how big its checkpoints are --------------------------------
+    def _say(self, msg: str) -> None:
+        """One of the session's own lines: to the log and Pipes, and to stderr when the
+        script configured no logging (where logging itself would drop an INFO line)."""
+        self.reporter.log(msg)
+        if not _logging_configured():
+            print(f"trainer: {msg}", file=sys.stderr, flush=True)
+
+    def _sizes_of_save(self, part: str, size: int) -> None:
+        self._sizes[part] = size
+
+    def _loss_is_best(self) -> bool:
+        """While the metrics never named `best_metric`, is this commit at the lowest loss?"""
+        loop = self.loop
+        if loop.best_of == BEST_OF_METRIC or not loop.losses \
+                or self._ck.last_saved_step == loop.step:
+            return False
+        if loop.losses[-1] < loop.best_score:
+            loop.best_score, loop.best_of = loop.losses[-1], BEST_OF_LOSS
+            return True
         return False
+
+    def _warn_if_the_optimizer_dwarfs_the_model(self, sizes: dict[str, int]) -> None:
+        if self._size_warned or not sizes:
+            return
+        models = [n for n, kind in self._part_kinds.items() if kind == "model"]
+        model_bytes = sum(sizes.get(n, 0) for n in models)
+        for name, kind in self._part_kinds.items():
+            size = sizes.get(name, 0)
+            if kind != "optimizer" or not model_bytes \
+                    or size <= OPTIMIZER_SIZE_WARNING * model_bytes:
+                continue
+            self._size_warned = True
+            self.reporter.log(
+                f"checkpoint part {name!r} is {size / model_bytes:.0f}x the model "
+                f"({_human(size)} against {_human(model_bytes)} in {', '.join(models)}), and "
+                "every checkpoint carries it: that is the optimizer's own state (LBFGS keeps "
+                "2 x history_size copies of the parameters). A smaller history or an "
+                "optimizer with less state makes checkpoints smaller and faster.",
+                logging.WARNING)
+
+    # -- epochs of a hand-rolled batch loop ------------------------------------------------
+    def position(self, batches_per_epoch: int) -> Position:
+        """The epoch and batch to continue from after `restore`, with `batches_per_epoch`
+        batches per epoch. A checkpoint at an epoch's last batch was committed before that
+        epoch's end-of-epoch work (by `step` inside the batch loop): the position is then
+        that epoch, all its batches done, `epoch_end_pending`. With `epochs()` the session
+        records which epochs finished and needs no such assumption."""
+        if self._ck is None:
+            raise ConfigError("call restore() before position(): the position is the "
+                              "restored checkpoint's")
+        if not isinstance(batches_per_epoch, int) or batches_per_epoch < 1:
+            raise ConfigError(f"batches_per_epoch is {batches_per_epoch!r}; pass the number "
+                              "of batches in one epoch (a positive integer)")
+        step, done = self.loop.step, self.loop.epochs_done
+        if done is None:
+            epoch, batch = divmod(step, batches_per_epoch)
+            if batch == 0 and epoch > 0:
+                epoch, batch = epoch - 1, batches_per_epoch
+        else:
+            epoch, batch = done, step - done * batches_per_epoch
+            if not 0 <= batch <= batches_per_epoch:
+                raise ConfigError(
+                    f"the checkpoint holds step {step} with {done} epoch(s) done, which does "
+                    f"not fit {batches_per_epoch} batches per epoch: the data or the batch "
+                    "size changed since. Resume with the ones the run started with, or "
+                    "register a new run")
+        return Position(epoch, batch, batch == batches_per_epoch and step > 0)
+
+    def epochs(self, epochs: int, batches_per_epoch: int) -> Iterator[int]:
+        """The epochs still to train, from the restored one; iterate `batches()` in each.
+
+        A resume inside an epoch runs the epoch's prologue (the code between this loop and
+        `batches()`, a shuffle say) again from the random generators the epoch began with,
+        so that it draws what it drew before; `batches()` then sets the checkpoint's
+        generators back and continues with the next batch. A resume right after an epoch's
+        last batch gives that epoch again with no batches, so its end-of-epoch work runs."""
+        pos = self.position(batches_per_epoch)
+        walk = self._walk = _EpochWalk(batches_per_epoch)
+        for epoch in range(pos.epoch, epochs):
+            self.loop.epochs_done = epoch
+            walk.first = pos.batch if epoch == pos.epoch else 0
+            if walk.first and self.loop.epoch_rng is not None:
+                walk.resume_rng = RNGState().state_dict()
+                RNGState().load_state_dict(self.loop.epoch_rng)
+            else:
+                if walk.first:
+                    log.warning("the checkpoint does not hold the generators epoch %d began "
+                                "with (it was not written inside epochs()): its prologue "
+                                "draws from the checkpoint's instead", epoch)
+                self.loop.epoch_rng = RNGState().state_dict()
+            walk.batches_due = True
+            yield epoch
+        self.loop.epochs_done = max(epochs, pos.epoch)
+
+    def batches(self) -> Iterator[int]:
+        """The batch indices of the current epoch of `epochs()` still to train."""
+        walk = self._walk
+        if walk is None:
+            raise ConfigError("batches() goes inside `for epoch in ckpt.epochs(epochs, "
+                              "batches_per_epoch)`, which knows where the epoch continues")
+        walk.batches_due = False
+        if walk.resume_rng is not None:
+            RNGState().load_state_dict(walk.resume_rng)
+            walk.resume_rng = None
+        for batch in range(walk.first, walk.per_epoch):
+            walk.last_batch = batch == walk.per_epoch - 1
+            yield batch
+        walk.last_batch = False
 
 
 def resolve_resume(repo: CheckpointRepo, resume: str) -> tuple[Manifest | None, list]:

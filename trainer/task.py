@@ -6,6 +6,8 @@ returns a `Task`. The task owns the model, the data and the loss, and may bring 
 optimizer and LR scheduler (default: AdamW with warm-up and cosine decay from `optim`).
 The trainer owns the loop: device, AMP, gradient accumulation, clipping, the DataLoader,
 evaluation (always under `model.eval()` and `torch.no_grad()`), checkpoints and resume.
+An optimizer whose `step` needs a closure (LBFGS and friends) gets one: it re-evaluates the
+loss of the step's batches (so `loss_fn` runs once per evaluation).
 """
 
 from __future__ import annotations
@@ -102,6 +104,15 @@ def task_optimizer(spec: str, task: Task) -> Optimizer | None:
         return None
     return _built(spec, "optimizer", task.optimizer, task.model, Optimizer,
                   "return a torch.optim optimizer or a function of the model that builds one")
+
+
+def needs_closure(optimizer: Optimizer) -> bool:
+    """Does `optimizer.step` require a closure (LBFGS and friends)?"""
+    try:
+        param = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin or C-implemented step: no closure
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 def task_scheduler(spec: str, task: Task, optimizer: Optimizer) -> Scheduler | None:

@@ -8,8 +8,8 @@ would have. Standalone:
     python examples/plain_script/train.py --store /tmp/ckpts --steps 150
 
 Under the orchestrator (config `command: [python, examples/plain_script/train.py]`) the
-newest verified checkpoint arrives as `--resume-from URI`, and the run, store and attempt
-through the environment.
+newest verified checkpoint, the run, the store and the attempt arrive in the environment
+($CKPT_RESUME_FROM, ...), which the session reads; `--resume-from` serves standalone runs.
 """
 
 import argparse
