@@ -61,6 +61,9 @@ class CheckpointRecord:
     save_seconds: float | None = None
     blocking_seconds: float | None = None
     lineage: Lineage | None = None
+    # The run's end: the step reached max_steps, or the script's session ended normally
+    # there. Only a final checkpoint finishes a run (and becomes final_model).
+    final: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -85,4 +88,5 @@ class CheckpointRecord:
                    eval=dict(m.meta.get("metrics") or {}), reason=m.meta.get("reason"),
                    save_seconds=stats.get("save_seconds"),
                    blocking_seconds=stats.get("blocking_seconds"),
-                   lineage=Lineage.from_dict(lin) if lin else None)
+                   lineage=Lineage.from_dict(lin) if lin else None,
+                   final=m.meta.get("final") is True)
