@@ -12,7 +12,7 @@ import dagster as dg
 
 from ckpt_assets.events import ATTEMPT_ENDED, CHECKPOINT, decisions, partition_events
 from ckpt_assets.partitions import read_registration
-from ckpt_assets.run_state import training_runs_of
+from ckpt_assets.run_state import record_lost_worker, training_runs_of
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from trainer.errors import CheckpointError
 from trainer.outcomes import Outcome
@@ -54,6 +54,7 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
         raise KeyError(run_key)
     attempts = []
     for r in dagster_runs_of(instance, run_key):
+        r = record_lost_worker(instance, r)  # an attempt whose worker died has ended
         record = instance.get_run_record_by_id(r.run_id)
         attempts.append({"dagster_run_id": r.run_id, "status": r.status.value,
                          "started": bool(record and record.start_time),
