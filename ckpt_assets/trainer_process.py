@@ -247,6 +247,16 @@ def tail(path: str, done: threading.Event) -> Iterator[str]:
             time.sleep(POLL_S)
 
 
+def run_to_end(argv: list[str], env: dict[str, str], cwd: str, output: str, grace_s: float,
+               log) -> ProcessOutcome:
+    """Run `argv` as an attempt's process without Dagster (benchmarks, tools): in a group
+    of its own, its output in the file `output`, until it and all it started are gone."""
+    proc = _start(argv, env, cwd, output)
+    group = ProcessRef.of(proc.pid) or ProcessRef(proc.pid, 0)
+    rc = proc.wait()
+    return ProcessOutcome(rc, None, stop_group(proc.pid, grace_s, log, group.start, reap=proc))
+
+
 def run_under_pipes(context: dg.AssetExecutionContext, argv: list[str], env: dict[str, str],
                     cwd: str, grace_s: float, on_messages: Callable[[list[Any]], None],
                     after_start: Callable[[], None], extras: dict[str, Any]) -> ProcessOutcome:
