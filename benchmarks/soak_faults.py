@@ -313,7 +313,7 @@ def main() -> int:
             work.mkdir()
             r = one_trial(kind, rng, work, base_env, reference, s3)
             results.append(r)
-            print(f"trial {i:3d} {kind:12s} lost {r['lost']} identical {r['identical']!s:5s} "
+            print(f"trial {i:3d} {kind:13s} lost {r['lost']} identical {r['identical']!s:5s} "
                   f"wrong {r['wrong']!s:5s} {r['detail']}", flush=True)
             shutil.rmtree(work, ignore_errors=True)
     finally:
@@ -322,17 +322,17 @@ def main() -> int:
             s3["proc"].terminate()
         shutil.rmtree(top, ignore_errors=True)
 
-    print(f"\n{'fault':12s} {'trials':>6s} {'lost':>5s} {'identical':>9s} {'wrong':>5s}")
+    print(f"\n{'fault':13s} {'trials':>6s} {'lost':>5s} {'identical':>9s} {'wrong':>5s}")
     by = Counter(r["kind"] for r in results)
     for kind in kinds:
         rs = [r for r in results if r["kind"] == kind]
         if rs:
-            print(f"{kind:12s} {by[kind]:6d} {sum(r['lost'] for r in rs):5d} "
+            print(f"{kind:13s} {by[kind]:6d} {sum(r['lost'] for r in rs):5d} "
                   f"{sum(r['identical'] for r in rs):9d} {sum(r['wrong'] for r in rs):5d}")
     lost = sum(r["lost"] for r in results)
     wrong = sum(r["wrong"] for r in results)
     same = sum(r["identical"] for r in results)
-    print(f"{'all':12s} {len(results):6d} {lost:5d} {same:9d} {wrong:5d}")
+    print(f"{'all':13s} {len(results):6d} {lost:5d} {same:9d} {wrong:5d}")
     return 0 if lost == 0 and wrong == 0 and same == len(results) else 1
 
 
