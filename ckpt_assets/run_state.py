@@ -160,7 +160,7 @@ def record_lost_worker(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dg.D
            f"recording how its training process exited (its output: {procs.output})")
     instance.add_run_tags(run.run_id, {TAG_WORKER_LOST: msg})
     instance.report_run_failed(run, msg)
-    procs.stop(0, logging.getLogger(__name__), wait=False)
+    procs.stop(0.0, logging.getLogger(__name__), wait=False)
     return instance.get_run_by_id(run.run_id) or run
 
 

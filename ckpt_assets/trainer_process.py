@@ -72,6 +72,12 @@ class ProcessRef:
         st = _stat(pid)
         return cls(pid, st[3]) if st else None
 
+    @classmethod
+    def known(cls, pid: int) -> ProcessRef:
+        """A process this one started or is: its start time where /proc tells it (else
+        0, and `this_machine()` is None there, so it is never judged dead)."""
+        return cls.of(pid) or cls(pid, 0)
+
     def alive(self) -> bool:
         st = _stat(self.pid)
         return st is not None and st[0] != "Z" and st[3] == self.start
@@ -144,7 +150,8 @@ def stop_group(pgid: int, grace_s: float, log, since: int = 0, wait: bool = True
     if not left:
         return []
     log.warning(f"{len(left)} process(es) of process group {pgid} still running (pids "
-                f"{', '.join(map(str, sorted(left)))}): SIGTERM, grace {grace_s:.0f}s")
+                f"{', '.join(map(str, sorted(left)))}): SIGTERM"
+                + (f", grace {grace_s:.0f}s" if wait else ""))
     _signal_group(pgid, signal.SIGTERM)
     if not wait:
         return left
@@ -252,8 +259,12 @@ def run_to_end(argv: list[str], env: dict[str, str], cwd: str, output: str, grac
     """Run `argv` as an attempt's process without Dagster (benchmarks, tools): in a group
     of its own, its output in the file `output`, until it and all it started are gone."""
     proc = _start(argv, env, cwd, output)
-    group = ProcessRef.of(proc.pid) or ProcessRef(proc.pid, 0)
-    rc = proc.wait()
+    group = ProcessRef.known(proc.pid)
+    try:
+        rc = proc.wait()
+    except BaseException:  # interrupted: nothing of the attempt may outlive it
+        _signal_group(proc.pid, signal.SIGKILL)
+        raise
     return ProcessOutcome(rc, None, stop_group(proc.pid, grace_s, log, group.start, reap=proc))
 
 
@@ -290,9 +301,8 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
                grace_s: float, on_messages: Callable[[list[Any]], None],
                after_start: Callable[[], None]) -> _Supervised:
     proc = _start(argv, env, cwd, output)
-    group = ProcessRef.of(proc.pid) or ProcessRef(proc.pid, 0)
-    procs = AttemptProcesses(this_machine(), ProcessRef.of(os.getpid()) or ProcessRef(
-        os.getpid(), 0), group, output)
+    group = ProcessRef.known(proc.pid)
+    procs = AttemptProcesses(this_machine(), ProcessRef.known(os.getpid()), group, output)
     _record(context, procs)
     context.log.info(f"training process started (pid {proc.pid}, its own process group; "
                      f"output {output}): {' '.join(argv)}")
