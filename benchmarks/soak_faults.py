@@ -13,6 +13,10 @@ history to lose), then applies one fault and resumes until the run finishes:
     fifo-in-data  a FIFO appears in the run's dataset directory; expect exit 2 naming it,
                   within FIFO_DEADLINE_S (a reader that opened it would block for ever),
                   then the FIFO is removed and the run resumes
+    fork-and-exit the trainer started by a launcher that forks and exits 0 once the trainer
+                  committed, run as the orchestrator runs an attempt (a process group of its
+                  own, stopped when its main process exits); expect `unfinished`, never a
+                  success, and no process of the attempt left running
 
 It prints a matrix: trials, committed checkpoints lost (verifying before the fault, gone or
 failing after; must be 0, keep_last is high so retention drops nothing), runs that ended
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import shutil
@@ -43,18 +48,20 @@ from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # no
 from trainer.checkpointer import load_verified_state  # noqa: E402
 from trainer.contract import Env  # noqa: E402
 from trainer.errors import CheckpointError  # noqa: E402
+from trainer.outcomes import Outcome  # noqa: E402
 from trainer.repo import POINTER, CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
 MAX_STEPS, EVERY = 110, 20
 EXPERIMENT, RUN = "default", "equiv"
 LOCAL_KINDS = ["kill", "ptr-deleted", "ptr-garbled", "ptr-types", "disk-full", "race",
-               "fifo-in-data"]
+               "fifo-in-data", "fork-and-exit"]
 # fifo-in-data: the run versions a directory of files while it trains on the toy task's
 # data, so it ends identical to the reference; a trainer still running after the deadline
 # was blocked on the FIFO.
 DIRECTORY_TASK = "tests.user_tasks:directory_dataset"
 FIFO_DEADLINE_S = 60
+GRACE_S = 20.0  # the orchestrator's default grace period (TrainerResource)
 
 # Loaded into trainer processes through PYTHONPATH: from the CKPT_SOAK_DISK_FULL_AT-th file
 # save on, the file the writer opens is /dev/full, so torch's own writer meets ENOSPC.
@@ -79,12 +86,15 @@ if _at:
 '''
 
 
+def trainer_argv(config: Path, store: str) -> list[str]:
+    return [sys.executable, "-m", "trainer", "--config", str(config), "--store", store,
+            "--log-level", "DEBUG"]
+
+
 def start_trainer(config: Path, store: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainer", "--config", str(config), "--store", store,
-         "--log-level", "DEBUG"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        env={**os.environ, **env})
+    return subprocess.Popen(trainer_argv(config, store), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, **env})
 
 
 def follow(proc: subprocess.Popen, at_step: int | None = None, action=None,
@@ -136,6 +146,40 @@ def kill(proc) -> None:
     proc.send_signal(signal.SIGKILL)
 
 
+def fork_and_exit(work: Path, store: str, env: dict) -> str:
+    """One attempt of a forking launcher, run and classified as the orchestrator does."""
+    from ckpt_assets.attempt import exit_outcome
+    from ckpt_assets.trainer_process import run_to_end
+
+    # Slow steps (not state) so that the run is far from its end when the launcher exits.
+    slow = write_config(work / "slow.json", max_steps=MAX_STEPS,
+                        checkpoint={"every_steps": EVERY, "keep_last": 50,
+                                    "on_epoch_end": False},
+                        task_args={"step_delay": 0.2})
+    pointer = work / "store" / EXPERIMENT / RUN / "checkpoints" / POINTER
+    pids = work / "pids.json"
+    argv = [sys.executable, str(ROOT / "tests" / "attempt_commands.py"), "fork-and-exit",
+            "--pointer", str(pointer), "--pids", str(pids), "--", *trainer_argv(slow, store)]
+    done = run_to_end(argv, {**os.environ, **env}, str(ROOT), str(work / "attempt.log"),
+                      GRACE_S, logging.getLogger("soak"))
+    repo = CheckpointRepo(open_store(store), EXPERIMENT, RUN)
+    m = repo.read_manifest(repo.read_pointer().checkpoint)
+    outcome = exit_outcome(done.returncode, None, final=m.meta.get("final") is True,
+                           committed=True, left_running=len(done.left_running))
+    stray = [p for p in json.loads(pids.read_text()).values() if alive(p)]
+    if not done.left_running:
+        return f"{outcome.value}, but the launcher left nothing running (no fault happened)"
+    return outcome.value + (f", {len(stray)} process(es) still running" if stray else "")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, reference: dict,
               s3: dict | None) -> dict:
     data = work / "data"
@@ -183,6 +227,8 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
                        lambda _p: proxy.inject("503", times=10**9))
         proxy.clear()
         expected, got = 5, rc
+    elif kind == "fork-and-exit":
+        expected, got = Outcome.UNFINISHED.value, fork_and_exit(work, store, env)
     elif kind == "race":
         # Slow steps (not state: the run still ends identical) so that the two lifetimes
         # overlap however far apart the two processes happen to start.
@@ -290,7 +336,7 @@ def main() -> int:
             work.mkdir()
             r = one_trial(kind, rng, work, base_env, reference, s3)
             results.append(r)
-            print(f"trial {i:3d} {kind:12s} lost {r['lost']} identical {r['identical']!s:5s} "
+            print(f"trial {i:3d} {kind:13s} lost {r['lost']} identical {r['identical']!s:5s} "
                   f"wrong {r['wrong']!s:5s} {r['detail']}", flush=True)
             shutil.rmtree(work, ignore_errors=True)
     finally:
@@ -299,17 +345,17 @@ def main() -> int:
             s3["proc"].terminate()
         shutil.rmtree(top, ignore_errors=True)
 
-    print(f"\n{'fault':12s} {'trials':>6s} {'lost':>5s} {'identical':>9s} {'wrong':>5s}")
+    print(f"\n{'fault':13s} {'trials':>6s} {'lost':>5s} {'identical':>9s} {'wrong':>5s}")
     by = Counter(r["kind"] for r in results)
     for kind in kinds:
         rs = [r for r in results if r["kind"] == kind]
         if rs:
-            print(f"{kind:12s} {by[kind]:6d} {sum(r['lost'] for r in rs):5d} "
+            print(f"{kind:13s} {by[kind]:6d} {sum(r['lost'] for r in rs):5d} "
                   f"{sum(r['identical'] for r in rs):9d} {sum(r['wrong'] for r in rs):5d}")
     lost = sum(r["lost"] for r in results)
     wrong = sum(r["wrong"] for r in results)
     same = sum(r["identical"] for r in results)
-    print(f"{'all':12s} {len(results):6d} {lost:5d} {same:9d} {wrong:5d}")
+    print(f"{'all':13s} {len(results):6d} {lost:5d} {same:9d} {wrong:5d}")
     return 0 if lost == 0 and wrong == 0 and same == len(results) else 1
 
 

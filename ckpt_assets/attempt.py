@@ -32,6 +32,7 @@ from ckpt_assets.events import (
 from ckpt_assets.metadata import checkpoint_metadata, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_DECISION_REASON, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
+from ckpt_assets.trainer_process import ProcessOutcome
 from trainer.contract import (
     Eval,
     Failed,
@@ -110,30 +111,69 @@ class AttemptReport:
             rec, self.run, f"checkpoint step {rec.step} committed (loss {rec.loss})"))
         tracker.on_checkpoint(rec)
 
-    def outcome(self, repo: CheckpointRepo, rc: int, context) -> AttemptEnd:
+    def outcome(self, repo: CheckpointRepo, proc: ProcessOutcome, context) -> AttemptEnd:
         """How the attempt ended (exit 0 included), with the run's last committed step."""
         try:
             ptr = repo.read_pointer()
         except (CheckpointError, StorageError):
             ptr = None
+        last = None
+        if ptr and ptr.checkpoint:
+            try:
+                last = CheckpointRecord.from_manifest(repo.read_manifest(ptr.checkpoint),
+                                                      repo.uri(ptr.checkpoint))
+            except TrainerError:  # unreadable: the pointer's step is all there is to say
+                last = None
         last_step = ptr.step if ptr and ptr.checkpoint else None
         last_uri = repo.uri(ptr.checkpoint) if ptr and ptr.checkpoint else None
         if last_step is None and self.checkpoints:
-            last_step, last_uri = self.checkpoints[-1].step, self.checkpoints[-1].uri
-        outcome = Outcome.of_exit(rc, self.failed.failure_class if self.failed else None)
-        if outcome is Outcome.SUCCESS and last_uri is None:
-            outcome = Outcome.NO_CHECKPOINT
+            last = self.checkpoints[-1]
+            last_step, last_uri = last.step, last.uri
+        rc = proc.returncode
+        outcome = exit_outcome(rc, self.failed.failure_class if self.failed else None,
+                               final=self.is_final(last), committed=last_uri is not None,
+                               left_running=len(proc.left_running))
         started = self.started
         return AttemptEnd(
             outcome, self.run, exit_code=int(rc), attempt=self.attempt,
             last_committed_step=last_step, checkpoint_uri=last_uri,
             signal=signal_name(rc) if rc else None,
-            message=self.failed.message if self.failed else None,
+            message=self.failed.message if self.failed else _left_words(proc.left_running),
             error_type=self.failed.error_type if self.failed else None,
             dagster_run_id=context.run.run_id,
             root_run_id=started.lineage.get("root_run_id") if started else None,
             resumed_from_step=started.resumed_from_step if started else None,
             checkpoints_this_attempt=len(self.checkpoints))
+
+    def is_final(self, rec: CheckpointRecord | None) -> bool:
+        """Whether `rec` (the run's newest checkpoint) ends the run: marked final, or this
+        attempt's own checkpoint of the step its session reported finishing at (a script
+        without max_steps whose last step a trigger had committed already)."""
+        if rec is None:
+            return False
+        if rec.final:
+            return True
+        return (self.finished is not None and self.started is not None
+                and rec.step == self.finished.step and rec.attempt == self.started.attempt)
+
+
+def exit_outcome(rc: int, reported: str | None, *, final: bool, committed: bool,
+                 left_running: int) -> Outcome:
+    """The outcome of an attempt whose main process exited `rc`: a run is finished only by
+    a final checkpoint, so an exit 0 without one is a failure of its own (`unfinished`:
+    the command forked and exited, or stopped early; `no_checkpoint`: it never committed
+    and left nothing running)."""
+    outcome = Outcome.of_exit(rc, reported)
+    if outcome is not Outcome.SUCCESS or final:
+        return outcome
+    return Outcome.UNFINISHED if committed or left_running else Outcome.NO_CHECKPOINT
+
+
+def _left_words(pids: list[int]) -> str | None:
+    if not pids:
+        return None
+    return (f"{len(pids)} process(es) of the attempt were still running after its main "
+            f"process exited (pids {', '.join(map(str, sorted(pids)))}); they were stopped")
 
 
 def record_end(context, ended: AttemptEnd, interrupted: bool,
@@ -151,6 +191,12 @@ def failure_description(ended: AttemptEnd) -> str:
         return (f"the training process of {ended.training_run} exited 0 without committing a "
                 "checkpoint; a command must checkpoint through trainer.CheckpointSession "
                 "(see the README's own-loop example)")
+    if ended.outcome is Outcome.UNFINISHED:
+        left = f"; {ended.message}" if ended.message else ""
+        return (f"the training process of {ended.training_run} exited 0 in attempt "
+                f"{ended.attempt} before the run's final checkpoint (last committed step "
+                f"{ended.last_committed_step}){left}. Not finished, so final_model was not "
+                f"made: {Outcome.UNFINISHED.kind.advice}")
     sig = f", {ended.signal}" if ended.signal else ""
     where = f" ({ended.checkpoint_uri})" if ended.checkpoint_uri else ""
     msg = f": {ended.message}" if ended.message else ""

@@ -14,6 +14,7 @@ from ckpt_assets.asset_versions import VersionedRepo
 from ckpt_assets.events import ATTEMPT_ENDED, CHECKPOINT, decisions, partition_events
 from ckpt_assets.registration import read_registration
 from ckpt_assets.run_queries import training_runs_of
+from ckpt_assets.run_state import record_lost_worker
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from trainer.errors import CheckpointError
 from trainer.outcomes import Outcome
@@ -110,6 +111,7 @@ def _attempt_rows(instance: dg.DagsterInstance, run_key: str) -> list[dict[str, 
     """One row per Dagster run of the training run, from its tags and run record."""
     attempts = []
     for r in dagster_runs_of(instance, run_key):
+        r = record_lost_worker(instance, r)  # an attempt whose worker died has ended
         record = instance.get_run_record_by_id(r.run_id)
         attempts.append({"dagster_run_id": r.run_id, "status": r.status.value,
                          "started": bool(record and record.start_time),

@@ -11,7 +11,7 @@ stored as the truth: it is derived every time from the runs, so it cannot go sta
 | not launched         | there is none                                                     |
 | queued               | queued or starting, and it is a first attempt                    |
 | resuming             | queued or starting as a resume; or failed, resume due, not launched yet |
-| training             | running                                                           |
+| training             | running (one whose run worker is found dead is failed first)      |
 | stopping             | canceling                                                         |
 | waiting for back-off | failed; the policy resumes it after a back-off that has not ended |
 | deciding             | failed; the resume sensors have not decided yet (seconds)        |
@@ -22,6 +22,7 @@ stored as the truth: it is derived every time from the runs, so it cannot go sta
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -42,6 +43,7 @@ from ckpt_assets.tags import (
     TAG_RESUME_AT,
     TAG_RESUME_FROM,
     TAG_STOP_REASON,
+    TAG_WORKER_LOST,
 )
 
 
@@ -85,7 +87,28 @@ def run_state(instance: dg.DagsterInstance, partition: str,
     run = newest_training_run(instance, partition)
     if run is None:
         return RunState(partition, State.NOT_LAUNCHED, "no Dagster run yet")
-    return state_of(run, time.time() if now is None else now)
+    return state_of(record_lost_worker(instance, run), time.time() if now is None else now)
+
+
+def record_lost_worker(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dg.DagsterRun:
+    """`run` as it is once looked at: a STARTED run whose run worker is known dead (it ran
+    on this machine, and its process is gone) ended without recording how; it is failed
+    now (the sensors see a lost worker and decide), and what its attempt left running is
+    asked to stop (the trainer commits and exits 143). Anything else is left as it is: a
+    worker elsewhere is the heartbeat reconciler's to judge."""
+    from ckpt_assets.trainer_process import AttemptProcesses
+
+    if run.status != dg.DagsterRunStatus.STARTED:
+        return run
+    procs = AttemptProcesses.of_run(run)
+    if procs is None or procs.ended or not procs.worker_gone():
+        return run
+    msg = (f"its run worker (pid {procs.worker.pid}) is gone: the attempt ended without "
+           f"recording how its training process exited (its output: {procs.output})")
+    instance.add_run_tags(run.run_id, {TAG_WORKER_LOST: msg})
+    instance.report_run_failed(run, msg)
+    procs.stop(0.0, logging.getLogger(__name__), wait=False)
+    return instance.get_run_by_id(run.run_id) or run
 
 
 def state_of(run: dg.DagsterRun, now: float) -> RunState:
@@ -129,8 +152,9 @@ def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made) -> RunState:
             return made(State.WAITING, f"resumes at {iso(due)} (in {due - now:.0f}s); {reason}",
                         iso(due))
         return made(State.RESUMING, f"launching the resume; {reason}")
-    return made(State.DECIDING, f"attempt {run.status.value.lower()}; the resume sensors "
-                                "decide within seconds")
+    lost = f": {tags[TAG_WORKER_LOST]}" if tags.get(TAG_WORKER_LOST) else ""
+    return made(State.DECIDING, f"attempt {run.status.value.lower()}{lost}; the resume "
+                                "sensors decide within seconds")
 
 
 def state_observation(state: RunState, extra: dict[str, Any] | None = None

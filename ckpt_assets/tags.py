@@ -23,6 +23,11 @@ TAG_NEXT_BUDGET = "ckpt/next_budget"  # the budget its resume will carry
 TAG_RESUMED_BY = "ckpt/resumed_by"  # the run that resumed it (set by that run)
 # Set by the reconciler before it fails a STARTED run whose trainer stopped heartbeating:
 TAG_HEARTBEAT_LOST = "ckpt/heartbeat_lost"  # the heartbeat's age when it gave up, in words
+# Set by whoever finds a STARTED run whose run worker died, before it fails the run:
+TAG_WORKER_LOST = "ckpt/worker_lost"  # what was found, in words
+
+# On a training run while its step runs (`ckpt_assets.trainer_process.AttemptProcesses`):
+TAG_PROCESSES = "ckpt/processes"  # its machine, run worker, process group and output file
 
 # On a run stopped for good (`ckpt_assets.stop`):
 TAG_NO_RESUME = "ckpt/no_resume"  # "true"

@@ -2,26 +2,46 @@
 
 The trainer (or the user's command) runs as its own process: its exit status and its last
 Pipes messages are what the failure policy classifies, and its crash never takes the
-orchestrator down. It is started in a session of its own and with PR_SET_PDEATHSIG, so
-that a killed run worker takes it along (it commits a checkpoint and exits 143), and an
-interrupt of the step (terminate from Dagster, Ctrl-C) becomes SIGTERM, then SIGKILL after
-the grace period: no zombie keeps training with nobody watching.
+orchestrator down. An attempt owns its processes:
+
+* The process starts in a session (and process group) of its own, with PR_SET_PDEATHSIG,
+  so that a killed run worker takes it along (it commits a checkpoint and exits 143).
+* Its stdout and stderr are a file that the step tails, not a pipe: when the run worker
+  dies, the trainer's next `print` still succeeds and its stop path still commits.
+* When the attempt ends for any reason (the process exited, the step was interrupted),
+  every process left in the group is stopped (SIGTERM, then SIGKILL after the grace
+  period) and the step waits until the group is gone. A command that forks and exits
+  leaves nothing training with nobody watching; the orphans it left are counted, and the
+  attempt is classified by `ckpt_assets.attempt` (`unfinished`, never a success).
+* The run records its processes (tag `ckpt/processes`: machine, run worker, process
+  group, output file). Whoever next looks at a run whose worker died without recording
+  its end (`ckpt_assets.run_state`) records the attempt as ended and stops what it left;
+  the next attempt of the partition waits until an earlier attempt's group is gone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import dagster as dg
+
+from ckpt_assets.tags import TAG_PROCESSES
+
+KILL_WAIT_S = 30.0  # after SIGKILL: only a process stuck in the kernel takes longer
+POLL_S = 0.1
+LEFTOVER_LOOKBACK = 5  # earlier training runs of the partition whose groups are checked
 
 
 class LaunchError(Exception):
@@ -32,7 +52,162 @@ class LaunchError(Exception):
 class ProcessOutcome:
     returncode: int
     interrupted: BaseException | None  # the step's interrupt, re-raised by the caller
+    # Processes of the group that were still running once the main process had exited
+    # (or been stopped): a command that forked and exited leaves some.
+    left_running: list[int]
 
+
+# -- processes and groups, by /proc --------------------------------------------------------
+
+@dataclass(frozen=True)
+class ProcessRef:
+    """One process ever: its pid and its start time (clock ticks after boot), so that a
+    pid the kernel handed to another process since is never taken for it."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRef | None:
+        st = _stat(pid)
+        return cls(pid, st[3]) if st else None
+
+    @classmethod
+    def known(cls, pid: int) -> ProcessRef:
+        """A process this one started or is: its start time where /proc tells it (else
+        0, and `this_machine()` is None there, so it is never judged dead)."""
+        return cls.of(pid) or cls(pid, 0)
+
+    def alive(self) -> bool:
+        st = _stat(self.pid)
+        return st is not None and st[0] != "Z" and st[3] == self.start
+
+
+def _stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, process group, session, start time) of a live or zombie process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[2]), int(fields[3]), int(fields[19])
+
+
+def this_machine() -> str | None:
+    """Where pids mean the same processes: this boot of this kernel and this PID
+    namespace (None where /proc cannot say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def group_members(pgid: int, since: int = 0) -> list[int]:
+    """Live (not zombie) processes of process group `pgid` that started at or after
+    `since` (the group leader's start time: older ones belong to a reused number)."""
+    if not os.path.isdir("/proc/self"):  # no /proc: ask the kernel whether any is left
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            st = _stat(int(entry.name))
+            if st and st[1] == pgid and st[0] != "Z" and st[3] >= since:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_gone(pgid: int, since: int, timeout: float, reap: subprocess.Popen | None) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if reap is not None:
+            reap.poll()  # our own child turns zombie, not gone, until it is reaped
+        if not group_members(pgid, since):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+
+
+def stop_group(pgid: int, grace_s: float, log, since: int = 0, wait: bool = True,
+               reap: subprocess.Popen | None = None) -> list[int]:
+    """Stop every process of group `pgid`: SIGTERM (a trainer commits and exits 143), then
+    SIGKILL after `grace_s`; return the pids that were running. `wait`: until all are gone
+    (an interrupt while waiting kills them at once)."""
+    left = group_members(pgid, since)
+    if not left:
+        return []
+    log.warning(f"{len(left)} process(es) of process group {pgid} still running (pids "
+                f"{', '.join(map(str, sorted(left)))}): SIGTERM"
+                + (f", grace {grace_s:.0f}s" if wait else ""))
+    _signal_group(pgid, signal.SIGTERM)
+    if not wait:
+        return left
+    try:
+        if not _wait_gone(pgid, since, grace_s, reap):
+            log.warning(f"process group {pgid} still running after {grace_s:.0f}s: SIGKILL")
+            _signal_group(pgid, signal.SIGKILL)
+            if not _wait_gone(pgid, since, KILL_WAIT_S, reap):
+                log.error(f"process group {pgid} survived SIGKILL for {KILL_WAIT_S:.0f}s "
+                          f"(pids {group_members(pgid, since)}); they are stuck in the kernel")
+    except BaseException:  # a second interrupt: nothing of the attempt may outlive it
+        _signal_group(pgid, signal.SIGKILL)
+        raise
+    return left
+
+
+@dataclass(frozen=True)
+class AttemptProcesses:
+    """An attempt's processes, as its Dagster run records them (tag `ckpt/processes`)."""
+
+    machine: str | None
+    worker: ProcessRef  # the run worker (the process that runs the step)
+    group: ProcessRef  # the training process, leader of its process group
+    output: str  # the file its stdout and stderr go to
+    ended: bool = False  # the step saw the group gone
+
+    def to_tag(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def of_run(cls, run: dg.DagsterRun) -> AttemptProcesses | None:
+        try:
+            raw = json.loads(run.tags[TAG_PROCESSES])
+            return cls(raw["machine"], ProcessRef(**raw["worker"]), ProcessRef(**raw["group"]),
+                       raw["output"], bool(raw.get("ended")))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    @property
+    def here(self) -> bool:
+        return self.machine is not None and self.machine == this_machine()
+
+    def worker_gone(self) -> bool:
+        """Known dead: on this machine, and its process is gone (or is another one now)."""
+        return self.here and not self.worker.alive()
+
+    def left(self) -> list[int]:
+        return group_members(self.group.pid, self.group.start) if self.here else []
+
+    def stop(self, grace_s: float, log, wait: bool = True) -> list[int]:
+        if not self.here:
+            return []
+        return stop_group(self.group.pid, grace_s, log, self.group.start, wait)
+
+
+# -- one attempt's process --------------------------------------------------------------
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
@@ -41,13 +216,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def _start(argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen:
+def _start(argv: list[str], env: dict[str, str], cwd: str, output: str) -> subprocess.Popen:
     try:
-        return subprocess.Popen(
-            argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace",
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-            start_new_session=True)
+        with open(output, "ab") as out:
+            return subprocess.Popen(
+                argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                start_new_session=True)
     except FileNotFoundError as e:
         missing = cwd if e.filename == cwd else argv[0]
         what = "working directory" if missing == cwd else "command"
@@ -58,39 +234,129 @@ def _start(argv: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen:
                           "config's command or cwd") from None
 
 
+def tail(path: str, done: threading.Event) -> Iterator[str]:
+    """The lines of a file being written, as they come, until `done` is set and the file
+    has been read to its end."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        partial = ""
+        while True:
+            chunk = f.readline()
+            if chunk:
+                partial += chunk
+                if partial.endswith("\n"):
+                    yield partial
+                    partial = ""
+                continue
+            if done.is_set():
+                if partial:
+                    yield partial
+                return
+            time.sleep(POLL_S)
+
+
+def run_to_end(argv: list[str], env: dict[str, str], cwd: str, output: str, grace_s: float,
+               log) -> ProcessOutcome:
+    """Run `argv` as an attempt's process without Dagster (benchmarks, tools): in a group
+    of its own, its output in the file `output`, until it and all it started are gone."""
+    proc = _start(argv, env, cwd, output)
+    group = ProcessRef.known(proc.pid)
+    try:
+        rc = proc.wait()
+    except BaseException:  # interrupted: nothing of the attempt may outlive it
+        _signal_group(proc.pid, signal.SIGKILL)
+        raise
+    return ProcessOutcome(rc, None, stop_group(proc.pid, grace_s, log, group.start, reap=proc))
+
+
 def run_under_pipes(context: dg.AssetExecutionContext, argv: list[str], env: dict[str, str],
                     cwd: str, grace_s: float, on_messages: Callable[[list[Any]], None],
                     after_start: Callable[[], None], extras: dict[str, Any]) -> ProcessOutcome:
-    """Run `argv` in a Pipes session until it exits; feed its custom messages to
-    `on_messages` as they arrive (and the last ones after it exited)."""
-    seen = 0
-    interrupted: BaseException | None = None
-    with dg.open_pipes_session(context=context,
-                               context_injector=dg.PipesTempFileContextInjector(),
-                               message_reader=dg.PipesTempFileMessageReader(),
-                               extras=extras) as session:
-        proc = _start(argv, {**env, **session.get_bootstrap_env_vars()}, cwd)
-        context.log.info(f"training process started (pid {proc.pid}): {' '.join(argv)}")
-        reader = threading.Thread(target=_pump, args=(proc, context), daemon=True,
-                                  name="training-output")
-        reader.start()
+    """Run `argv` in a Pipes session until it and every process it started are gone; feed
+    its custom messages to `on_messages` as they arrive (and the last ones at the end)."""
+    stop_leftovers(context, grace_s)
+    fd, output = tempfile.mkstemp(prefix=f"ckpt-{context.run.run_id[:8]}-", suffix=".log")
+    os.close(fd)
+    try:
+        with dg.open_pipes_session(context=context,
+                                   context_injector=dg.PipesTempFileContextInjector(),
+                                   message_reader=dg.PipesTempFileMessageReader(),
+                                   extras=extras) as session:
+            outcome = _supervise(context, session, argv,
+                                 {**env, **session.get_bootstrap_env_vars()}, cwd, output,
+                                 grace_s, on_messages, after_start)
+        # The session is closed: every message the processes wrote has been read.
+        on_messages(session.get_custom_messages()[outcome.seen:])
+    finally:
+        os.unlink(output)
+    return outcome.result
+
+
+@dataclass
+class _Supervised:
+    result: ProcessOutcome
+    seen: int
+
+
+def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str, output: str,
+               grace_s: float, on_messages: Callable[[list[Any]], None],
+               after_start: Callable[[], None]) -> _Supervised:
+    proc = _start(argv, env, cwd, output)
+    group = ProcessRef.known(proc.pid)
+    procs = AttemptProcesses(this_machine(), ProcessRef.known(os.getpid()), group, output)
+    _record(context, procs)
+    context.log.info(f"training process started (pid {proc.pid}, its own process group; "
+                     f"output {output}): {' '.join(argv)}")
+    done = threading.Event()
+    reader = threading.Thread(target=_pump, args=(tail(output, done), context), daemon=True,
+                              name="training-output")
+    reader.start()
+    seen, interrupted = 0, None
+    try:
         try:
             _overlap(after_start, proc)
-            while True:
-                rc = proc.poll()
+            while (rc := proc.poll()) is None:
                 msgs = session.get_custom_messages()
                 on_messages(msgs[seen:])
                 seen = len(msgs)
-                if rc is not None:
-                    break
                 time.sleep(0.2)
-        except BaseException as e:  # DagsterExecutionInterruptedError (terminate), Ctrl-C, ...
+        except BaseException as e:  # DagsterExecutionInterruptedError (terminate), Ctrl-C
             interrupted = e
             rc = stop(context, proc, grace_s)
+        # Whatever outlived the main process (a command that forked and exited) is stopped
+        # now: the attempt ends when its whole group is gone.
+        left = stop_group(proc.pid, grace_s, context.log, group.start, reap=proc)
+    finally:
+        done.set()
         reader.join(10)
-    # The session is closed: every message the process wrote has been read.
-    on_messages(session.get_custom_messages()[seen:])
-    return ProcessOutcome(rc, interrupted)
+    _record(context, replace(procs, ended=True))
+    return _Supervised(ProcessOutcome(rc, interrupted, left), seen)
+
+
+def _record(context, procs: AttemptProcesses) -> None:
+    try:
+        context.instance.add_run_tags(context.run.run_id, {TAG_PROCESSES: procs.to_tag()})
+    except Exception as e:  # what others read to clean up after a lost worker: never fatal
+        context.log.warning(f"could not record the attempt's processes on the run: {e}")
+
+
+def stop_leftovers(context, grace_s: float) -> None:
+    """Before this attempt starts a process: the processes of the partition's earlier
+    attempts are gone. An attempt whose run worker died leaves its trainer committing on
+    the way out (and a forking command's children); this waits for them, then stops
+    whatever is left (SIGTERM, grace, SIGKILL)."""
+    from ckpt_assets.run_queries import training_runs_of
+
+    if not context.has_partition_key:
+        return
+    runs = training_runs_of(context.instance, context.partition_key)
+    for run in runs[:LEFTOVER_LOOKBACK]:
+        procs = AttemptProcesses.of_run(run)
+        if run.run_id == context.run.run_id or procs is None or procs.ended:
+            continue
+        if procs.left():
+            context.log.warning(f"run {run.run_id} left processes of its attempt running "
+                                f"(process group {procs.group.pid}); stopping them first")
+            procs.stop(grace_s, context.log)
 
 
 # A Python traceback, as printed: its first line, the chain separators, and the lines that
@@ -116,14 +382,14 @@ def _continues(line: str, closed: bool) -> bool:
     return not closed
 
 
-def _pump(proc: subprocess.Popen, context) -> None:
+def _pump(source: Iterator[str], context) -> None:
     """The process's output as INFO lines, except that a traceback is ONE entry: one event
     per frame line would bury the run's log (the structured `failed` report logs it as an
     error as well, whole)."""
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
-        for raw in proc.stdout:
+        for raw in source:
             lines.put(raw.rstrip())
         lines.put(None)
 
@@ -176,7 +442,9 @@ def _overlap(after_start: Callable[[], None], proc: subprocess.Popen) -> None:
 
 
 def stop(context, proc: subprocess.Popen, grace_s: float) -> int:
-    """SIGTERM the process (it commits a checkpoint and exits 143); SIGKILL after grace."""
+    """SIGTERM the training process (it commits a checkpoint and exits 143); SIGKILL after
+    grace. Only the main process first: a DataLoader worker signalled with it would die
+    under the step it serves; the rest of the group is stopped once it is gone."""
     if proc.poll() is None:
         context.log.warning(f"interrupted: SIGTERM to pid {proc.pid}, grace {grace_s:.0f}s")
         proc.send_signal(signal.SIGTERM)

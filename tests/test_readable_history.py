@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import sys
 import textwrap
+import threading
 
 import dagster as dg
 import pytest
@@ -19,7 +20,7 @@ from ckpt_assets.metadata import checkpoint_metadata
 from ckpt_assets.policy import Budget, Decision
 from ckpt_assets.resume_decision import record as record_decision
 from ckpt_assets.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
-from ckpt_assets.trainer_process import _pump, _start
+from ckpt_assets.trainer_process import _pump, _start, tail
 from tests import dagster_runs
 from trainer.contract import Failed
 from trainer.outcomes import Kind, Outcome
@@ -162,10 +163,14 @@ SCRIPT = textwrap.dedent('''
 
 def test_a_traceback_printed_by_the_training_process_is_one_log_entry_not_one_per_line(
         tmp_path):
-    proc = _start([sys.executable, "-u", "-c", SCRIPT], {"PATH": "/usr/bin:/bin"}, str(tmp_path))
-    ctx = Context()
-    _pump(proc, ctx)
+    output = str(tmp_path / "output.log")
+    proc = _start([sys.executable, "-u", "-c", SCRIPT], {"PATH": "/usr/bin:/bin"},
+                  str(tmp_path), output)
     proc.wait(30)
+    done = threading.Event()
+    done.set()  # the process is gone: read its output to the end
+    ctx = Context()
+    _pump(tail(output, done), ctx)
     msgs = [m for _, m in ctx.log.entries]
     assert msgs[0] == "[trainer] before" and msgs[2] == "[trainer] after"
     assert len(msgs) == 4, msgs

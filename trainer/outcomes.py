@@ -49,6 +49,10 @@ class Kind(StrEnum):
     NO_CHECKPOINT = ("no_checkpoint", Resume.NEVER,
                      "the command finished without committing a checkpoint; make it "
                      "checkpoint through trainer.CheckpointSession")
+    UNFINISHED = ("unfinished", Resume.NEVER,
+                  "the command exited 0 before its final checkpoint (it forked and exited, or "
+                  "left its loop early): make the process the orchestrator starts train to the "
+                  "end (exec, not fork) and pass max_steps to CheckpointSession")
     UNKNOWN = ("unknown", Resume.NEVER,
                "the failure could not be classified; inspect the run's logs")
     # Decisions that override a resumable kind (they name why nothing was resumed):
@@ -95,6 +99,9 @@ class Outcome(Enum):
                       "the trainer stopped heartbeating; the reconciler failed the run")
     NO_CHECKPOINT = ("no_checkpoint", None, Kind.NO_CHECKPOINT,
                      "a command exited 0 without committing a checkpoint")
+    UNFINISHED = ("unfinished", None, Kind.UNFINISHED,
+                  "exited 0 before its final checkpoint (a command that forked and exited, or "
+                  "left its loop early); what it left running was stopped")
     UNKNOWN = ("unknown", None, Kind.UNKNOWN, "an exit code nobody defines")
 
     def __new__(cls, value: str, *_: object):

@@ -63,6 +63,9 @@ class CheckpointRecord:
     lineage: Lineage | None = None
     # Bytes of tensor data per part (model, optimizer, ..., the session's loop and rng).
     part_bytes: dict[str, int] = field(default_factory=dict)
+    # The run's end: the step reached max_steps, or the script's session ended normally
+    # there. Only a final checkpoint finishes a run (and becomes final_model).
+    final: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -89,4 +92,5 @@ class CheckpointRecord:
                    save_seconds=stats.get("save_seconds"),
                    blocking_seconds=stats.get("blocking_seconds"),
                    lineage=Lineage.from_dict(lin) if lin else None,
-                   part_bytes=dict(m.meta.get("part_bytes") or {}))
+                   part_bytes=dict(m.meta.get("part_bytes") or {}),
+                   final=m.meta.get("final") is True)

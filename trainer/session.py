@@ -86,7 +86,7 @@ from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord, Lineage
 from trainer.repo import CheckpointRepo
 from trainer.report import Reporter, report_failure
-from trainer.signals import StopRequest
+from trainer.signals import StopRequest, shield_output
 from trainer.storage import open_store, split_uri
 
 log = logging.getLogger("trainer")
@@ -362,6 +362,10 @@ class CheckpointSession:
         self._sizes: dict[str, int] = {}
         self._size_warned = False
         self._walk: _EpochWalk | None = None
+        # The newest checkpoint of the current line: final or not, and committed by this
+        # attempt or the one it resumed from (close() re-commits a resumed, unfinished end).
+        self._last_final = False
+        self._last_ours = False
 
     # -- resume -------------------------------------------------------------------------
     @_ends_like_the_block
@@ -397,6 +401,7 @@ class CheckpointSession:
             t0 = time.perf_counter()
             ck.load(manifest)
             ck.last_saved_step = manifest.step
+            self._last_final = manifest.meta.get("final") is True
             self._say(f"resumed from {repo.uri(manifest.name)} at step {manifest.step} "
                       f"(restore {time.perf_counter() - t0:.2f}s)")
         else:
@@ -539,9 +544,11 @@ class CheckpointSession:
 
     # -- saving ---------------------------------------------------------------------------
     @_ends_like_the_block
-    def save(self, reason: str = "manual") -> None:
-        """Commit the parts as they are now, at the current step (once per step)."""
+    def save(self, reason: str = "manual", *, final: bool = False) -> None:
+        """Commit the parts as they are now, at the current step (once per step). `final`:
+        this is the run's end (implied once the step reaches max_steps)."""
         loop = self.loop
+        final = final or (self.max_steps is not None and loop.step >= self.max_steps)
         is_best = reason == "best" or self._loss_is_best()
         # Filled by the parts as the checkpointer takes their state, before the manifest is
         # written; a new dict per save, since a background commit may still hold the last.
@@ -549,7 +556,9 @@ class CheckpointSession:
         meta = {"reason": reason, "loss": loop.losses[-1] if loop.losses else None,
                 "metrics": loop.metrics, "best_score": loop.best,
                 "is_best": is_best, "lineage": self.lineage.to_dict(),
-                "config": self._config_ref, "part_bytes": self._sizes}
+                "config": self._config_ref, "part_bytes": self._sizes, "final": final}
+        if self._ck.last_saved_step != loop.step:
+            self._last_final, self._last_ours = final, True
         self._ck.save(loop.step, meta)
         self._last_save_t = time.monotonic()
         self._warn_if_the_optimizer_dwarfs_the_model(self._sizes)
@@ -569,8 +578,14 @@ class CheckpointSession:
         if self._closed or self._ck is None:
             return
         self._closed = True
-        if not self.stopped and self.loop.step > 0 and self._ck.last_saved_step != self.loop.step:
-            self.save("final")
+        if not self.stopped and self.loop.step > 0:
+            if self._ck.last_saved_step == self.loop.step and not (
+                    self._last_final or self._last_ours):
+                # Resumed from an end that no one marked final (a run without max_steps
+                # whose last session was lost): this attempt commits it as the end.
+                self._ck.last_saved_step = None
+            if self._ck.last_saved_step != self.loop.step:
+                self.save("final", final=True)
         self._ck.close()
         if not self.stopped:
             self.reporter.send(Finished(self.loop.step, dict(self.loop.metrics)))
@@ -601,6 +616,8 @@ class CheckpointSession:
                 code = (Outcome.PREEMPTED if self.stopped else Outcome.SUCCESS).exit_code
         except Exception as e:  # a failed final commit is the attempt's failure
             exc = e
+        if isinstance(exc, BrokenPipeError) and self.stop.parent_gone:
+            exc, code = None, self._output_lost()
         if exc is not None:
             if self._ck is not None:
                 try:
@@ -758,6 +775,20 @@ class CheckpointSession:
             walk.last_batch = batch == walk.per_epoch - 1
             yield batch
         walk.last_batch = False
+    def _output_lost(self) -> int:
+        """The script wrote to a pipe whose reader died with the launching process: that is
+        a preemption, not a bug. Its state may be mid-step, so nothing more is committed."""
+        shield_output()
+        step = None
+        if self._ck is not None:
+            try:
+                self._ck.close()
+                step = self._ck.last_saved_step
+            except Exception:  # a background save that failed is lost like the step
+                log.exception("background save failed while stopping")
+        self.reporter.log("the launching process died, and the script's output with it: "
+                          f"stopped; the last committed step is {step}", logging.WARNING)
+        return Outcome.PREEMPTED.exit_code
 
 
 def resolve_resume(repo: CheckpointRepo, resume: str) -> tuple[Manifest | None, list]:

@@ -2,14 +2,24 @@
 
 Handlers only set a flag; the loop saves at the next step boundary. Saving inside a
 handler could interrupt a half-done optimizer step or a save already in progress.
+
+When the launching process dies, whatever read the trainer's output may have died with it:
+the orchestrator hands its processes files, but a stdout that is a pipe to the dead parent
+would fail the next `print` (BrokenPipeError, or death by SIGPIPE) and the interpreter's
+last flush (exit 120), turning a preemption into a bug. So the parent's death also points
+such a pipe at /dev/null (`shield_output`), before the loop commits and exits 143.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
+import stat
 import sys
+
+PARENT_EXITED = "PARENT_EXITED"
 
 
 class StopRequest:
@@ -30,13 +40,49 @@ class StopRequest:
                 libc = ctypes.CDLL(None, use_errno=True)
                 libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
             if os.getppid() != self._parent:  # parent died before prctl took effect
-                self.signal_name = "PARENT_EXITED"
+                self._parent_exited()
 
     def _handle(self, signum: int, _frame) -> None:
         self.signal_name = signal.Signals(signum).name
+        if self.parent_gone:  # PR_SET_PDEATHSIG: the output's reader may be gone too
+            shield_output()
+
+    def _parent_exited(self) -> None:
+        self.signal_name = PARENT_EXITED
+        shield_output()
+
+    @property
+    def parent_gone(self) -> bool:
+        """The process that launched this one died (only watched when asked to)."""
+        return self._watch_parent and os.getppid() != self._parent
 
     @property
     def requested(self) -> bool:
-        if self.signal_name is None and self._watch_parent and os.getppid() != self._parent:
-            self.signal_name = "PARENT_EXITED"
+        if self.signal_name is None and self.parent_gone:
+            self._parent_exited()
         return self.signal_name is not None
+
+
+def shield_output() -> None:
+    """Point stdout and stderr at /dev/null where they are pipes (or sockets) that nobody
+    reads any more; anything else (a file, a terminal, a live pipe) is left as it is."""
+    for fd in (1, 2):
+        if _reader_gone(fd):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, fd)
+            finally:
+                os.close(devnull)
+
+
+def _reader_gone(fd: int) -> bool:
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return False
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return False
+    # The write end of a pipe whose read end is closed polls as POLLERR (a socket: HUP).
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))

@@ -149,7 +149,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     # after the first look and before this attempt's trainer claimed the run.
     record_unseen_checkpoints(context, repo, reg.run,
                               known={r.name for r in (*late, *report.checkpoints)})
-    ended = report.outcome(repo, proc.returncode, context)
+    ended = report.outcome(repo, proc, context)
     record_end(context, ended, proc.interrupted is not None,
                {"parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),
                 "mlflow_run_id": tracker.run_id,
