@@ -21,6 +21,8 @@ TAG_NEXT_BUDGET = "ckpt/next_budget"  # the budget its resume will carry
 TAG_RESUMED_BY = "ckpt/resumed_by"  # the run that resumed it (set by that run)
 # Set by the reconciler before it fails a STARTED run whose trainer stopped heartbeating:
 TAG_HEARTBEAT_LOST = "ckpt/heartbeat_lost"  # the heartbeat's age when it gave up, in words
+# ... or one whose trainer heartbeats but completed no step within the stall limit:
+TAG_STALLED = "ckpt/stalled"  # the step's age when it gave up, in words
 
 # On a run stopped for good (`ckpt_assets.stop`):
 TAG_NO_RESUME = "ckpt/no_resume"  # "true"
