@@ -10,6 +10,10 @@ history to lose), then applies one fault and resumes until the run finishes:
     s3-errors     S3 store behind a proxy that answers 503 from step k on; expect exit 5
     race          two trainers of the run started at once asking for the same attempt;
                   expect one to finish (0) and the other to be fenced (6)
+    long-step     the attempt's first step lasts 3x a shortened heartbeat timeout (a
+                  compiled first step); the reconciler's own judgement (ckpt_assets.liveness)
+                  reads the heartbeat every 0.1 s throughout; expect it never to find the
+                  trainer dead or stalled, and the attempt to finish (0)
 
 It prints a matrix: trials, committed checkpoints lost (verifying before the fault, gone or
 failing after; must be 0, keep_last is high so retention drops nothing), runs that ended
@@ -30,12 +34,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ckpt_assets.liveness import judge  # noqa: E402
+from ckpt_assets.resume_decision import ResumeSettings  # noqa: E402
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
 from trainer.checkpointer import load_verified_state  # noqa: E402
 from trainer.contract import Env  # noqa: E402
@@ -45,7 +52,10 @@ from trainer.storage import open_store  # noqa: E402
 
 MAX_STEPS, EVERY = 110, 20
 EXPERIMENT, RUN = "default", "equiv"
-LOCAL_KINDS = ["kill", "ptr-deleted", "ptr-garbled", "ptr-types", "disk-full", "race"]
+LOCAL_KINDS = ["kill", "ptr-deleted", "ptr-garbled", "ptr-types", "disk-full", "race",
+               "long-step"]
+# long-step: the heartbeat timeout it is judged by, and the trainer's beat interval.
+LONG_TIMEOUT_S, LONG_BEAT_S = 2.0, 0.25
 
 # Loaded into trainer processes through PYTHONPATH: from the CKPT_SOAK_DISK_FULL_AT-th file
 # save on, the file the writer opens is /dev/full, so torch's own writer meets ENOSPC.
@@ -126,6 +136,44 @@ def kill(proc) -> None:
     proc.send_signal(signal.SIGKILL)
 
 
+class LivenessWatch(threading.Thread):
+    """Judges a trainer's heartbeat as the reconciler does, every 0.1 s, from its first beat
+    (its start-up is not what is judged here) until stopped; keeps every verdict."""
+
+    def __init__(self, store: str, proc: subprocess.Popen):
+        super().__init__(daemon=True)
+        self.repo = CheckpointRepo(open_store(store), EXPERIMENT, RUN)
+        self.proc, self.verdicts, self.beats = proc, [], []
+        self.settings = ResumeSettings(heartbeat_timeout_s=LONG_TIMEOUT_S)
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        first = None
+        while not self._halt.wait(0.1):
+            beat = self.repo.read_beat()
+            if beat is None or beat.pid != self.proc.pid:
+                beat = None  # an earlier attempt's: not this trainer's
+            elif first is None:
+                first = time.time()
+            if beat is not None and (not self.beats or beat.time != self.beats[-1].time):
+                self.beats.append(beat)
+            if first is not None and self.proc.poll() is None:
+                verdict = judge(beat, "", first, time.time(), self.settings)
+                if verdict is not None:
+                    self.verdicts.append(verdict.outcome.value)
+
+    def stop(self) -> str:
+        self._halt.set()
+        self.join(10)
+        gaps = [b.time - a.time for a, b in zip(self.beats, self.beats[1:], strict=False)]
+        steps = sorted({(b.step, b.step_time) for b in self.beats
+                        if b.step is not None and b.step_time is not None})
+        longest = max((t2 - t1 for (_, t1), (_, t2) in zip(steps, steps[1:], strict=False)),
+                      default=0.0)
+        return (f"; longest step {longest:.1f}s = {longest / LONG_TIMEOUT_S:.1f}x the "
+                f"timeout, longest heartbeat gap {max(gaps, default=0.0):.2f}s")
+
+
 def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, reference: dict,
               s3: dict | None) -> dict:
     config = write_config(work / "config.json", max_steps=MAX_STEPS,
@@ -139,7 +187,7 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
     # A first attempt killed after at least one checkpoint: history that a fault could cost.
     rc, _ = follow(start_trainer(config, store, env), rng.randint(EVERY + 5, MAX_STEPS - 15), kill)
     before = verifying(store)
-    expected, got = "resume", None
+    expected, got, note = "resume", None, ""
     ckdir = work / "store" / EXPERIMENT / RUN / "checkpoints"
 
     if kind == "kill":
@@ -177,6 +225,20 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
         procs = [start_trainer(slow, store, env2) for _ in range(2)]
         rcs = sorted(follow(p)[0] for p in procs)
         expected, got = [0, 6], rcs
+    elif kind == "long-step":
+        # The same training (tests.liveness_tasks is the toy task), its first step long.
+        long = write_config(work / "long.json", max_steps=MAX_STEPS,
+                            task="tests.liveness_tasks:build",
+                            checkpoint={"every_steps": EVERY, "keep_last": 50,
+                                        "on_epoch_end": False, "heartbeat_seconds": LONG_BEAT_S},
+                            task_args={"long_step_s": 3 * LONG_TIMEOUT_S})
+        proc = start_trainer(long, store, env)
+        watch = LivenessWatch(store, proc)
+        watch.start()
+        rc, _ = follow(proc)
+        note = watch.stop()
+        expected, got = (0, "never dead or stalled"), (rc, ", ".join(watch.verdicts)
+                                                      or "never dead or stalled")
 
     newest_before = max((int(n.split("-")[1]) for n in before), default=0)
     resumed_ok = True
@@ -190,7 +252,8 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
     same = rc == 0 and identical(final_state(store), reference)
     wrong = (expected != "resume" and got != expected) or rc != 0 or not resumed_ok
     return {"kind": kind, "lost": len(before - after), "identical": same, "wrong": wrong,
-            "detail": f"expected {expected} got {got}; final rc {rc}; resumed ok {resumed_ok}"}
+            "detail": f"expected {expected} got {got}; final rc {rc}; resumed ok {resumed_ok}"
+                      f"{note}"}
 
 
 def start_s3(work: Path) -> dict | None:

@@ -5,8 +5,8 @@ Liveness is not progress (`trainer.liveness`): the trainer's heartbeat beats on 
 its own, so a step of any length keeps it fresh. Each STARTED training run is judged on two
 clocks:
 
-* dead: no heartbeat of this run's trainer within CKPT_HEARTBEAT_TIMEOUT_S (120 s), outcome
-  `heartbeat_lost`;
+* dead: no heartbeat of this run's trainer within CKPT_HEARTBEAT_TIMEOUT_S (120 s), or none
+  at all within CKPT_START_GRACE_S (300 s) of the run's start, outcome `heartbeat_lost`;
 * stalled: a fresh heartbeat, but no step completed within CKPT_STALL_TIMEOUT_S (1800 s),
   outcome `stalled`.
 
@@ -72,13 +72,16 @@ def judge(beat: Beat | None, run_id: str, started: float, now: float,
     """Dead, stalled, or (None) neither: the trainer of run `run_id`, which started at
     `started`, as its newest heartbeat `beat` shows it at `now`."""
     timeout, beat = settings.heartbeat_timeout_s, own_beat(beat, run_id)
-    if now - started <= timeout:
-        return None  # its trainer may still be starting
-    age = None if beat is None else now - beat.time
-    if age is None or age > timeout:
+    if beat is None:
+        if now - started <= settings.start_grace_s:
+            return None  # its trainer may still be starting
         return Verdict(Outcome.HEARTBEAT_LOST, (
-            f"trainer heartbeat lost ({'none' if age is None else f'{age:.0f}s old'}, "
-            f"timeout {timeout:.0f}s)"))
+            f"trainer heartbeat lost (none {now - started:.0f}s after the run started, "
+            f"start grace {settings.start_grace_s:.0f}s)"))
+    age = now - beat.time
+    if age > timeout:
+        return Verdict(Outcome.HEARTBEAT_LOST, (
+            f"trainer heartbeat lost ({age:.0f}s old, timeout {timeout:.0f}s)"))
     since = None if beat.step_time is None else now - beat.step_time
     if since is not None and since > settings.stall_timeout_s:
         return Verdict(Outcome.STALLED, (

@@ -63,7 +63,8 @@ KEY = "run-a"
 @pytest.fixture(autouse=True)
 def timeouts(monkeypatch):
     """The shipped defaults, whatever the environment of the test process says."""
-    for name in ("CKPT_RECONCILE_GRACE_S", "CKPT_HEARTBEAT_TIMEOUT_S", "CKPT_STALL_TIMEOUT_S",
+    for name in ("CKPT_RECONCILE_GRACE_S", "CKPT_HEARTBEAT_TIMEOUT_S", "CKPT_START_GRACE_S",
+                 "CKPT_STALL_TIMEOUT_S",
                  "CKPT_STOP_GRACE_S", "CKPT_MAX_PREEMPTIONS",
                  "CKPT_MAX_TRANSIENT_FAILURES", "CKPT_CRASH_LOOP_BUDGET",
                  "CKPT_BACKOFF_BASE_S", "CKPT_BACKOFF_MAX_S"):
@@ -476,6 +477,18 @@ def test_a_fresh_heartbeat_of_another_runs_trainer_does_not_keep_this_run_alive(
     sweep(instance, store)
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
     assert tags_of(instance, run)[TAG_HEARTBEAT_LOST].startswith("trainer heartbeat lost (none")
+
+
+def test_a_trainer_that_has_not_beaten_yet_is_given_the_start_grace_not_the_timeout(
+        instance, store):
+    # The run worker, the dataset's manifest and the trainer's imports come first.
+    settings = ResumeSettings()
+    run = started_run(instance, started_ago=settings.heartbeat_timeout_s + 30)
+    assert sweep(instance, store) == []
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+    late = started_run(instance, started_ago=settings.start_grace_s + 1)
+    sweep(instance, store)
+    assert instance.get_run_by_id(late.run_id).status == dg.DagsterRunStatus.FAILURE
 
 
 def test_a_trainer_declared_dead_is_fenced_so_it_never_commits_or_claims_again(instance, store):
