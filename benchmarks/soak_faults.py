@@ -299,7 +299,14 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 trials")
+    ap.add_argument("--kinds", default=None,
+                    help="comma-separated faults to try (default: all), e.g. long-step")
     args = ap.parse_args()
+    every = [*LOCAL_KINDS, "s3-errors"]
+    wanted = set(args.kinds.split(",")) if args.kinds else set(every)
+    if wanted - set(every):
+        raise SystemExit(f"unknown fault(s) {', '.join(sorted(wanted - set(every)))}; choose "
+                         f"from {', '.join(every)}")
     rng = random.Random(args.seed)
     top = Path(tempfile.mkdtemp(prefix="soak-faults-"))
     site = top / "site"
@@ -309,7 +316,7 @@ def main() -> int:
     if s3:
         os.environ.update(s3["env"])  # this process reads the S3 stores too
     base_env = {"PYTHONPATH": f"{site}{os.pathsep}{ROOT}", **(s3["env"] if s3 else {})}
-    kinds = LOCAL_KINDS + (["s3-errors"] if s3 else [])
+    kinds = [k for k in LOCAL_KINDS + (["s3-errors"] if s3 else []) if k in wanted]
     try:
         ref_dir = top / "reference"
         ref_dir.mkdir()

@@ -5,8 +5,10 @@ Liveness is not progress (`trainer.liveness`): the trainer's heartbeat beats on 
 its own, so a step of any length keeps it fresh. Each STARTED training run is judged on two
 clocks:
 
-* dead: no heartbeat of this run's trainer within CKPT_HEARTBEAT_TIMEOUT_S (120 s), or none
-  at all within CKPT_START_GRACE_S (300 s) of the run's start, outcome `heartbeat_lost`;
+* dead: no heartbeat of this run's trainer within CKPT_HEARTBEAT_TIMEOUT_S (120 s), outcome
+  `heartbeat_lost`; a run without a live trainer (none has beaten since the run started, or
+  its trainer's session ended) is given CKPT_WORKER_GRACE_S (300 s) for the run worker's own
+  work before and after it, then judged the same way;
 * stalled: a fresh heartbeat, but no step completed within CKPT_STALL_TIMEOUT_S (1800 s),
   outcome `stalled`.
 
@@ -71,13 +73,20 @@ def judge(beat: Beat | None, run_id: str, started: float, now: float,
           settings: ResumeSettings) -> Verdict | None:
     """Dead, stalled, or (None) neither: the trainer of run `run_id`, which started at
     `started`, as its newest heartbeat `beat` shows it at `now`."""
-    timeout, beat = settings.heartbeat_timeout_s, own_beat(beat, run_id)
+    timeout, grace, beat = (settings.heartbeat_timeout_s, settings.worker_grace_s,
+                            own_beat(beat, run_id))
     if beat is None:
-        if now - started <= settings.start_grace_s:
+        if now - started <= grace:
             return None  # its trainer may still be starting
         return Verdict(Outcome.HEARTBEAT_LOST, (
             f"trainer heartbeat lost (none {now - started:.0f}s after the run started, "
-            f"start grace {settings.start_grace_s:.0f}s)"))
+            f"grace {grace:.0f}s)"))
+    if beat.ended is not None:
+        if now - beat.ended <= grace:
+            return None  # the run worker finishes the run (the final model) after it
+        return Verdict(Outcome.HEARTBEAT_LOST, (
+            f"run worker lost: its trainer ended {now - beat.ended:.0f}s ago and the run has "
+            f"not finished (grace {grace:.0f}s)"))
     age = now - beat.time
     if age > timeout:
         return Verdict(Outcome.HEARTBEAT_LOST, (

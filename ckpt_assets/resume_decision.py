@@ -69,11 +69,12 @@ class ResumeSettings:
     launch_grace_s: float = 45.0
     # A STARTED run whose trainer's heartbeat is older than this has lost its trainer.
     heartbeat_timeout_s: float = 120.0
-    # ... and one whose trainer has not beaten at all this long after the run started. Apart
-    # from the timeout: before the first beat come the run worker, the dataset's manifest
-    # (hashing a large local dataset takes minutes) and the trainer's imports, none of
-    # which say anything about how often a live trainer beats.
-    start_grace_s: float = 300.0
+    # ... and one that has had no live trainer for this long: none has beaten since the run
+    # started, or its trainer ended this long ago. Apart from the timeout: the run worker's
+    # own work before and after its trainer (the dataset's manifest, hashing a large local
+    # dataset takes minutes; the trainer's imports; evaluating and exporting the final
+    # model) says nothing about how often a live trainer beats.
+    worker_grace_s: float = 300.0
     # A STARTED run whose trainer heartbeats but completed no step for this long is stalled.
     # Generous: a first step under torch.compile (minutes for a large model), a large
     # gradient accumulation or a cold first read of S3 data must not pass for a hang, and
@@ -94,7 +95,7 @@ class ResumeSettings:
                 backoff_max_s=float(env("CKPT_BACKOFF_MAX_S", p.backoff_max_s))),
             launch_grace_s=float(env("CKPT_RECONCILE_GRACE_S", cls.launch_grace_s)),
             heartbeat_timeout_s=float(env("CKPT_HEARTBEAT_TIMEOUT_S", cls.heartbeat_timeout_s)),
-            start_grace_s=float(env("CKPT_START_GRACE_S", cls.start_grace_s)),
+            worker_grace_s=float(env("CKPT_WORKER_GRACE_S", cls.worker_grace_s)),
             stall_timeout_s=float(env("CKPT_STALL_TIMEOUT_S", cls.stall_timeout_s)),
             stop_grace_s=float(env("CKPT_STOP_GRACE_S", cls.stop_grace_s)))
 

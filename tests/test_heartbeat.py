@@ -101,11 +101,14 @@ def test_beats_start_during_restore_and_carry_the_attempt_and_the_step_it_resume
     assert (beat.attempt, beat.step, beat.resumed_step) == (2, 5, 5)
 
 
-def test_no_beat_is_written_once_the_session_has_ended(tmp_path):
+def test_the_last_beat_says_the_session_ended_and_none_is_written_after_it(tmp_path):
     with _session(tmp_path, max_steps=3) as ckpt:
         ckpt.restore(model=torch.nn.Linear(2, 1))
         for step in range(1, 4):
             ckpt.step(step, loss=0.1)
+        assert _wait(lambda: _beat(tmp_path), "a beat").ended is None
+    last = _beat(tmp_path)
+    assert last.step == 3 and last.ended is not None and last.ended >= last.step_time
     assert _heartbeat_threads() == []
     _drop_beat(tmp_path)
     time.sleep(20 * BEAT_S)

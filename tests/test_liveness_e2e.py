@@ -2,9 +2,9 @@
 heartbeat timeout is never taken for a dead trainer, and a trainer that is declared dead is
 stopped before its resume starts.
 
-The daemon runs with CKPT_HEARTBEAT_TIMEOUT_S shortened (and the grace before a trainer's
-first beat generous: its start-up on a busy machine says nothing about how often a live
-trainer beats); a sampler reads, every 0.2 s, which
+The daemon runs with CKPT_HEARTBEAT_TIMEOUT_S shortened (and the grace for the run worker's
+own work before and after its trainer generous: start-up on a busy machine says nothing
+about how often a live trainer beats); a sampler reads, every 0.2 s, which
 processes of each attempt are alive (by the attempt in their environment, as the
 orchestrator launched them) and the run's heartbeat.
 """
@@ -39,7 +39,7 @@ TIMEOUT_S = 10
 def daemon(tmp_path_factory):
     work = tmp_path_factory.mktemp("liveness")
     d = Daemon.start(work, str(work / "store"), {"CKPT_HEARTBEAT_TIMEOUT_S": str(TIMEOUT_S),
-                                                 "CKPT_START_GRACE_S": "180"})
+                                                 "CKPT_WORKER_GRACE_S": "180"})
     yield d
     d.stop()
 

@@ -63,7 +63,7 @@ KEY = "run-a"
 @pytest.fixture(autouse=True)
 def timeouts(monkeypatch):
     """The shipped defaults, whatever the environment of the test process says."""
-    for name in ("CKPT_RECONCILE_GRACE_S", "CKPT_HEARTBEAT_TIMEOUT_S", "CKPT_START_GRACE_S",
+    for name in ("CKPT_RECONCILE_GRACE_S", "CKPT_HEARTBEAT_TIMEOUT_S", "CKPT_WORKER_GRACE_S",
                  "CKPT_STALL_TIMEOUT_S",
                  "CKPT_STOP_GRACE_S", "CKPT_MAX_PREEMPTIONS",
                  "CKPT_MAX_TRANSIENT_FAILURES", "CKPT_CRASH_LOOP_BUDGET",
@@ -409,15 +409,18 @@ def test_a_run_that_just_started_is_given_time_before_its_first_heartbeat(instan
 # -- liveness: dead, stalled, and the trainer retired before the resume ------------------------
 
 def write_beat(store: CheckpointStore, run: dg.DagsterRun | None = None, *, age_s: float = 0.0,
-               step_age_s: float = 0.0, proc: ProcessId | None = None) -> None:
+               step_age_s: float = 0.0, proc: ProcessId | None = None,
+               ended: bool = False) -> None:
     """A heartbeat of `run`'s trainer, written `age_s` ago, its step reached `step_age_s` ago,
-    by process `proc` (None: a process nobody can signal from here)."""
+    by process `proc` (None: a process nobody can signal from here); `ended`: its session's
+    last beat."""
     now = time.time()
     where = {} if proc is None else {"host": proc.host, "boot_id": proc.boot_id,
                                      "pgid": proc.pgid, "start_ticks": proc.start_ticks}
     body = Beat(time=now - age_s, pid=proc.pid if proc else 1, step=20,
                 step_time=now - step_age_s, attempt=1, resumed_step=0,
-                dagster_run_id=run.run_id if run else None, **where)
+                dagster_run_id=run.run_id if run else None,
+                ended=now - age_s if ended else None, **where)
     repo = _repo(store)
     repo.store.write_overwrite(f"{repo.prefix}/heartbeat.json", json.dumps(body.to_dict()).encode())
 
@@ -479,14 +482,22 @@ def test_a_fresh_heartbeat_of_another_runs_trainer_does_not_keep_this_run_alive(
     assert tags_of(instance, run)[TAG_HEARTBEAT_LOST].startswith("trainer heartbeat lost (none")
 
 
-def test_a_trainer_that_has_not_beaten_yet_is_given_the_start_grace_not_the_timeout(
+def test_a_run_without_a_live_trainer_is_given_the_worker_grace_not_the_timeout(
         instance, store):
-    # The run worker, the dataset's manifest and the trainer's imports come first.
+    # Before its trainer: the run worker, the dataset's manifest and the trainer's imports.
     settings = ResumeSettings()
     run = started_run(instance, started_ago=settings.heartbeat_timeout_s + 30)
     assert sweep(instance, store) == []
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
-    late = started_run(instance, started_ago=settings.start_grace_s + 1)
+    # After it: the final model's evaluation and export, however long they take.
+    write_beat(store, run, age_s=settings.heartbeat_timeout_s + 30, ended=True)
+    assert sweep(instance, store) == []
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+    write_beat(store, run, age_s=settings.worker_grace_s + 1, ended=True)
+    sweep(instance, store)
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert "run worker lost: its trainer ended" in tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+    late = started_run(instance, started_ago=settings.worker_grace_s + 1)
     sweep(instance, store)
     assert instance.get_run_by_id(late.run_id).status == dg.DagsterRunStatus.FAILURE
 

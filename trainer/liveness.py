@@ -6,7 +6,10 @@ The heartbeat (`<experiment>/<run>/heartbeat.json`, one `Beat`) says two things 
   from `CheckpointSession.restore()` until the session ends, however long a step takes (a
   compiled first step, a large gradient accumulation, a slow first read of S3 data);
 * how far it got: `step`, the last completed step (the resumed one until the first step
-  of the attempt), and `step_time`, when it was reached.
+  of the attempt), and `step_time`, when it was reached;
+* that it is over: the session's last beat carries `ended`, the time it ended (what the
+  run worker does after its trainer, such as evaluating the final model, is not the
+  trainer's liveness).
 
 The orchestrator judges them apart: a heartbeat older than CKPT_HEARTBEAT_TIMEOUT_S means the
 trainer is gone or frozen; a fresh heartbeat whose step has not moved for
@@ -17,8 +20,9 @@ A beat also says which process wrote it (host, boot id, pid, process group, and 
 process's start time in clock ticks since boot), so that a reconciler on the same machine
 stops exactly that trainer, never a later process that reuses its pid.
 
-The thread never writes once the session ended, nor once it saw that its attempt was
-superseded (the run's pointer no longer names this attempt's claim as its owner: a newer
+The thread never writes once the session ended (the ending beat is written by the session's
+end itself, and not at all by a superseded attempt or one whose beats were failing), nor
+once it saw that its attempt was superseded (the run's pointer no longer names this attempt's claim as its owner: a newer
 attempt claimed the run, or the orchestrator fenced it); the session then fails its next
 step with exit 6. A store error while beating is logged, never raised: training goes on,
 and the commit path reports storage errors.
@@ -128,6 +132,7 @@ class Beat:
     resumed_step: int | None = None  # the step this attempt continued from (0: fresh)
     owner: str | None = None  # the claim's owner token, as in latest.json
     dagster_run_id: str | None = None  # the Dagster run that launched it, if any
+    ended: float | None = None  # when the session ended (its last beat)
     host: str | None = None
     boot_id: str | None = None
     pgid: int | None = None
@@ -191,16 +196,28 @@ class Heartbeat:
         if self.every_step:
             self._wake.set()
 
-    def stop(self) -> None:
-        """No beat is written after this returns (unless one already being written has not
-        finished within STOP_WAIT_S, which is logged)."""
+    def stop(self, superseded: bool = False) -> None:
+        """End the beats with one that says the session ended (none for an attempt that was
+        `superseded`: it writes nothing more). No beat is written after this returns, unless
+        one already being written has not finished within STOP_WAIT_S, which is logged."""
+        if self._ended.is_set():
+            return
+        self.fenced = self.fenced or superseded
         self._ended.set()
         self._wake.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        if self._thread.is_alive():
             self._thread.join(STOP_WAIT_S)
             if self._thread.is_alive():
                 log.warning("a heartbeat write to %s has not finished after %.0fs; the "
                             "session ends without waiting for it", self.repo.prefix, STOP_WAIT_S)
+                return
+        if not self.fenced and self._failing_since is None:
+            with self._lock:
+                progress = dict(self._progress)
+            try:
+                self.repo.heartbeat({**self._fixed, **progress, "ended": time.time()})
+            except Exception as e:
+                self._failed(e)
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:

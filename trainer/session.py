@@ -325,9 +325,9 @@ class CheckpointSession:
             self._last_beat = now
             self.reporter.send(Progress(step, self.loop.losses[-1] if self.loop.losses else None))
 
-    def _stop_heartbeat(self) -> None:
+    def _stop_heartbeat(self, superseded: bool = False) -> None:
         if self._beat is not None:
-            self._beat.stop()
+            self._beat.stop(superseded)
 
     @property
     def stop_requested(self) -> bool:
@@ -387,7 +387,7 @@ class CheckpointSession:
                 except Exception:  # the original error is the one to report
                     log.exception("background save failed while stopping")
             code = report_failure(exc, self.reporter)
-        self._stop_heartbeat()
+        self._stop_heartbeat(superseded=isinstance(exc, PointerConflictError))
         self.reporter.close()
         if code:
             raise SystemExit(code)
