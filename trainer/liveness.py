@@ -215,7 +215,7 @@ class Heartbeat:
             with self._lock:
                 progress = dict(self._progress)
             try:
-                self.repo.heartbeat({**self._fixed, **progress, "ended": time.time()})
+                self.repo.heartbeat(self._payload({**progress, "ended": time.time()}))
             except Exception as e:
                 self._failed(e)
 
@@ -241,12 +241,16 @@ class Heartbeat:
         if self._ended.is_set():
             return True
         try:
-            self.repo.heartbeat({**self._fixed, **progress})
+            self.repo.heartbeat(self._payload(progress))
         except Exception as e:  # a storage fault: the next beat tries again
             self._failed(e)
         else:
             self._recovered()
         return True
+
+    def _payload(self, progress: dict[str, Any]) -> dict[str, Any]:
+        """A beat's fields (`Beat`; the repo adds `time` and `owner`)."""
+        return {k: v for k, v in {**self._fixed, **progress}.items() if v is not None}
 
     def _still_owner(self) -> bool:
         try:
