@@ -119,7 +119,9 @@ def phases(daemon: Daemon, run_id: str) -> dict[str, float]:
 def first_beat_of_new_attempt(daemon: Daemon, old_attempt: int, timeout: float) -> dict:
     def got():
         hb = daemon.heartbeat(RUN)
-        return hb if hb and int(hb.get("attempt", 0)) > old_attempt else None
+        # Beats start at restore: the first completed step is the first past the resumed one.
+        return hb if hb and int(hb.get("attempt", 0)) > old_attempt and \
+            int(hb["step"]) > int(hb.get("resumed_step", -1)) else None
     return poll(got, f"a heartbeat of an attempt after {old_attempt}", timeout)
 
 

@@ -17,6 +17,10 @@ history to lose), then applies one fault and resumes until the run finishes:
                   committed, run as the orchestrator runs an attempt (a process group of its
                   own, stopped when its main process exits); expect `unfinished`, never a
                   success, and no process of the attempt left running
+    long-step     the attempt's first step lasts 3x a shortened heartbeat timeout (a
+                  compiled first step); the reconciler's own judgement (ckpt_assets.liveness)
+                  reads the heartbeat every 0.1 s throughout; expect it never to find the
+                  trainer dead or stalled, and the attempt to finish (0)
 
 It prints a matrix: trials, committed checkpoints lost (verifying before the fault, gone or
 failing after; must be 0, keep_last is high so retention drops nothing), runs that ended
@@ -38,12 +42,15 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ckpt_assets.liveness import judge  # noqa: E402
+from ckpt_assets.resume_decision import ResumeSettings  # noqa: E402
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
 from trainer.checkpointer import load_verified_state  # noqa: E402
 from trainer.contract import Env  # noqa: E402
@@ -55,13 +62,15 @@ from trainer.storage import open_store  # noqa: E402
 MAX_STEPS, EVERY = 110, 20
 EXPERIMENT, RUN = "default", "equiv"
 LOCAL_KINDS = ["kill", "ptr-deleted", "ptr-garbled", "ptr-types", "disk-full", "race",
-               "fifo-in-data", "fork-and-exit"]
+               "fifo-in-data", "fork-and-exit", "long-step"]
 # fifo-in-data: the run versions a directory of files while it trains on the toy task's
 # data, so it ends identical to the reference; a trainer still running after the deadline
 # was blocked on the FIFO.
 DIRECTORY_TASK = "tests.user_tasks:directory_dataset"
 FIFO_DEADLINE_S = 60
 GRACE_S = 20.0  # the orchestrator's default grace period (TrainerResource)
+# long-step: the heartbeat timeout it is judged by, and the trainer's beat interval.
+LONG_TIMEOUT_S, LONG_BEAT_S = 2.0, 0.25
 
 # Loaded into trainer processes through PYTHONPATH: from the CKPT_SOAK_DISK_FULL_AT-th file
 # save on, the file the writer opens is /dev/full, so torch's own writer meets ENOSPC.
@@ -178,6 +187,42 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+class LivenessWatch(threading.Thread):
+    """Judges a trainer's heartbeat as the reconciler does, every 0.1 s, from its first beat
+    (its start-up is not what is judged here) until stopped; keeps every verdict."""
+
+    def __init__(self, store: str, proc: subprocess.Popen):
+        super().__init__(daemon=True)
+        self.repo = CheckpointRepo(open_store(store), EXPERIMENT, RUN)
+        self.proc, self.verdicts, self.beats = proc, [], []
+        self.settings = ResumeSettings(heartbeat_timeout_s=LONG_TIMEOUT_S)
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        first = None
+        while not self._halt.wait(0.1):
+            beat = self.repo.read_beat()
+            if beat is None or beat.pid != self.proc.pid:
+                beat = None  # an earlier attempt's: not this trainer's
+            elif first is None:
+                first = time.time()
+            if beat is not None and (not self.beats or beat.time != self.beats[-1].time):
+                self.beats.append(beat)
+            if first is not None and self.proc.poll() is None:
+                verdict = judge(beat, "", first, time.time(), self.settings)
+                if verdict is not None:
+                    self.verdicts.append(verdict.outcome.value)
+
+    def stop(self) -> str:
+        self._halt.set()
+        self.join(10)
+        gaps = [b.time - a.time for a, b in zip(self.beats, self.beats[1:], strict=False)]
+        steps = sorted({(b.step, b.step_time) for b in self.beats
+                        if b.step is not None and b.step_time is not None})
+        longest = max((t2 - t1 for (_, t1), (_, t2) in zip(steps, steps[1:], strict=False)),
+                      default=0.0)
+        return (f"; longest step {longest:.1f}s = {longest / LONG_TIMEOUT_S:.1f}x the "
+                f"timeout, longest heartbeat gap {max(gaps, default=0.0):.2f}s")
 
 
 def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, reference: dict,
@@ -200,7 +245,7 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
     # A first attempt killed after at least one checkpoint: history that a fault could cost.
     rc, _ = follow(start_trainer(config, store, env), rng.randint(EVERY + 5, MAX_STEPS - 15), kill)
     before = verifying(store)
-    expected, got = "resume", None
+    expected, got, note = "resume", None, ""
     ckdir = work / "store" / EXPERIMENT / RUN / "checkpoints"
 
     if kind == "kill":
@@ -260,7 +305,8 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
     same = rc == 0 and identical(final_state(store), reference)
     wrong = (expected != "resume" and got != expected) or rc != 0 or not resumed_ok
     return {"kind": kind, "lost": len(before - after), "identical": same, "wrong": wrong,
-            "detail": f"expected {expected} got {got}; final rc {rc}; resumed ok {resumed_ok}"}
+            "detail": f"expected {expected} got {got}; final rc {rc}; resumed ok {resumed_ok}"
+                      f"{note}"}
 
 
 def start_s3(work: Path) -> dict | None:
@@ -306,7 +352,14 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 trials")
+    ap.add_argument("--kinds", default=None,
+                    help="comma-separated faults to try (default: all), e.g. long-step")
     args = ap.parse_args()
+    every = [*LOCAL_KINDS, "s3-errors"]
+    wanted = set(args.kinds.split(",")) if args.kinds else set(every)
+    if wanted - set(every):
+        raise SystemExit(f"unknown fault(s) {', '.join(sorted(wanted - set(every)))}; choose "
+                         f"from {', '.join(every)}")
     rng = random.Random(args.seed)
     top = Path(tempfile.mkdtemp(prefix="soak-faults-"))
     site = top / "site"
@@ -316,7 +369,7 @@ def main() -> int:
     if s3:
         os.environ.update(s3["env"])  # this process reads the S3 stores too
     base_env = {"PYTHONPATH": f"{site}{os.pathsep}{ROOT}", **(s3["env"] if s3 else {})}
-    kinds = LOCAL_KINDS + (["s3-errors"] if s3 else [])
+    kinds = [k for k in LOCAL_KINDS + (["s3-errors"] if s3 else []) if k in wanted]
     try:
         ref_dir = top / "reference"
         ref_dir.mkdir()

@@ -47,6 +47,7 @@ from ckpt_assets.tags import (
     TAG_RESUME_AT,
     TAG_RESUME_FROM,
     TAG_ROOT_RUN_ID,
+    TAG_STALLED,
 )
 from trainer.outcomes import Kind, Outcome
 from trainer.repo import CheckpointRepo
@@ -65,6 +66,19 @@ class ResumeSettings:
     launch_grace_s: float = 45.0
     # A STARTED run whose trainer's heartbeat is older than this has lost its trainer.
     heartbeat_timeout_s: float = 120.0
+    # ... and one that has had no live trainer for this long: none has beaten since the run
+    # started, or its trainer ended this long ago. Apart from the timeout: the run worker's
+    # own work before and after its trainer (the dataset's manifest, hashing a large local
+    # dataset takes minutes; the trainer's imports; evaluating and exporting the final
+    # model) says nothing about how often a live trainer beats.
+    worker_grace_s: float = 300.0
+    # A STARTED run whose trainer heartbeats but completed no step for this long is stalled.
+    # Generous: a first step under torch.compile (minutes for a large model), a large
+    # gradient accumulation or a cold first read of S3 data must not pass for a hang, and
+    # a real hang costs at most this long before it is resumed.
+    stall_timeout_s: float = 1800.0
+    # A trainer declared dead or stalled gets this long after SIGTERM before SIGKILL.
+    stop_grace_s: float = 10.0
 
     @classmethod
     def from_env(cls) -> ResumeSettings:
@@ -77,7 +91,20 @@ class ResumeSettings:
                 backoff_base_s=float(env("CKPT_BACKOFF_BASE_S", p.backoff_base_s)),
                 backoff_max_s=float(env("CKPT_BACKOFF_MAX_S", p.backoff_max_s))),
             launch_grace_s=float(env("CKPT_RECONCILE_GRACE_S", cls.launch_grace_s)),
-            heartbeat_timeout_s=float(env("CKPT_HEARTBEAT_TIMEOUT_S", cls.heartbeat_timeout_s)))
+            heartbeat_timeout_s=float(env("CKPT_HEARTBEAT_TIMEOUT_S", cls.heartbeat_timeout_s)),
+            worker_grace_s=float(env("CKPT_WORKER_GRACE_S", cls.worker_grace_s)),
+            stall_timeout_s=float(env("CKPT_STALL_TIMEOUT_S", cls.stall_timeout_s)),
+            stop_grace_s=float(env("CKPT_STOP_GRACE_S", cls.stop_grace_s)))
+
+
+# The reconciler's verdict on a STARTED run's trainer, tagged on the run before it acts
+# (`ckpt_assets.liveness`): it, not the trainer's exit that the reconciler caused, is how
+# the attempt ended.
+LIVENESS_TAGS = {Outcome.HEARTBEAT_LOST: TAG_HEARTBEAT_LOST, Outcome.STALLED: TAG_STALLED}
+
+
+def liveness_outcome(run: dg.DagsterRun) -> Outcome | None:
+    return next((o for o, tag in LIVENESS_TAGS.items() if run.tags.get(tag)), None)
 
 
 def recorded_end(instance: dg.DagsterInstance, run: dg.DagsterRun) -> AttemptEnd | None:
@@ -94,21 +121,28 @@ def recorded_end(instance: dg.DagsterInstance, run: dg.DagsterRun) -> AttemptEnd
 
 def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun,
                store: CheckpointStore | None) -> AttemptEnd:
-    """How `run` ended: its own record, or what Dagster (and the store) saw of it."""
+    """How `run` ended: the reconciler's verdict on its trainer, else its own record, else
+    what Dagster (and the store) saw of it."""
     reported = recorded_end(instance, run)
+    liveness = liveness_outcome(run)
     if reported is not None:
-        return replace(reported, dagster_run_id=run.run_id,
-                       attempt=reported.attempt or int(run.tags.get(TAG_ATTEMPT, "1") or 1))
+        reported = replace(reported, dagster_run_id=run.run_id,
+                           attempt=reported.attempt or int(run.tags.get(TAG_ATTEMPT, "1") or 1))
+        # Declared dead or stalled: the trainer's exit is what the reconciler did to it.
+        if liveness is None:
+            return reported
+        return replace(reported, outcome=liveness, message=run.tags[LIVENESS_TAGS[liveness]])
     partition = run.tags[PARTITION_TAG]
-    if run.status == dg.DagsterRunStatus.CANCELED:
+    if liveness is not None:
+        outcome = liveness
+    elif run.status == dg.DagsterRunStatus.CANCELED:
         outcome = Outcome.TERMINATED
-    elif run.tags.get(TAG_HEARTBEAT_LOST):
-        outcome = Outcome.HEARTBEAT_LOST
     else:
         outcome = Outcome.WORKER_LOST
     return AttemptEnd(outcome, partition, attempt=int(run.tags.get(TAG_ATTEMPT, "1") or 1),
                       last_committed_step=committed_step(store, partition) if store else None,
-                      dagster_run_id=run.run_id)
+                      dagster_run_id=run.run_id,
+                      message=run.tags.get(LIVENESS_TAGS[liveness]) if liveness else None)
 
 
 def run_repo(store: CheckpointStore, partition: str) -> CheckpointRepo | None:

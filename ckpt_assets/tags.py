@@ -28,6 +28,8 @@ TAG_WORKER_LOST = "ckpt/worker_lost"  # what was found, in words
 
 # On a training run while its step runs (`ckpt_assets.trainer_process.AttemptProcesses`):
 TAG_PROCESSES = "ckpt/processes"  # its machine, run worker, process group and output file
+# ... or one whose trainer heartbeats but completed no step within the stall limit:
+TAG_STALLED = "ckpt/stalled"  # the step's age when it gave up, in words
 
 # On a run stopped for good (`ckpt_assets.stop`):
 TAG_NO_RESUME = "ckpt/no_resume"  # "true"

@@ -69,11 +69,11 @@ def test_every_error_the_trainer_foresees_has_an_outcome_with_an_exit_code():
         assert cls("x").failure_class == cls.outcome.value
 
 
-def test_exit_codes_are_unique_and_only_three_kinds_are_ever_resumed():
+def test_exit_codes_are_unique_and_only_four_kinds_are_ever_resumed():
     codes = [o.exit_code for o in Outcome if o.exit_code is not None]
     assert len(codes) == len(set(codes))
     resumed = {k for k in Kind if k.resumable}
-    assert resumed == {Kind.PREEMPTED, Kind.KILLED, Kind.STORAGE}
+    assert resumed == {Kind.PREEMPTED, Kind.KILLED, Kind.STORAGE, Kind.STALLED}
     assert Kind.PREEMPTED.resume is Resume.AT_ONCE
     assert all(k.advice for k in Kind)
 

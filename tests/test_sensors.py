@@ -9,7 +9,13 @@ Dagster's own test contexts, exactly as the daemon would call them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict
 
@@ -38,14 +44,18 @@ from ckpt_assets.tags import (
     TAG_DECISION,
     TAG_DECISION_REASON,
     TAG_FAILURE_KIND,
+    TAG_HEARTBEAT_LOST,
     TAG_NO_RESUME,
     TAG_PARENT_RUN_ID,
     TAG_RESUME_AT,
     TAG_RESUME_FROM,
     TAG_ROOT_RUN_ID,
+    TAG_STALLED,
 )
 from tests import dagster_runs
-from trainer.outcomes import Outcome
+from trainer.errors import PointerConflictError
+from trainer.liveness import Beat, ProcessId
+from trainer.outcomes import Kind, Outcome
 from trainer.repo import CheckpointRepo
 
 KEY = "run-a"
@@ -54,7 +64,9 @@ KEY = "run-a"
 @pytest.fixture(autouse=True)
 def timeouts(monkeypatch):
     """The shipped defaults, whatever the environment of the test process says."""
-    for name in ("CKPT_RECONCILE_GRACE_S", "CKPT_HEARTBEAT_TIMEOUT_S", "CKPT_MAX_PREEMPTIONS",
+    for name in ("CKPT_RECONCILE_GRACE_S", "CKPT_HEARTBEAT_TIMEOUT_S", "CKPT_WORKER_GRACE_S",
+                 "CKPT_STALL_TIMEOUT_S",
+                 "CKPT_STOP_GRACE_S", "CKPT_MAX_PREEMPTIONS",
                  "CKPT_MAX_TRANSIENT_FAILURES", "CKPT_CRASH_LOOP_BUDGET",
                  "CKPT_BACKOFF_BASE_S", "CKPT_BACKOFF_MAX_S"):
         monkeypatch.delenv(name, raising=False)
@@ -393,3 +405,182 @@ def test_a_run_that_just_started_is_given_time_before_its_first_heartbeat(instan
     run = started_run(instance, started_ago=0)
     sweep(instance, store)
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+
+
+# -- liveness: dead, stalled, and the trainer retired before the resume ------------------------
+
+def write_beat(store: CheckpointStore, run: dg.DagsterRun | None = None, *, age_s: float = 0.0,
+               step_age_s: float = 0.0, proc: ProcessId | None = None,
+               ended: bool = False) -> None:
+    """A heartbeat of `run`'s trainer, written `age_s` ago, its step reached `step_age_s` ago,
+    by process `proc` (None: a process nobody can signal from here); `ended`: its session's
+    last beat."""
+    now = time.time()
+    where = {} if proc is None else {"host": proc.host, "boot_id": proc.boot_id,
+                                     "pgid": proc.pgid, "start_ticks": proc.start_ticks}
+    body = Beat(time=now - age_s, pid=proc.pid if proc else 1, step=20,
+                step_time=now - step_age_s, attempt=1, resumed_step=0,
+                dagster_run_id=run.run_id if run else None,
+                ended=now - age_s if ended else None, **where)
+    repo = _repo(store)
+    repo.store.write_overwrite(f"{repo.prefix}/heartbeat.json", json.dumps(body.to_dict()).encode())
+
+
+@pytest.fixture
+def processes():
+    """Real processes standing in for trainers; whatever is left is killed at the end."""
+    started: list[subprocess.Popen] = []
+
+    def start(code: str = "import time; time.sleep(600)") -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", f"print('ready', flush=True); {code}"],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+        started.append(proc)
+        assert proc.stdout.readline().strip() == "ready"  # its signal handlers are set
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_a_step_three_times_the_heartbeat_timeout_with_a_fresh_heartbeat_is_left_alone(
+        instance, store):
+    timeout = ResumeSettings().heartbeat_timeout_s
+    run = started_run(instance, started_ago=3600)
+    write_beat(store, run, age_s=0, step_age_s=3 * timeout)
+    assert sweep(instance, store) == []
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+    assert TAG_HEARTBEAT_LOST not in tags_of(instance, run)
+
+
+def test_a_trainer_heartbeating_without_a_step_past_the_stall_limit_is_stalled_and_resumed(
+        instance, store, monkeypatch):
+    monkeypatch.setenv("CKPT_STALL_TIMEOUT_S", "600")
+    run = started_run(instance, started_ago=3600)
+    write_beat(store, run, age_s=0, step_age_s=599)
+    sweep(instance, store)
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+    write_beat(store, run, age_s=0, step_age_s=601)
+    sweep(instance, store)
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert "no step completed for 601s since step 20" in tags_of(instance, run)[TAG_STALLED]
+    req = on_failure(instance, run, store)
+    assert isinstance(req, dg.RunRequest)
+    tags = tags_of(instance, run)
+    assert tags[TAG_FAILURE_KIND] == Kind.STALLED == Outcome.STALLED.kind
+    assert carried_budget(req)["transient"] == 1  # a hang may pass; the budgets bound it
+
+
+def test_a_fresh_heartbeat_of_another_runs_trainer_does_not_keep_this_run_alive(instance, store):
+    older = started_run(instance, started_ago=3600)
+    instance.report_run_failed(older, "an earlier attempt")
+    run = started_run(instance, started_ago=3600)
+    write_beat(store, older, age_s=0)  # its trainer lives on, heartbeating: not this run's
+    sweep(instance, store)
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert tags_of(instance, run)[TAG_HEARTBEAT_LOST].startswith("trainer heartbeat lost (none")
+
+
+def test_a_run_without_a_live_trainer_is_given_the_worker_grace_not_the_timeout(
+        instance, store):
+    # Before its trainer: the run worker, the dataset's manifest and the trainer's imports.
+    settings = ResumeSettings()
+    run = started_run(instance, started_ago=settings.heartbeat_timeout_s + 30)
+    assert sweep(instance, store) == []
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+    # After it: the final model's evaluation and export, however long they take.
+    write_beat(store, run, age_s=settings.heartbeat_timeout_s + 30, ended=True)
+    assert sweep(instance, store) == []
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+    write_beat(store, run, age_s=settings.worker_grace_s + 1, ended=True)
+    sweep(instance, store)
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert "run worker lost: its trainer ended" in tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+    late = started_run(instance, started_ago=settings.worker_grace_s + 1)
+    sweep(instance, store)
+    assert instance.get_run_by_id(late.run_id).status == dg.DagsterRunStatus.FAILURE
+
+
+def test_a_trainer_declared_dead_is_fenced_so_it_never_commits_or_claims_again(instance, store):
+    zombie = _repo(store)
+    assert zombie.claim("step-000000020-a1", at_least=2, launched=True) == 2
+    run = started_run(instance, started_ago=3600, tags={TAG_ATTEMPT: "2"})
+    write_beat(store, run, age_s=3600)
+    sweep(instance, store)
+    assert "fenced: attempts up to 2" in tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+    pending = zombie.begin(25, 2)
+    with zombie.write_file(pending, "state.pt") as w:
+        w.write(b"state at step 25")
+    with pytest.raises(PointerConflictError):
+        zombie.commit(pending, {})
+    with pytest.raises(PointerConflictError, match="declared failed"):
+        _repo(store).claim("step-000000020-a1", at_least=2, launched=True)
+    ptr = _repo(store).read_pointer()
+    assert (ptr.checkpoint, ptr.step, ptr.fenced_through) == ("step-000000020-a1", 20, 2)
+    # The resume is the next attempt: its claim is not refused.
+    req = on_failure(instance, run, store)
+    assert req.tags[TAG_ATTEMPT] == "3"
+    assert _repo(store).claim("step-000000020-a1", at_least=3, launched=True) == 3
+
+
+def test_a_frozen_trainer_on_this_machine_is_stopped_with_its_group_before_the_run_fails(
+        instance, store, processes):
+    trainer = processes()
+    os.kill(trainer.pid, signal.SIGSTOP)  # alive but silent
+    run = started_run(instance, started_ago=3600)
+    write_beat(store, run, age_s=3600, proc=ProcessId.of(trainer.pid))
+    sweep(instance, store)
+    # Gone by the time the run is failed (the sweep waited for it): no wait needed here.
+    assert trainer.poll() == -signal.SIGTERM
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert f"trainer pid {trainer.pid} on {socket.gethostname()} stopped by SIGTERM" in \
+        tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+    assert tags_of(instance, run).get(TAG_DECISION) is None  # the failure sensor decides
+    on_failure(instance, run, store)
+    assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
+
+
+def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace(
+        instance, store, processes, monkeypatch):
+    monkeypatch.setenv("CKPT_STOP_GRACE_S", "0.5")
+    monkeypatch.setenv("CKPT_STALL_TIMEOUT_S", "600")
+    trainer = processes("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                        "time.sleep(600)")
+    run = started_run(instance, started_ago=3600)
+    write_beat(store, run, age_s=0, step_age_s=700, proc=ProcessId.of(trainer.pid))
+    sweep(instance, store)
+    assert trainer.poll() == -signal.SIGKILL
+    assert "killed (SIGKILL 0s after SIGTERM)" in tags_of(instance, run)[TAG_STALLED]
+
+
+@pytest.mark.parametrize("elsewhere,said", [
+    pytest.param(lambda p: dataclasses.replace(p, host="another-machine"),
+                 "its launcher could not", id="a trainer on another machine"),
+    pytest.param(lambda p: dataclasses.replace(p, start_ticks=p.start_ticks - 1),
+                 "already gone", id="a trainer whose pid another process reuses"),
+])
+def test_a_process_that_is_not_the_trainer_is_never_signalled(
+        instance, store, processes, elsewhere, said):
+    bystander = processes()
+    run = started_run(instance, started_ago=3600)
+    write_beat(store, run, age_s=3600, proc=elsewhere(ProcessId.of(bystander.pid)))
+    sweep(instance, store)
+    assert bystander.poll() is None
+    done = tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+    assert said in done and "fenced: attempts up to 1" in done
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+
+
+def test_the_trainers_exit_caused_by_the_reconciler_does_not_decide_how_the_attempt_ended(
+        instance, store):
+    # Fenced and stopped, the trainer exits 6 (superseded, never resumed by itself); the
+    # reconciler's verdict on the run is what the policy decides on.
+    run = failed_run(instance, exit_code=6, failure_class="superseded",
+                     tags={TAG_HEARTBEAT_LOST: "trainer heartbeat lost (130s old, timeout 120s)"})
+    req = on_failure(instance, run, store)
+    assert isinstance(req, dg.RunRequest)
+    assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
+    (decision,) = decisions(instance)
+    assert decision["failure_class"] == Outcome.HEARTBEAT_LOST.value

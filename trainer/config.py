@@ -73,9 +73,11 @@ class CheckpointConfig(Section):
     keep_best: bool = Field(True, description="retention: also keep the best one")
     async_save: bool = Field(False, description="persist on a background thread")
     # Liveness: the reconciler declares a run dead when its heartbeat is older than
-    # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional.
+    # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional. It is written by a
+    # thread of its own (trainer.liveness), whatever a step costs.
     heartbeat_seconds: float = Field(5.0, description="liveness heartbeat interval, 0 to "
-                                     f"{MAX_HEARTBEAT_S:.0f} s (0: every step)")
+                                     f"{MAX_HEARTBEAT_S:.0f} s, beaten on its own thread "
+                                     "whatever a step costs (0: after every step)")
 
     @field_validator("heartbeat_seconds")
     @classmethod

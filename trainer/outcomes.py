@@ -37,6 +37,10 @@ class Kind(StrEnum):
     PREEMPTED = ("preempted", Resume.AT_ONCE, "the machine took the trainer away; it resumes")
     KILLED = ("killed", Resume.WITH_BACKOFF, "the process died; it resumes")
     STORAGE = ("storage", Resume.WITH_BACKOFF, "the store was unavailable; it resumes")
+    STALLED = ("stalled", Resume.WITH_BACKOFF,
+               "the trainer was alive but completed no step within the stall limit; it was "
+               "stopped and resumes (if it stalls again at the same step, look for a hang: "
+               "a collective waiting for a lost rank, a read without a timeout)")
     BAD_INPUT = ("bad_input", Resume.NEVER,
                  "bad config or input: fix the config and register a new run")
     CHECKPOINT = ("checkpoint", Resume.NEVER,
@@ -97,6 +101,9 @@ class Outcome(Enum):
                    "the run worker died before recording how the trainer exited")
     HEARTBEAT_LOST = ("heartbeat_lost", None, Kind.KILLED,
                       "the trainer stopped heartbeating; the reconciler failed the run")
+    STALLED = ("stalled", None, Kind.STALLED,
+               "the trainer kept heartbeating but completed no step for "
+               "`CKPT_STALL_TIMEOUT_S` (30 min); the reconciler stopped it and failed the run")
     NO_CHECKPOINT = ("no_checkpoint", None, Kind.NO_CHECKPOINT,
                      "a command exited 0 without committing a checkpoint")
     UNFINISHED = ("unfinished", None, Kind.UNFINISHED,

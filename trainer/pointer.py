@@ -21,7 +21,9 @@ class Pointer:
     """latest.json: the run's current checkpoint and the ones before it, newest first.
 
     `generation` grows by one with every move; `attempt` is the attempt that owns the run
-    (set by its claim, before it has committed anything)."""
+    (set by its claim, before it has committed anything); `fenced_through` is the highest
+    attempt the orchestrator declared failed (`CheckpointRepo.fence`): none of those may
+    claim the run again."""
 
     generation: int = 0
     checkpoint: str | None = None
@@ -31,6 +33,7 @@ class Pointer:
     best: Best | None = None
     owner: str | None = None
     updated_at: float | None = None
+    fenced_through: int = 0
 
     @property
     def timeline(self) -> list[str]:
@@ -66,6 +69,7 @@ class Pointer:
                 owner=checked_type(raw.get("owner"), str, "owner", optional=True),
                 updated_at=checked_type(raw.get("updated_at"), (int, float), "updated_at",
                                   optional=True),
+                fenced_through=checked_count(raw.get("fenced_through") or 0, "fenced_through"),
             )
         except (ValueError, TypeError, KeyError, RecursionError) as e:
             raise CheckpointError(f"{where} is unreadable ({e})") from e

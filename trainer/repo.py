@@ -28,8 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from trainer import retention, verification
-from trainer.errors import CheckpointError, CheckpointNotFoundError, PointerConflictError
+from trainer.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    PointerConflictError,
+)
 from trainer.layout import HEARTBEAT, POINTER, RunLayout, committed, list_names, read_heartbeat
+from trainer.liveness import Beat
 from trainer.manifest import (
     MANIFEST,
     Manifest,
@@ -257,7 +262,7 @@ class CheckpointRepo:
             self.layout, self._pointer, self._pointer_token, self.owner, **changes)
         return self._pointer
 
-    def claim(self, parent: str | None, at_least: int = 1) -> int:
+    def claim(self, parent: str | None, at_least: int = 1, launched: bool = False) -> int:
         """Take the run for a new attempt and return its number; older attempts' next
         commit will fail.
 
@@ -272,6 +277,10 @@ class CheckpointRepo:
         that failed verification are dropped from it, and when the pointer was missing or
         unreadable the history is rebuilt from `parent`'s chain of manifests, so that
         retention can count and delete only checkpoints it knows are part of the run.
+
+        `launched`: `at_least` is the attempt the orchestrator launched this process as; an
+        attempt it has since declared failed (`fence`) is refused (PointerConflictError,
+        exit 6) instead of taking the run back from the attempt that resumed it.
         """
         if parent is not None and not isinstance(parent, str):
             raise TypeError(f"claim(parent, at_least=...) takes a checkpoint name or None as "
@@ -285,6 +294,12 @@ class CheckpointRepo:
                 # fences the write against another writer.
                 log.error("CHECKPOINT POINTER: %s; rebuilding it from the checkpoints", e)
                 old = None
+            if launched and old is not None and at_least <= old.fenced_through:
+                raise PointerConflictError(
+                    f"attempt {at_least} of run {self.prefix} was declared failed by the "
+                    f"orchestrator (the run's pointer refuses attempts up to "
+                    f"{old.fenced_through}); a newer attempt resumes the run, so this process "
+                    "stops without writing")
             attempt = max(at_least, (old.attempt if old else 0) + 1,
                           highest_attempt(self.layout) + 1)
             timeline, best = claimed_timeline(self.layout, old, parent, set(self._skipped))
@@ -383,3 +398,45 @@ class CheckpointRepo:
 
     def read_heartbeat(self) -> dict[str, Any] | None:
         return read_heartbeat(self.layout)
+
+    def read_beat(self) -> Beat | None:
+        """The heartbeat as its record (`trainer.liveness.Beat`); None if there is none or
+        it is unreadable."""
+        try:
+            return Beat.from_dict(self.read_heartbeat())
+        except ValueError:
+            return None
+
+    # -- fencing ------------------------------------------------------------------------
+    def owns_run(self) -> bool:
+        """Does the pointer still name this repo's claim as its owner? False once a newer
+        attempt claimed the run or the orchestrator fenced it. Reads without touching the
+        version this writer's next commit is conditional on. A missing pointer is not a
+        takeover (the next commit finds out); an unreadable one raises CheckpointError."""
+        data, _ = self.store.read_versioned(self.pointer_key)
+        if data is None:
+            return True
+        return Pointer.from_json(data, self.store.uri_for(self.pointer_key)).owner == self.owner
+
+    def fence(self, through_attempt: int) -> Pointer:
+        """Supersede attempts up to `through_attempt` (the orchestrator declared them
+        failed): the pointer is rewritten by this repo, its content kept, so an older
+        attempt's next commit fails (exit 6), and their claims are refused from now on.
+
+        Only a readable pointer is fenced: a missing one with checkpoints beside it (or an
+        unreadable one) is left for the next claim to rebuild from the manifests, and
+        CheckpointError says so."""
+        for _ in range(CLAIM_TRIES):
+            old = self.read_pointer()
+            if old is None and self.committed():
+                raise CheckpointError(
+                    f"{self.store.uri_for(self.pointer_key)} is missing although checkpoints "
+                    "exist; not fenced (the next claim rebuilds the pointer)")
+            try:
+                return self._move_pointer(fenced_through=max(
+                    through_attempt, old.fenced_through if old else 0))
+            except PointerConflictError:
+                continue  # the attempt committed meanwhile: fence what it wrote, too
+        raise PointerConflictError(
+            f"could not fence run {self.prefix}: {CLAIM_TRIES} conditional writes of "
+            f"{self.store.uri_for(self.pointer_key)} lost to other writers")

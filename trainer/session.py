@@ -80,7 +80,14 @@ from trainer.contract import (
     Stopped,
 )
 from trainer.dataset import check_same_data, dataset_manifest
-from trainer.errors import AlreadyExistsError, ConfigError, DivergedError, TrainerError
+from trainer.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    DivergedError,
+    PointerConflictError,
+    TrainerError,
+)
+from trainer.liveness import Heartbeat
 from trainer.manifest import MAX_STEP, Manifest
 from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord, Lineage
@@ -353,6 +360,7 @@ class CheckpointSession:
         self._ck: Checkpointer | None = None
         self._last_save_t = time.monotonic()
         self._last_beat = 0.0
+        self._beat: Heartbeat | None = None
         self._closed = False
         self._in_block = False  # inside `with`: leaving the block ends the session
         self._exit_hooks = False  # no block: atexit and sys.excepthook end it
@@ -387,13 +395,20 @@ class CheckpointSession:
         store = open_store(self.store_uri)
         store.check_reachable()
         repo = self.repo = CheckpointRepo(store, self.experiment, self.run)
+        # Beats from here on, whatever the restore and each step cost: liveness is not
+        # progress (trainer.liveness).
+        self._beat = Heartbeat(repo, self.triggers.heartbeat_seconds,
+                               self.launch.dagster_run_id if self.launch else None)
+        self._beat.start()
         data_version = self.data_version
         manifest, skipped = resolve_resume(repo, self.resume)
         if manifest is not None:
             lineage = Lineage.from_dict(manifest.meta.get("lineage"))
             check_same_data(lineage.data_version, data_version, repo.uri(manifest.name))
         attempt = repo.claim(manifest.name if manifest else None,
-                             at_least=self.launch.attempt if self.launch else 1)
+                             at_least=self.launch.attempt if self.launch else 1,
+                             launched=self.launch is not None)
+        self._beat.claimed(attempt, manifest.step if manifest else 0)
         ck = self._ck = Checkpointer(repo, wrapped, attempt, self.triggers.keep_last,
                                      self.triggers.keep_best, self.triggers.async_save)
         ck.on_commit = self._on_commit
@@ -481,6 +496,12 @@ class CheckpointSession:
             raise ConfigError(f"step {step} is above {MAX_STEP}, the highest step a "
                               "checkpoint name holds")
         step = int(step)
+        self._beat.advance(step)
+        if self._beat.fenced:
+            raise PointerConflictError(
+                f"attempt {self.lineage.attempt} of run {self.experiment}/{self.run} was "
+                "superseded (a newer attempt claimed the run, or the orchestrator declared "
+                f"this one failed); it stops at step {step} without writing")
         if loss is not None:
             loss = _number(loss, "loss")
             if not math.isfinite(loss):
@@ -530,12 +551,16 @@ class CheckpointSession:
         return reasons
 
     def _heartbeat(self, step: int) -> None:
+        """Progress to the orchestrator at the heartbeat's interval (the beats themselves are
+        the heartbeat thread's)."""
         now, every = time.monotonic(), self.triggers.heartbeat_seconds
         if now - self._last_beat >= every:
             self._last_beat = now
-            self.repo.heartbeat({"step": step, "attempt": self.lineage.attempt,
-                                 "pid": os.getpid()})
             self.reporter.send(Progress(step, self.loop.losses[-1] if self.loop.losses else None))
+
+    def _stop_heartbeat(self, superseded: bool = False) -> None:
+        if self._beat is not None:
+            self._beat.stop(superseded)
 
     @property
     def stop_requested(self) -> bool:
@@ -587,6 +612,7 @@ class CheckpointSession:
             if self._ck.last_saved_step != self.loop.step:
                 self.save("final", final=True)
         self._ck.close()
+        self._stop_heartbeat()
         if not self.stopped:
             self.reporter.send(Finished(self.loop.step, dict(self.loop.metrics)))
             metrics = f": {self.loop.metrics}" if self.loop.metrics else ""
@@ -625,6 +651,7 @@ class CheckpointSession:
                 except Exception:  # the original error is the one to report
                     log.exception("background save failed while stopping")
             code = report_failure(exc, self.reporter)
+        self._stop_heartbeat(superseded=isinstance(exc, PointerConflictError))
         self.reporter.close()
         self._drop_exit_hooks()
         return code

@@ -5,7 +5,9 @@ from Dagster, which end CANCELED, not FAILED) see each ended training run once a
 to `ckpt_assets.resume_decision.consider`, which decides once and returns the resume.
 `reconcile_training_runs` sweeps periodically for what they cannot see: failures from
 before they were enabled or whose tick errored, delayed (backed-off) resumes that are due,
-and runs stuck in STARTED whose trainer stopped heartbeating.
+and runs stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats without
+completing a step (stalled); `ckpt_assets.liveness` judges those and retires their trainer
+before the run is marked failed.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import dagster as dg
 
 from ckpt_assets.defs.jobs import train_job
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.resume_decision import ResumeSettings, consider, run_repo
+from ckpt_assets.liveness import judge, read_beat, retire
+from ckpt_assets.resume_decision import ResumeSettings, consider
 from ckpt_assets.run_queries import is_training_run
-from ckpt_assets.tags import PARTITION_TAG, TAG_DECISION, TAG_DECISION_REASON, TAG_HEARTBEAT_LOST
+from ckpt_assets.tags import PARTITION_TAG, TAG_DECISION, TAG_DECISION_REASON
 
 LOOKBACK_RUNS = 200
 
@@ -58,32 +61,21 @@ def resume_terminated_training(context: dg.RunStatusSensorContext,
     return _on_ended(context, checkpoint_store)
 
 
-def heartbeat_age(store: CheckpointStore, partition: str) -> float | None:
-    try:
-        repo = run_repo(store, partition)
-        beat = repo.read_heartbeat() if repo else None
-    except Exception:
-        return None
-    return time.time() - float(beat["time"]) if beat and "time" in beat else None
-
-
 def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
                      settings: ResumeSettings, now: float) -> list[str]:
-    """Mark failed the STARTED training runs whose trainer is gone (no heartbeat within the
-    timeout); the next sweep, or the failure sensor, resumes them by the same policy."""
-    notes, timeout = [], settings.heartbeat_timeout_s
+    """Retire the trainer of each STARTED training run judged dead (no heartbeat within the
+    timeout) or stalled (heartbeating, but no step within the stall limit), and mark the run
+    failed; the failure sensor, or the next sweep, resumes it by the same policy."""
+    notes = []
     for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]),
                                  limit=LOOKBACK_RUNS):
         if not is_training_run(run):
             continue
         started = instance.get_run_record_by_id(run.run_id).start_time or now
-        age = heartbeat_age(store, run.tags[PARTITION_TAG])
-        if now - started > timeout and (age is None or age > timeout):
-            msg = (f"trainer heartbeat lost ({'none' if age is None else f'{age:.0f}s old'}, "
-                   f"timeout {timeout:.0f}s): marking the run failed")
-            instance.add_run_tags(run.run_id, {TAG_HEARTBEAT_LOST: msg})
-            instance.report_run_failed(run, msg)
-            notes.append(f"{run.run_id[:8]}: {msg}")
+        beat = read_beat(store, run.tags[PARTITION_TAG])
+        verdict = judge(beat, run.run_id, started, now, settings)
+        if verdict is not None:
+            notes.append(f"{run.run_id[:8]}: {retire(instance, run, store, beat, verdict, settings)}")
     return notes
 
 
