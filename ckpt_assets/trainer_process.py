@@ -17,6 +17,10 @@ orchestrator down. An attempt owns its processes:
   group, output file). Whoever next looks at a run whose worker died without recording
   its end (`ckpt_assets.run_state`) records the attempt as ended and stops what it left;
   the next attempt of the partition waits until an earlier attempt's group is gone.
+
+Why this module is long: starting, tailing, stopping and reaping an attempt's process
+group is one lifecycle whose steps share the group's identity (pid, start time, boot id);
+splitting it would pass that identity across modules for no reader's benefit.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ Where things are is `trainer.layout.RunLayout`; reading and verifying them is
 a pending checkpoint, its manifest, the pointer's move); `CheckpointRepo` is one writer of
 one run: it remembers the pointer version it last saw, the attempt it claimed, and the
 checkpoint its state descends from.
+
+Why this module is long: it is the commit protocol's one writer (claim, write, commit,
+the pointer's conditional moves and fencing); its readers (verification, retention, the
+run's keys) are modules of their own, and splitting the writer would put one invariant
+(only the owner of the pointer commits) in two places.
 """
 
 from __future__ import annotations

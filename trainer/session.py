@@ -43,22 +43,23 @@ configured no logging.
 
 When the orchestrator starts the script ($CKPT_RUN set), its run, experiment, store,
 dataset and attempt take precedence over the arguments, which serve standalone runs.
+
+Why this module is long: `CheckpointSession` is the whole public API of the own loop
+(restore, step, save, close, the block and its no-block twin, the position helpers), and
+one class a user reads in one place beats a class spread over modules; what does not need
+its state lives beside it (`parts.py`, `epochs.py`, `exit_hooks.py`, `resume.py`).
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import hashlib
 import logging
 import math
 import os
-import random
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,234 +81,37 @@ from trainer.contract import (
     Stopped,
 )
 from trainer.dataset import check_same_data, dataset_manifest
+from trainer.epochs import EpochWalk, Position, position_of, walk_batches, walk_epochs
 from trainer.errors import (
     AlreadyExistsError,
     ConfigError,
     DivergedError,
     PointerConflictError,
-    TrainerError,
 )
+from trainer.exit_hooks import at_interpreter_exit, ends_like_the_block, logging_configured
 from trainer.liveness import Heartbeat
 from trainer.manifest import MAX_STEP, Manifest
 from trainer.outcomes import Outcome
+from trainer.parts import (
+    BEST_OF_LOSS,
+    BEST_OF_METRIC,
+    OPTIMIZER_SIZE_WARNING,
+    LoopState,
+    Measured,
+    as_number,
+    as_part,
+    human_bytes,
+    kind_of,
+    seed_all,
+)
 from trainer.records import CheckpointRecord, Lineage
 from trainer.repo import CheckpointRepo
 from trainer.report import Reporter, report_failure
+from trainer.resume import resolve_resume
 from trainer.signals import StopRequest, shield_output
-from trainer.storage import open_store, split_uri
+from trainer.storage import open_store
 
 log = logging.getLogger("trainer")
-
-RESERVED_PARTS = ("loop", "rng")
-# What the best score measures: an evaluation metric (`best_metric`), or, while the metrics
-# never name it, the training loss of the committed checkpoints.
-BEST_OF_METRIC, BEST_OF_LOSS = "metric", "loss"
-# An optimizer state this many times the model's is worth a warning: every checkpoint pays it.
-OPTIMIZER_SIZE_WARNING = 10
-
-
-@dataclass
-class LoopState:
-    """The session's own counters and history: part of every checkpoint."""
-
-    step: int = 0
-    losses: list[float] = field(default_factory=list)
-    best_score: float = math.inf
-    metrics: dict[str, float] = field(default_factory=dict)
-    best_of: str | None = None  # BEST_OF_METRIC or BEST_OF_LOSS, once there is a best
-    # With `epochs()`: epochs whose end-of-epoch work is done, and the generators' states
-    # when the current epoch began (a resume inside it replays its prologue from them).
-    epochs_done: int | None = None
-    epoch_rng: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "losses": torch.tensor(self.losses, dtype=torch.float64),
-                "best_score": self.best_score, "metrics": dict(self.metrics),
-                "best_of": self.best_of, "epochs_done": self.epochs_done,
-                "epoch_rng": self.epoch_rng}
-
-    def load_state_dict(self, s: dict[str, Any]) -> None:
-        self.step = int(s["step"])
-        self.losses = s["losses"].tolist()
-        self.best_score = float(s["best_score"])
-        self.metrics = dict(s["metrics"])
-        # Checkpoints written before these were recorded: a finite best came from metrics.
-        self.best_of = s.get("best_of", BEST_OF_METRIC if math.isfinite(self.best_score) else None)
-        self.epochs_done = s.get("epochs_done")
-        self.epoch_rng = s.get("epoch_rng")
-
-    @property
-    def best(self) -> float | None:
-        """The best score so far, None before the first (what manifests record: JSON has
-        no infinity)."""
-        return self.best_score if math.isfinite(self.best_score) else None
-
-
-class DictPart:
-    """A user's dict of plain values (numbers, strings, tensors, lists), restored in place."""
-
-    def __init__(self, values: dict[str, Any]):
-        self.values = values
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.values)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.values.clear()
-        self.values.update(state)
-
-
-def _as_part(name: str, obj: Any) -> Any:
-    if name in RESERVED_PARTS:
-        raise ConfigError(f"checkpoint part name {name!r} is reserved for the session's own "
-                          f"state ({', '.join(RESERVED_PARTS)}); rename your part")
-    if isinstance(obj, dict):
-        return DictPart(obj)
-    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
-        return obj
-    raise ConfigError(f"checkpoint part {name!r} is a {type(obj).__name__} without "
-                      "state_dict()/load_state_dict(); pass an object that has both, or a dict "
-                      "of plain values")
-
-
-def seed_all(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators: the session saves all three, so a
-    script that seeds only one would still write different bytes on every fresh start."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _number(value: float | torch.Tensor, what: str) -> float:
-    """A loss or metric as a float; a tensor is detached first (float() of a tensor that
-    requires grad warns on every call)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ConfigError(f"{what} is a tensor of shape {tuple(value.shape)}; pass one "
-                              "number (its mean, say)")
-        value = value.detach()
-    return float(value)
-
-
-def _kind_of(part: Any) -> str | None:
-    if isinstance(part, torch.nn.Module):
-        return "model"
-    if isinstance(part, torch.optim.Optimizer):
-        return "optimizer"
-    return None
-
-
-def tensor_bytes(state: Any) -> int:
-    """Bytes of tensor data in a state dict, each storage once (what torch.save writes;
-    plain values add comparatively little)."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    stack = [state]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            try:
-                storage = obj.untyped_storage()
-                key, size = (storage.data_ptr(), storage.nbytes()), storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # sparse and other layouts
-                key, size = (id(obj), 0), obj.numel() * obj.element_size()
-            if key not in seen:
-                seen.add(key)
-                total += size
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, list | tuple):
-            stack.extend(obj)
-    return total
-
-
-def _human(n: int) -> str:
-    for unit in ("bytes", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
-class _Measured:
-    """A part whose state, as the checkpointer takes it, is measured on the way."""
-
-    def __init__(self, part: Any, name: str, measured):
-        self.part, self.name, self.measured = part, name, measured
-
-    def state_dict(self) -> Any:
-        state = self.part.state_dict()
-        self.measured(self.name, tensor_bytes(state))
-        return state
-
-    def load_state_dict(self, state: Any) -> Any:
-        return self.part.load_state_dict(state)
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where a loop of a fixed number of batches per epoch continues after `restore`."""
-
-    epoch: int  # the epoch to continue in (0-based)
-    batch: int  # how many of its batches are trained: the index of the next one
-    # Every batch of `epoch` is trained but its end-of-epoch work (evaluation, an LR
-    # decision) is not done: the checkpoint was committed at its last batch, before it.
-    epoch_end_pending: bool
-
-
-@dataclass
-class _EpochWalk:
-    """What `epochs()` and `batches()` share about the epoch in progress."""
-
-    per_epoch: int
-    first: int = 0  # the first batch of the current epoch still to train
-    batches_due: bool = False  # an epoch began; batches() has not started on it yet
-    last_batch: bool = False  # batches() handed out the epoch's last batch
-    resume_rng: dict[str, Any] | None = None  # the checkpoint's generators, set back by batches()
-
-
-def _logging_configured() -> bool:
-    """Would a `trainer` log line reach a handler? (logging's own test before it falls back
-    to `logging.lastResort`, which prints warnings and errors only.)"""
-    logger: logging.Logger | None = log
-    while logger is not None:
-        if logger.handlers:
-            return True
-        logger = logger.parent if logger.propagate else None
-    return False
-
-
-def _at_interpreter_exit(func) -> None:
-    """Call `func` when the script ends, before thread pools refuse work: concurrent.futures
-    shuts its pools down first thing at exit (before `atexit` callbacks), and a commit
-    hashes on one. Pipes is closed later, by Reporter's `atexit` callback."""
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is not None:
-            return register(func)
-    except RuntimeError:  # the interpreter is already on its way out
-        pass
-    atexit.register(func)
-
-
-def _ends_like_the_block(method):
-    """Without a `with` block, an error of the session's own ends the process as leaving
-    the block would (reported once, its exit code), and so does a stop once committed."""
-
-    @functools.wraps(method)
-    def call(self: CheckpointSession, *args, **kwargs):
-        try:
-            result = method(self, *args, **kwargs)
-        except TrainerError as e:
-            if self._in_block or self._finishing:
-                raise
-            raise SystemExit(self._finish(e)) from None
-        if result is True and not self._in_block and not self._finishing:  # step: a stop
-            raise SystemExit(self._finish(None))
-        return result
-
-    return call
-
 
 class CheckpointSession:
     """Checkpoints of your own loop (module docstring). `best_metric` names the metric (in
@@ -369,14 +173,14 @@ class CheckpointSession:
         self._part_kinds: dict[str, str] = {}
         self._sizes: dict[str, int] = {}
         self._size_warned = False
-        self._walk: _EpochWalk | None = None
+        self._walk: EpochWalk | None = None
         # The newest checkpoint of the current line: final or not, and committed by this
         # attempt or the one it resumed from (close() re-commits a resumed, unfinished end).
         self._last_final = False
         self._last_ours = False
 
     # -- resume -------------------------------------------------------------------------
-    @_ends_like_the_block
+    @ends_like_the_block
     def restore(self, parts: dict[str, Any] | None = None, /, **named: Any) -> int:
         """Register the named parts, load the checkpoint to continue from (if any), and
         return the step it holds (0: start fresh)."""
@@ -385,11 +189,11 @@ class CheckpointSession:
         if self._ck is not None:
             raise ConfigError("restore() was called twice; call it once, after every part exists")
         all_parts = {**(parts or {}), **named}
-        wrapped = {name: _as_part(name, obj) for name, obj in all_parts.items()}
+        wrapped = {name: as_part(name, obj) for name, obj in all_parts.items()}
         wrapped.update(loop=self.loop, rng=RNGState())
-        self._part_kinds = {name: _kind_of(obj) for name, obj in all_parts.items()}
+        self._part_kinds = {name: kind_of(obj) for name, obj in all_parts.items()}
         # Each part measures its state as the checkpointer takes it: the record's part_bytes.
-        wrapped = {name: _Measured(part, name, self._sizes_of_save)
+        wrapped = {name: Measured(part, name, self._sizes_of_save)
                    for name, part in wrapped.items()}
 
         store = open_store(self.store_uri)
@@ -467,7 +271,7 @@ class CheckpointSession:
         return {"sha256": sha, "uri": self.repo.store.uri_for(key)}
 
     # -- the per-step call -----------------------------------------------------------------
-    @_ends_like_the_block
+    @ends_like_the_block
     def step(self, step: int | None = None, *, loss: float | torch.Tensor | None = None,
              metrics: dict[str, float] | None = None, epoch_end: bool = False) -> bool:
         """Record step `step` (default: the one after the last) as done; commit if a trigger
@@ -503,7 +307,7 @@ class CheckpointSession:
                 "superseded (a newer attempt claimed the run, or the orchestrator declared "
                 f"this one failed); it stops at step {step} without writing")
         if loss is not None:
-            loss = _number(loss, "loss")
+            loss = as_number(loss, "loss")
             if not math.isfinite(loss):
                 raise DivergedError(
                     f"loss is {loss} at step {step}; the last good checkpoint is step "
@@ -530,7 +334,7 @@ class CheckpointSession:
                    epoch_end: bool) -> list[str]:
         c, reasons = self.triggers, []
         if metrics:
-            self.loop.metrics = {k: _number(v, f"metric {k!r}") for k, v in metrics.items()}
+            self.loop.metrics = {k: as_number(v, f"metric {k!r}") for k, v in metrics.items()}
             self.reporter.send(Eval(step, dict(self.loop.metrics)))
             score = self.loop.metrics.get(self.best_metric, math.inf)
             if self.best_metric in self.loop.metrics and self.loop.best_of != BEST_OF_METRIC:
@@ -568,7 +372,7 @@ class CheckpointSession:
         return self.stop.requested
 
     # -- saving ---------------------------------------------------------------------------
-    @_ends_like_the_block
+    @ends_like_the_block
     def save(self, reason: str = "manual", *, final: bool = False) -> None:
         """Commit the parts as they are now, at the current step (once per step). `final`:
         this is the run's end (implied once the step reaches max_steps)."""
@@ -596,7 +400,7 @@ class CheckpointSession:
         self.reporter.send(rec)
 
     # -- the end --------------------------------------------------------------------------
-    @_ends_like_the_block
+    @ends_like_the_block
     def close(self) -> None:
         """Commit the last step if no trigger did, wait for background saves, report the
         end. Called by the `with` block on success; call it yourself without one."""
@@ -661,7 +465,7 @@ class CheckpointSession:
         if self._exit_hooks:
             return
         self._exit_hooks = True
-        _at_interpreter_exit(self._at_exit)
+        at_interpreter_exit(self._at_exit)
         self._prev_excepthook, sys.excepthook = sys.excepthook, self._excepthook
 
     def _drop_exit_hooks(self) -> None:
@@ -698,7 +502,7 @@ class CheckpointSession:
         """One of the session's own lines: to the log and Pipes, and to stderr when the
         script configured no logging (where logging itself would drop an INFO line)."""
         self.reporter.log(msg)
-        if not _logging_configured():
+        if not logging_configured():
             print(f"trainer: {msg}", file=sys.stderr, flush=True)
 
     def _sizes_of_save(self, part: str, size: int) -> None:
@@ -728,7 +532,7 @@ class CheckpointSession:
             self._size_warned = True
             self.reporter.log(
                 f"checkpoint part {name!r} is {size / model_bytes:.0f}x the model "
-                f"({_human(size)} against {_human(model_bytes)} in {', '.join(models)}), and "
+                f"({human_bytes(size)} against {human_bytes(model_bytes)} in {', '.join(models)}), and "
                 "every checkpoint carries it: that is the optimizer's own state (LBFGS keeps "
                 "2 x history_size copies of the parameters). A smaller history or an "
                 "optimizer with less state makes checkpoints smaller and faster.",
@@ -737,71 +541,26 @@ class CheckpointSession:
     # -- epochs of a hand-rolled batch loop ------------------------------------------------
     def position(self, batches_per_epoch: int) -> Position:
         """The epoch and batch to continue from after `restore`, with `batches_per_epoch`
-        batches per epoch. A checkpoint at an epoch's last batch was committed before that
-        epoch's end-of-epoch work (by `step` inside the batch loop): the position is then
-        that epoch, all its batches done, `epoch_end_pending`. With `epochs()` the session
-        records which epochs finished and needs no such assumption."""
+        batches per epoch (`trainer.epochs.position_of`)."""
         if self._ck is None:
             raise ConfigError("call restore() before position(): the position is the "
                               "restored checkpoint's")
-        if not isinstance(batches_per_epoch, int) or batches_per_epoch < 1:
-            raise ConfigError(f"batches_per_epoch is {batches_per_epoch!r}; pass the number "
-                              "of batches in one epoch (a positive integer)")
-        step, done = self.loop.step, self.loop.epochs_done
-        if done is None:
-            epoch, batch = divmod(step, batches_per_epoch)
-            if batch == 0 and epoch > 0:
-                epoch, batch = epoch - 1, batches_per_epoch
-        else:
-            epoch, batch = done, step - done * batches_per_epoch
-            if not 0 <= batch <= batches_per_epoch:
-                raise ConfigError(
-                    f"the checkpoint holds step {step} with {done} epoch(s) done, which does "
-                    f"not fit {batches_per_epoch} batches per epoch: the data or the batch "
-                    "size changed since. Resume with the ones the run started with, or "
-                    "register a new run")
-        return Position(epoch, batch, batch == batches_per_epoch and step > 0)
+        return position_of(self.loop, batches_per_epoch)
 
     def epochs(self, epochs: int, batches_per_epoch: int) -> Iterator[int]:
-        """The epochs still to train, from the restored one; iterate `batches()` in each.
-
-        A resume inside an epoch runs the epoch's prologue (the code between this loop and
-        `batches()`, a shuffle say) again from the random generators the epoch began with,
-        so that it draws what it drew before; `batches()` then sets the checkpoint's
-        generators back and continues with the next batch. A resume right after an epoch's
-        last batch gives that epoch again with no batches, so its end-of-epoch work runs."""
+        """The epochs still to train, from the restored one; iterate `batches()` in each
+        (`trainer.epochs.walk_epochs` says how a resume inside an epoch continues)."""
         pos = self.position(batches_per_epoch)
-        walk = self._walk = _EpochWalk(batches_per_epoch)
-        for epoch in range(pos.epoch, epochs):
-            self.loop.epochs_done = epoch
-            walk.first = pos.batch if epoch == pos.epoch else 0
-            if walk.first and self.loop.epoch_rng is not None:
-                walk.resume_rng = RNGState().state_dict()
-                RNGState().load_state_dict(self.loop.epoch_rng)
-            else:
-                if walk.first:
-                    log.warning("the checkpoint does not hold the generators epoch %d began "
-                                "with (it was not written inside epochs()): its prologue "
-                                "draws from the checkpoint's instead", epoch)
-                self.loop.epoch_rng = RNGState().state_dict()
-            walk.batches_due = True
-            yield epoch
-        self.loop.epochs_done = max(epochs, pos.epoch)
+        self._walk = EpochWalk(batches_per_epoch)
+        return walk_epochs(self.loop, self._walk, pos, epochs)
 
     def batches(self) -> Iterator[int]:
         """The batch indices of the current epoch of `epochs()` still to train."""
-        walk = self._walk
-        if walk is None:
+        if self._walk is None:
             raise ConfigError("batches() goes inside `for epoch in ckpt.epochs(epochs, "
                               "batches_per_epoch)`, which knows where the epoch continues")
-        walk.batches_due = False
-        if walk.resume_rng is not None:
-            RNGState().load_state_dict(walk.resume_rng)
-            walk.resume_rng = None
-        for batch in range(walk.first, walk.per_epoch):
-            walk.last_batch = batch == walk.per_epoch - 1
-            yield batch
-        walk.last_batch = False
+        return walk_batches(self._walk)
+
     def _output_lost(self) -> int:
         """The script wrote to a pipe whose reader died with the launching process: that is
         a preemption, not a bug. Its state may be mid-step, so nothing more is committed."""
@@ -816,23 +575,3 @@ class CheckpointSession:
         self.reporter.log("the launching process died, and the script's output with it: "
                           f"stopped; the last committed step is {step}", logging.WARNING)
         return Outcome.PREEMPTED.exit_code
-
-
-def resolve_resume(repo: CheckpointRepo, resume: str) -> tuple[Manifest | None, list]:
-    """The checkpoint to resume from: 'auto', 'never', or an explicit checkpoint URI."""
-    if resume == "never":
-        return None, []
-    if resume == "auto":
-        return repo.find_latest_valid()
-    store_uri, key = split_uri(resume)
-    name = key.rsplit("/", 1)[1]
-    if f"{repo.experiment}/{repo.run}" != key.rsplit("/", 2)[0].removesuffix("/checkpoints"):
-        raise ConfigError(
-            f"resume point {resume!r} belongs to another experiment/run than "
-            f"{repo.experiment}/{repo.run}; a run resumes only from its own checkpoints "
-            "(pass one of them, or auto)"
-        )
-    if open_store(store_uri).uri != repo.store.uri:
-        raise ConfigError(f"resume point {resume!r} is not in the store {repo.store.uri}; "
-                          "pass the store that holds it")
-    return repo.verify(name), []

@@ -126,18 +126,39 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     late = record_unseen_checkpoints(context, repo, reg.run)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     report = AttemptReport(reg.run, ids.attempt)
-    told = contract(reg, store.uri, ids, dataset)
+    proc = _run_trainer(context, reg, repo, ids, dataset, checkpoint_store, trainer,
+                        partial(report.handle, context, tracker),
+                        partial(_open_tracking, context, tracker, repo, ids, dataset,
+                                reg.config.to_dict()))
+    # Once more at the end: an orphaned trainer of an earlier attempt may have committed
+    # after the first look and before this attempt's trainer claimed the run.
+    record_unseen_checkpoints(context, repo, reg.run,
+                              known={r.name for r in (*late, *report.checkpoints)})
+    ended = report.outcome(repo, proc, context)
+    _record_end(context, ended, proc, tracker, report)
+    context.log_event(state_observation(RunState(
+        reg.run, State.FINISHED, f"attempt {ended.attempt} trained to step "
+        f"{ended.last_committed_step}", context.run.run_id, ended.attempt)))
+    # The run's history across attempts, on the output people open last.
+    yield _final_output(repo, ended, tracker, context, history_metadata(
+        context.instance, reg.run, [*late, *report.checkpoints], context.log))
+
+
+def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: DatasetRecord,
+                 checkpoint_store: CheckpointStore, trainer: TrainerResource, on_messages,
+                 after_start):
+    """Start the attempt's process (the task's trainer or the run's command) under Pipes,
+    told the contract of the run it trains, and wait for it; bad launches are bad input."""
+    told = contract(reg, checkpoint_store.open().uri, ids, dataset)
     env = base_env(trainer, checkpoint_store.aws_env())
     with tempfile.TemporaryDirectory(prefix=f"ckpt-{reg.run}-a{ids.attempt}-") as workdir:
         try:
             launch = (command_launch(reg, repo, told, env, trainer, context.log)
                       if reg.config.command
                       else task_launch(reg, told, env, trainer, Path(workdir)))
-            proc = run_under_pipes(
+            return run_under_pipes(
                 context, launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
-                on_messages=partial(report.handle, context, tracker),
-                after_start=partial(_open_tracking, context, tracker, repo, ids, dataset,
-                                    reg.config.to_dict()),
+                on_messages=on_messages, after_start=after_start,
                 extras={"training_run": reg.run, "experiment": reg.experiment,
                         "attempt": ids.attempt})
         except LaunchError as e:
@@ -145,11 +166,11 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
         except StorageError as e:
             raise storage_unavailable(str(e), reg.run) from e
 
-    # Once more at the end: an orphaned trainer of an earlier attempt may have committed
-    # after the first look and before this attempt's trainer claimed the run.
-    record_unseen_checkpoints(context, repo, reg.run,
-                              known={r.name for r in (*late, *report.checkpoints)})
-    ended = report.outcome(repo, proc, context)
+
+def _record_end(context, ended: AttemptEnd, proc, tracker: MlflowTracker,
+                report: AttemptReport) -> None:
+    """Record how the attempt ended (Dagster, MLflow); re-raise an interrupt, and fail the
+    step with the attempt's record unless it finished the run."""
     record_end(context, ended, proc.interrupted is not None,
                {"parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),
                 "mlflow_run_id": tracker.run_id,
@@ -166,12 +187,6 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     if ended.outcome.failed:
         tracker.finish("FAILED")
         raise attempt_failure(ended, report)
-    context.log_event(state_observation(RunState(
-        reg.run, State.FINISHED, f"attempt {ended.attempt} trained to step "
-        f"{ended.last_committed_step}", context.run.run_id, ended.attempt)))
-    # The run's history across attempts, on the output people open last.
-    yield _final_output(repo, ended, tracker, context, history_metadata(
-        context.instance, reg.run, [*late, *report.checkpoints], context.log))
 
 
 def _open_tracking(context, tracker: MlflowTracker, repo: CheckpointRepo, ids: AttemptIds,
