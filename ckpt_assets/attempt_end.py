@@ -18,7 +18,7 @@ import dagster as dg
 
 from ckpt_assets.metadata import to_metadata
 from trainer.outcomes import Kind, Outcome
-from trainer.records import from_known_fields
+from trainer.records import CheckpointRecord, from_known_fields
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,7 @@ def storage_unavailable(message: str, run: str) -> dg.Failure:
                       message=message).to_dagster(message)
 
 
-def checkpoint_unloadable(message: str, run: str, ck: dict[str, Any]) -> dg.Failure:
+def checkpoint_unloadable(message: str, run: str, ck: CheckpointRecord) -> dg.Failure:
     return AttemptEnd(Outcome.CHECKPOINT_UNLOADABLE, run,
-                      Outcome.CHECKPOINT_UNLOADABLE.exit_code,
-                      last_committed_step=ck.get("step"), checkpoint_uri=ck.get("uri"),
-                      message=message).to_dagster(message)
+                      Outcome.CHECKPOINT_UNLOADABLE.exit_code, last_committed_step=ck.step,
+                      checkpoint_uri=ck.uri, message=message).to_dagster(message)

@@ -18,16 +18,17 @@ from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.registration import Registration
 from trainer import strict_json
 from trainer.errors import ConfigError
+from trainer.records import CheckpointRecord
 
 
-def evaluate_final(reg: Registration, weights: dict[str, Any], ck: dict[str, Any],
+def evaluate_final(reg: Registration, weights: dict[str, Any], ck: CheckpointRecord,
                    log) -> tuple[dict[str, float], str | None]:
     """(metrics, data version) of the final weights."""
     cfg = reg.config
-    recorded = {k: float(v) for k, v in (ck.get("metrics") or {}).items()}
-    lineage = ck.get("lineage") or {}
+    recorded = {k: float(v) for k, v in ck.eval.items()}
+    recorded_version = ck.lineage.data_version if ck.lineage else None
     if cfg.command:
-        return recorded, lineage.get("data_version")
+        return recorded, recorded_version
     import torch
 
     from trainer.loop import evaluate
@@ -40,15 +41,15 @@ def evaluate_final(reg: Registration, weights: dict[str, Any], ck: dict[str, Any
     except (ConfigError, RuntimeError, KeyError) as e:
         raise checkpoint_unloadable(
             f"cannot rebuild the model of {reg.run} from its registered config and checkpoint "
-            f"{ck.get('uri')}: {e}", reg.run, ck) from e
-    data_version = lineage.get("data_version") or task.data_version
-    if task.data_version and lineage.get("data_version") not in (None, task.data_version):
+            f"{ck.uri}: {e}", reg.run, ck) from e
+    data_version = recorded_version or task.data_version
+    if task.data_version and recorded_version not in (None, task.data_version):
         log.warning(f"held-out data version {task.data_version} differs from the checkpoint's "
-                    f"data version {lineage['data_version']}")
+                    f"data version {recorded_version}")
     return evaluate(task, task.model), data_version
 
 
-def export_weights(reg: Registration, weights: dict[str, Any], ck: dict[str, Any],
+def export_weights(reg: Registration, weights: dict[str, Any], ck: CheckpointRecord,
                    metrics: dict[str, float], tracker: MlflowTracker):
     """(value, SHA-256 of the weights file, MLflow model version) of the exported model."""
     import torch
@@ -63,13 +64,13 @@ def export_weights(reg: Registration, weights: dict[str, Any], ck: dict[str, Any
         torch.save(weights, path)
         weights_sha = hashlib.sha256(path.read_bytes()).hexdigest()
         model_version = tracker.log_final_model(
-            str(path), {f"eval_{k}": v for k, v in metrics.items()}, int(ck.get("step") or 0),
-            description=f"{reg.experiment}/{reg.run} step {ck.get('step')} from {ck.get('uri')}")
+            str(path), {f"eval_{k}": v for k, v in metrics.items()}, ck.step,
+            description=f"{reg.experiment}/{reg.run} step {ck.step} from {ck.uri}")
     cfg = reg.config
     value = {"model": weights, "task": None if cfg.command else cfg.task,
              "command": cfg.command, "task_args": cfg.task_args, "seed": cfg.seed,
-             "step": int(ck.get("step") or 0), "eval": metrics,
-             "num_classes": num_classes, "checkpoint": ck.get("uri"),
-             "checkpoint_sha256": ck.get("sha256"), "experiment": reg.experiment,
+             "step": ck.step, "eval": metrics,
+             "num_classes": num_classes, "checkpoint": ck.uri,
+             "checkpoint_sha256": ck.sha256, "experiment": reg.experiment,
              "training_run": reg.run, "config": strict_json.dumps(cfg.to_dict(), sort_keys=True)}
     return value, weights_sha, model_version

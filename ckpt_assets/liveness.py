@@ -36,10 +36,9 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from ckpt_assets.tags import PARTITION_TAG
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.resume_decision import LIVENESS_TAGS, ResumeSettings, run_repo
-from ckpt_assets.tags import TAG_ATTEMPT
+from ckpt_assets.tags import PARTITION_TAG, TAG_ATTEMPT
 from trainer.liveness import Beat, ProcessId, group_members
 from trainer.outcomes import Outcome
 

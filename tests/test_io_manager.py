@@ -222,7 +222,7 @@ def test_load_input_of_model_checkpoint_returns_the_newest_checkpoint_that_verif
     latest.write_bytes(bytes(data))
     state = load_checkpoint_state(open_store(str(store)), "default", "wb")
     info = state[CHECKPOINT_KEY]
-    assert info["step"] == 20 and info["name"] == "step-000000020-a1"
-    assert [s["checkpoint"] for s in info["skipped"]] == ["step-000000030-a1"]
+    assert info.record.step == 20 and info.record.name == "step-000000020-a1"
+    assert [s.checkpoint for s in info.skipped] == ["step-000000030-a1"]
     assert int(state["loop"]["step"]) == 20
     assert os.path.exists(latest)  # nothing is deleted by reading

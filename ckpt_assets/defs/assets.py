@@ -17,6 +17,7 @@ checkpointing through `trainer.CheckpointSession`); `model_checkpoint` treats bo
 
 import tempfile
 import warnings
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from ckpt_assets.attempt_end import (
     storage_unavailable,
 )
 from ckpt_assets.datasets import DatasetRecord, describe_dataset, refuse_changed_data
-from ckpt_assets.defs.io_managers import CHECKPOINT_KEY
+from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, LoadedCheckpoint
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY
@@ -239,15 +240,16 @@ def final_model(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     from ckpt_assets.export import evaluate_final, export_weights
 
     reg = resolve_registration(context, checkpoint_store, config)
-    ck = model_checkpoint.get(CHECKPOINT_KEY) or {}
+    loaded: LoadedCheckpoint = model_checkpoint[CHECKPOINT_KEY]
+    ck = loaded.record
     weights = model_checkpoint.get("model")
     if not isinstance(weights, dict):
         raise checkpoint_unloadable(
-            f"checkpoint {ck.get('uri')} has no part named 'model'; final_model exports the "
+            f"checkpoint {ck.uri} has no part named 'model'; final_model exports the "
             "part named 'model' (pass model=... to CheckpointSession.restore)", reg.run, ck)
     metrics, data_version = evaluate_final(reg, weights, ck, context.log)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
-    mlflow_run_id = tracker.start({"final_checkpoint": ck.get("uri")})
+    mlflow_run_id = tracker.start({"final_checkpoint": ck.uri})
     value, weights_sha, model_version = export_weights(reg, weights, ck, metrics, tracker)
     tracker.finish("FINISHED")
     return dg.Output(
@@ -255,15 +257,15 @@ def final_model(context: dg.AssetExecutionContext, config: TrainingRunConfig,
         data_version=dg.DataVersion(weights_sha),
         metadata=to_metadata({
             "eval_loss": metrics.get("loss"), "eval_accuracy": metrics.get("accuracy"),
-            "recorded_eval_loss": (ck.get("metrics") or {}).get("loss"),
-            "recorded_eval_accuracy": (ck.get("metrics") or {}).get("accuracy"),
-            "step": int(ck.get("step") or 0), "checkpoint_uri": ck.get("uri"),
-            "checkpoint_sha256": ck.get("sha256"), "weights_sha256": weights_sha,
+            "recorded_eval_loss": ck.eval.get("loss"),
+            "recorded_eval_accuracy": ck.eval.get("accuracy"),
+            "step": ck.step, "checkpoint_uri": ck.uri,
+            "checkpoint_sha256": ck.sha256, "weights_sha256": weights_sha,
             "num_classes": value["num_classes"], "experiment": reg.experiment,
             "training_run": reg.run, "data_version": data_version,
-            "code_version": git_commit(), "fallback_skipped": ck.get("skipped") or None,
+            "code_version": git_commit(), "fallback_skipped": [asdict(s) for s in loaded.skipped] or None,
             "mlflow_run_id": mlflow_run_id, "mlflow_model_version": model_version,
-        }) | links({"checkpoint_uri": ck.get("uri"), "mlflow_run": tracker.run_url}),
+        }) | links({"checkpoint_uri": ck.uri, "mlflow_run": tracker.run_url}),
     )
 
 

@@ -19,6 +19,7 @@ model_checkpoint).
 
 import io
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import dagster as dg
@@ -26,11 +27,21 @@ import dagster as dg
 from ckpt_assets.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.registration import read_registration, validate_partition_key
+from trainer.contract import Skipped
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore
 
-CHECKPOINT_KEY = "__checkpoint__"
+CHECKPOINT_KEY = "__checkpoint__"  # beside the parts: which checkpoint they are
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What the IO manager hands on beside a loaded checkpoint's parts: the checkpoint's
+    record, and the newer checkpoints that failed verification and were skipped."""
+
+    record: CheckpointRecord
+    skipped: list[Skipped] = field(default_factory=list)
 
 
 def _contains_tensor(obj: Any) -> bool:
@@ -100,10 +111,7 @@ def load_checkpoint_state(store: ObjectStore, experiment: str, run: str,
 
     state = load_verified_state(repo, manifest)
     rec = CheckpointRecord.from_manifest(manifest, repo.uri(manifest.name))
-    state[CHECKPOINT_KEY] = {
-        **rec.to_dict(), "metrics": rec.eval,
-        "skipped": [{"checkpoint": n, "reason": r} for n, r in skipped],
-    }
+    state[CHECKPOINT_KEY] = LoadedCheckpoint(rec, [Skipped(n, r) for n, r in skipped])
     return state
 
 
