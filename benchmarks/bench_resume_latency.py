@@ -39,7 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_assets.clock import parse_time
-from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM
+from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
+from ckpt_assets.trainer_process import PROCESS_STARTED  # noqa: E402
 from tests.daemon_harness import Daemon, training_config  # noqa: E402
 from trainer.repo import CheckpointRepo, parse_checkpoint_name  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
@@ -104,7 +105,7 @@ def phases(daemon: Daemon, run_id: str) -> dict[str, float]:
                 out.setdefault(marks[ev.event_type.name], e.timestamp)
             continue
         msg = e.user_message or ""
-        if msg.startswith("trainer started (pid"):
+        if msg.startswith(PROCESS_STARTED):
             out.setdefault("spawned", e.timestamp)
         elif msg.startswith("[trainer]") and (" resumed from " in msg or " from scratch " in msg):
             # Logged once restored, before step 1. The event is written when the run worker

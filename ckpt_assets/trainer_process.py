@@ -47,6 +47,9 @@ KILL_WAIT_S = 30.0  # after SIGKILL: only a process stuck in the kernel takes lo
 POLL_S = 0.1
 LEFTOVER_LOOKBACK = 5  # earlier training runs of the partition whose groups are checked
 
+# The run log line that marks the start (benchmarks/bench_resume_latency.py reads it).
+PROCESS_STARTED = "training process started"
+
 
 class LaunchError(Exception):
     """The process could not be started (no such command, not executable, bad cwd)."""
@@ -308,7 +311,7 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
     group = ProcessRef.known(proc.pid)
     procs = AttemptProcesses(this_machine(), ProcessRef.known(os.getpid()), group, output)
     _record(context, procs)
-    context.log.info(f"training process started (pid {proc.pid}, its own process group; "
+    context.log.info(f"{PROCESS_STARTED} (pid {proc.pid}, its own process group; "
                      f"output {output}): {' '.join(argv)}")
     done = threading.Event()
     reader = threading.Thread(target=_pump, args=(tail(output, done), context), daemon=True,
