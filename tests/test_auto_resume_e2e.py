@@ -7,19 +7,25 @@ once and resumed once, a lost run worker found and resumed) run on both instance
 embedded default (dagster_home/dagster.yaml, SQLite, MLflow in a SQLite file) and the team
 instance (deploy/postgres/dagster.yaml on a real PostgreSQL server the module starts,
 MLflow in a second database on that server). One daemon (with the code server it spawns)
-serves each kind; each test trains its own partition.
+serves each kind; each test trains its own partition. A `command:` run (the digits
+classifier in its own loop) is resumed through the same daemon; what differs between the
+examples is proven standalone by tests/test_examples_standalone.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.browser_harness import free_port
-from tests.daemon_harness import Daemon, kill, trainer_parent, training_config
+from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
 from tests.postgres_server import require_postgres, running_postgres, team_instance
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
 
@@ -28,6 +34,8 @@ pytestmark = pytest.mark.slow
 INSTANCE_KINDS = ("sqlite", "postgres")
 on_every_instance = pytest.mark.parametrize("daemon", INSTANCE_KINDS, indirect=True)
 on_the_embedded_instance = pytest.mark.parametrize("daemon", INSTANCE_KINDS[:1], indirect=True)
+SLOW_STEPS = ["python", "tests/slow_steps.py"]  # STEP_DELAY seconds per step: room to signal
+RNG = random.Random(20261129)
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +168,34 @@ def test_terminating_the_run_from_dagster_is_a_preemption_that_resumes(
     first = daemon.runs("terminate")[0]
     assert first.status.value == "CANCELED"
     assert first.tags["ckpt/failure_kind"] == "preempted"
+
+
+def _standalone(argv: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_", "DAGSTER_"))}
+    res = subprocess.run([sys.executable, *argv], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@on_the_embedded_instance
+def test_a_command_run_killed_and_preempted_through_dagster_is_resumed_bitwise_identical(
+        daemon, tmp_path):
+    argv = ["examples/digits/train.py", "--steps", "120"]
+    _standalone([*argv, "--store", str(tmp_path / "base")])
+    want = final_state(tmp_path / "base", "digits", "digits")
+    first = RNG.randint(10, 45)
+    chain = [(first, signal.SIGKILL), (RNG.randint(first + 15, 100), signal.SIGTERM)]
+    config = {"command": [*SLOW_STEPS, *argv], "max_steps": 120, "env": {"STEP_DELAY": "0.05"},
+              "checkpoint": {"heartbeat_seconds": 0}}
+    daemon.launch("digits-cmd", config, tmp_path)
+    for attempt, (step, sig) in enumerate(chain, start=1):
+        hb = daemon.wait_for_step("digits-cmd", step, attempt=attempt)
+        kill(hb["pid"], sig)
+    final = daemon.wait_done("digits-cmd", timeout=600)
+    runs = daemon.runs("digits-cmd")
+    assert len(runs) == len(chain) + 1, [(r.run_id[:8], r.status.value) for r in runs]
+    assert [r.tags.get("ckpt/decision") for r in runs[:-1]] == ["resume"] * len(chain)
+    assert [r.tags.get("ckpt/failure_kind") for r in runs[:-1]] == ["killed", "preempted"]
+    assert final.tags["ckpt/attempt"] == str(len(chain) + 1)
+    assert daemon.max_active["digits-cmd"] == 1
+    assert_bitwise_equal(want, final_state(Path(daemon.store), "default", "digits-cmd"))
