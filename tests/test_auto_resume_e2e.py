@@ -5,7 +5,7 @@ sensors decide for each kind of failure is proven in seconds by tests/test_senso
 tests/test_policy.py. The guarantees that rest on the instance's storage (a failure seen
 once and resumed once, a lost run worker found and resumed) run on both instance kinds: the
 embedded default (dagster_home/dagster.yaml, SQLite, MLflow in a SQLite file) and the team
-instance (deploy/postgres/dagster.yaml on a real PostgreSQL server the module starts,
+instance (deploy/postgres/dagster.yaml on the session's real PostgreSQL server,
 MLflow in a second database on that server). One daemon (with the code server it spawns)
 serves each kind; each test trains its own partition. A `command:` run (the digits
 classifier in its own loop) is resumed through the same daemon; what differs between the
@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser_harness import free_port
 from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
-from tests.postgres_server import require_postgres, running_postgres, team_instance
+from tests.postgres_server import team_instance
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
 
 pytestmark = pytest.mark.slow
@@ -39,16 +38,9 @@ RNG = random.Random(20261129)
 
 
 @pytest.fixture(scope="module")
-def postgres():
-    require_postgres()
-    with running_postgres(free_port()) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def daemon(request, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"e2e-{request.param}")
-    instance = team_instance(request.getfixturevalue("postgres"), work) \
+    instance = team_instance(request.getfixturevalue("postgres_server"), work) \
         if request.param == "postgres" else {}
     d = Daemon.start(work, str(work / "store"), **instance)
     yield d
