@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from tests.polling import wait_for  # noqa: E402
 from trainer.checkpointer import Checkpointer, load_verified_state  # noqa: E402
 from trainer.repo import CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
@@ -65,12 +67,17 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
+
+    def answers() -> bool:
         try:
             urllib.request.urlopen(url, timeout=0.5)
-            break
+        except urllib.error.HTTPError:
+            return True  # any HTTP answer means the server is up
         except Exception:
-            time.sleep(0.1)
+            return False
+        return True
+
+    wait_for(answers, 30, 0.1, f"moto_server to answer on {url}")
     return proc, url
 
 

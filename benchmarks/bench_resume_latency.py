@@ -42,6 +42,7 @@ from ckpt_assets.clock import parse_time
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
 from ckpt_assets.trainer_process import PROCESS_STARTED  # noqa: E402
 from tests.daemon_harness import Daemon, training_config  # noqa: E402
+from tests.polling import WaitTimeout, wait_for  # noqa: E402
 from trainer.repo import CheckpointRepo, parse_checkpoint_name  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
@@ -56,13 +57,10 @@ class BenchError(RuntimeError):
 
 
 def poll(pred, what: str, timeout: float, every: float = POLL_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise BenchError(f"timed out after {timeout:.0f}s waiting for {what}")
+    try:
+        return wait_for(pred, timeout, every, what)
+    except WaitTimeout as e:
+        raise BenchError(str(e)) from None
 
 
 def pid_alive(pid: int) -> bool:

@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from ckpt_assets.liveness import judge  # noqa: E402
 from ckpt_assets.resume_decision import ResumeSettings  # noqa: E402
+from tests.polling import WaitTimeout, wait_for  # noqa: E402
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
 from trainer.checkpointer import load_verified_state  # noqa: E402
 from trainer.contract import Env  # noqa: E402
@@ -329,18 +330,18 @@ def start_s3(work: Path) -> dict | None:
              "AWS_DEFAULT_REGION": "us-east-1"}
     client = boto3.client("s3", endpoint_url=endpoint, **{
         "aws_access_key_id": "soak", "aws_secret_access_key": "soak", "region_name": "us-east-1"})
-    import time
-
-    deadline = time.monotonic() + 30
-    while True:
+    def bucket_made() -> bool:
         try:
             client.create_bucket(Bucket="soak")
-            break
         except Exception:
-            if time.monotonic() > deadline:
-                proc.kill()
-                return None
-            time.sleep(0.1)
+            return False
+        return True
+
+    try:
+        wait_for(bucket_made, 30, 0.1, f"moto_server to answer on {endpoint}")
+    except WaitTimeout:
+        proc.kill()
+        return None
     proxy = FaultProxy(endpoint)
     return {"proc": proc, "proxy": proxy, "bucket": "soak",
             "env": {**creds, "AWS_ENDPOINT_URL": proxy.endpoint,

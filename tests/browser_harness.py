@@ -14,12 +14,12 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from tests.daemon_harness import BIN, ROOT, Daemon, fresh_instance
+from tests.polling import wait_for
 
 CHROMIUM = Path(os.environ.get("CKPT_TEST_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
@@ -84,13 +84,19 @@ def start_dagster_dev(workdir: Path, store: str, timeout: float = 240
     dev = DagsterDev(home, store, env, proc, log_path)
     dev._instance = instance
     threading.Thread(target=dev._watch_active, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not _answers(f"{url}/server_info"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            dev.stop()
-            raise AssertionError(f"dagster dev did not answer on {url} "
-                                 f"(exit {proc.poll()}):\n{dev.log_tail(60)}")
-        time.sleep(0.5)
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"dagster dev exited {proc.returncode} before answering on "
+                                 f"{url}:\n{dev.log_tail(60)}")
+        return _answers(f"{url}/server_info")
+
+    try:
+        wait_for(answers, timeout, 0.5, f"dagster dev to answer on {url}",
+                 lambda: dev.log_tail(60))
+    except AssertionError:
+        dev.stop()
+        raise
     return dev, url
 
 

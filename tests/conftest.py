@@ -1,23 +1,97 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the rule that keeps `-m "not slow"` fast.
 
 S3: a real `moto_server` process on a loopback port, talked to over HTTP exactly as a
 MinIO or AWS endpoint would be (no in-process mocking).
+
+A test that starts a process or a server (moto_server, a dagster-daemon, a trainer, the
+dagster CLI, PostgreSQL, Chromium) is marked `slow`; any other test that tries fails, naming
+what it tried to start. That keeps the fast suite in-process and quick.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.polling import wait_for
+
+SLOW = "slow"
+# Fixtures that start a server process. A session-scoped one may already be running when a
+# fast test asks for it, so asking is refused too, not only starting one.
+PROCESS_FIXTURES = frozenset({"moto_server", "s3_env", "postgres_server"})
+# The one program a fast test may run: `git`, the code-version probe of the trainer's
+# lineage (trainer/code_version.py), which reads the repository and exits at once (cached
+# per directory). Everything else is a process under test, and so a slow test.
+FAST_TOOLS = frozenset({"git"})
+_POPEN = subprocess.Popen  # the class itself, whatever a test puts in its module's place
+_POPEN_INIT = _POPEN.__init__
+
+
+class ProcessInFastTest(RuntimeError):
+    """A test without the `slow` marker tried to start a process."""
+
+
+def _fast_rule(item: pytest.Item) -> str:
+    return (f"{item.nodeid} is not marked slow, so it must not start a process or server: "
+            "test the decision in-process (call the function, `main([...])`), or mark the "
+            "test @pytest.mark.slow if its point is the real process")
+
+
+@contextlib.contextmanager
+def _no_processes(item: pytest.Item) -> Iterator[list]:
+    tried: list = []
+
+    def refuse(self, args, *a, **kw):
+        program = args if isinstance(args, str | bytes | os.PathLike) else args[0]
+        if os.path.basename(os.fsdecode(program)).split()[0] in FAST_TOOLS:
+            return _POPEN_INIT(self, args, *a, **kw)
+        tried.append(args)
+        raise ProcessInFastTest(f"{_fast_rule(item)}; it started {args!r}")
+
+    _POPEN.__init__ = refuse
+    try:
+        yield tried
+    finally:
+        _POPEN.__init__ = _POPEN_INIT
+
+
+def _guarded_phase(item: pytest.Item):
+    if item.get_closest_marker(SLOW) is not None:
+        return (yield)
+    with _no_processes(item) as tried:
+        result = yield
+    if tried:  # raised inside code that may have caught it: fail the test regardless
+        pytest.fail(f"{_fast_rule(item)}; it started {tried[0]!r}", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    asked = PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
+    if asked and item.get_closest_marker(SLOW) is None:
+        pytest.fail(f"{_fast_rule(item)}; it asks for {sorted(asked)}", pytrace=False)
+    return (yield from _guarded_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded_phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _guarded_phase(item))
 
 
 def _free_port() -> int:
@@ -60,14 +134,13 @@ def moto_server(tmp_path_factory):
             stderr=subprocess.STDOUT,
             env=env,
         )
+    def up() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"moto_server exited with {proc.returncode}:\n{log_path.read_text()}")
+        return _answers(f"{endpoint}/moto-api/")
+
     try:
-        deadline = time.monotonic() + 30
-        while not _answers(f"{endpoint}/moto-api/"):
-            if proc.poll() is not None:
-                pytest.fail(f"moto_server exited with {proc.returncode}:\n{log_path.read_text()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"moto_server did not answer on {endpoint}:\n{log_path.read_text()}")
-            time.sleep(0.05)
+        wait_for(up, 30, 0.05, f"moto_server to answer on {endpoint}", log_path.read_text)
         yield endpoint
     finally:
         proc.terminate()
@@ -78,19 +151,36 @@ def moto_server(tmp_path_factory):
             proc.wait()
 
 
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One real PostgreSQL server for the session (a fresh cluster on a free loopback port,
+    tests/postgres_server.py); each module that uses it makes its own databases on it."""
+    from tests.postgres_server import require_postgres, running_postgres
+
+    require_postgres()
+    with running_postgres(_free_port()) as server:
+        yield server
+
+
 @pytest.fixture
-def s3_env(moto_server, monkeypatch, tmp_path):
-    """Point the standard AWS environment at moto and create a fresh bucket."""
+def aws_env(monkeypatch, tmp_path) -> None:
+    """The standard AWS environment with test credentials, and no endpoint: a test sets
+    AWS_ENDPOINT_URL to where it wants the client to go."""
     for var in list(os.environ):
         if var.startswith("AWS_"):
             monkeypatch.delenv(var)
     # Keep a developer's ~/.aws out of the picture.
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config-none"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials-none"))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+@pytest.fixture
+def s3_env(moto_server, aws_env, monkeypatch):
+    """Point the standard AWS environment at moto and create a fresh bucket."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
 
     import boto3
 

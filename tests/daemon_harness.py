@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.dagster_fixtures import stop_process_group
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -161,24 +162,20 @@ class Daemon:
             return None
 
     def wait_for_step(self, run: str, step: int, attempt: int, timeout: float = 240) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def reached():
             hb = self.heartbeat(run)
-            if hb and hb.get("attempt") == attempt and hb.get("step", 0) >= step:
-                return hb
-            time.sleep(0.05)
-        raise AssertionError(f"{run}: attempt {attempt} never reached step {step}; "
-                             f"runs: {[(r.run_id[:8], r.status.value) for r in self.runs(run)]}\n"
-                             + self.log_tail())
+            return hb if hb and hb.get("attempt") == attempt and hb.get("step", 0) >= step \
+                else None
+
+        def details() -> str:
+            runs = [(r.run_id[:8], r.status.value) for r in self.runs(run)]
+            return f"heartbeat: {self.heartbeat(run)}; runs: {runs}\n{self.log_tail()}"
+
+        return wait_for(reached, timeout, 0.05, f"{run}: attempt {attempt} to reach step {step}",
+                        details)
 
     def wait_until(self, pred, what: str, timeout: float = 300, every: float = 0.5):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = pred()
-            if got:
-                return got
-            time.sleep(every)
-        raise AssertionError(f"timed out waiting for {what}\n" + self.log_tail())
+        return wait_for(pred, timeout, every, what, self.log_tail)
 
     def wait_done(self, run: str, timeout: float = 400) -> object:
         """Wait until the newest run of the partition succeeded and nothing is queued."""
@@ -208,21 +205,18 @@ class Daemon:
         from dagster._core.scheduler.instigation import TickStatus
 
         since = time.time()
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def finished() -> dict[str, int] | None:
             ticks = {name: self.sensor_ticks(name, since) for name in counts}
             failed = [f"{name}: {t.error.message if t.error else '?'}"
                       for name, ts in ticks.items() for t in ts if t.status == TickStatus.FAILURE]
             if failed:
                 raise AssertionError("sensor ticks failed: " + "; ".join(failed) + "\n"
                                      + self.log_tail())
-            if all(len(ticks[name]) >= n for name, n in counts.items()):
-                return
-            if time.monotonic() > deadline:
-                seen = {name: len(ts) for name, ts in ticks.items()}
-                raise AssertionError(f"timed out after {timeout}s waiting for sensor ticks "
-                                     f"{counts}; finished: {seen}\n" + self.log_tail())
-            time.sleep(0.5)
+            seen = {name: len(ts) for name, ts in ticks.items()}
+            return seen if all(seen[name] >= n for name, n in counts.items()) else None
+
+        wait_for(finished, timeout, 0.5, f"sensor ticks {counts}", self.log_tail)
 
     def log_tail(self, n: int = 40) -> str:
         try:

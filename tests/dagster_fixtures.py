@@ -6,6 +6,7 @@ written into the repository's dagster_home/ or checkpoints/.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,12 +14,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pytest
+
+from tests.polling import WaitTimeout, wait_for
 
 # `from tests.dagster_fixtures import *` brings in the fixtures only; import helpers by name.
 __all__ = ["dagster_home", "instance", "mlflow_uri", "shared_mlflow_db", "store_uri"]
@@ -179,18 +181,23 @@ class TrainerKiller(threading.Thread):
         self._halt = threading.Event()
 
     def run(self) -> None:
-        deadline = time.monotonic() + self.timeout
-        while not self._halt.is_set() and time.monotonic() < deadline:
+        def fired() -> bool:
+            if self._halt.is_set():
+                return True
             step = pointer_step(*self.args_)
             pid = read_heartbeat_pid(*self.args_)
-            if step is not None and step >= self.at_step and pid:
-                try:
-                    os.kill(pid, self.sig)
-                    self.killed_pid, self.step_seen = pid, step
-                except ProcessLookupError:
-                    pass
-                return
-            time.sleep(0.01)
+            if step is None or step < self.at_step or not pid:
+                return False
+            try:
+                os.kill(pid, self.sig)
+                self.killed_pid, self.step_seen = pid, step
+            except ProcessLookupError:
+                pass
+            return True
+
+        # Not firing is the test's to notice (killed_pid stays None); this thread just ends.
+        with contextlib.suppress(WaitTimeout):
+            wait_for(fired, self.timeout, 0.01, f"step {self.at_step} to be committed")
 
     def cancel(self) -> None:
         self._halt.set()
@@ -230,10 +237,13 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 30) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    deadline = time.monotonic() + grace
-    while process_group_members(proc.pid) and time.monotonic() < deadline:
+
+    def all_gone() -> bool:
         proc.poll()  # reap the main process once it exits
-        time.sleep(0.2)
+        return not process_group_members(proc.pid)
+
+    with contextlib.suppress(WaitTimeout):  # then SIGKILL
+        wait_for(all_gone, grace, 0.2, f"process group {proc.pid} to exit")
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

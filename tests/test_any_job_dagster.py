@@ -1,9 +1,11 @@
 """Any training job through the assets: a task of the user's, a command, data by reference,
-and each bad input answered with one clear failure that is never resumed."""
+and each bad input answered with one clear failure that is never resumed.
+
+Launch errors and the no-checkpoint end are classified in process by
+tests/test_launch_errors.py; a task's bad optimizer and its evaluation mode by
+tests/test_trainer_cli_in_process.py."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 
@@ -22,8 +24,6 @@ from tests.dagster_fixtures import (
 from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
 
-pytestmark = pytest.mark.slow
-
 PLAIN = str(ROOT / "examples" / "plain_script" / "train.py")
 
 
@@ -38,6 +38,7 @@ def _never_resumed(f: AttemptEnd) -> None:
     assert not d.resume, d
 
 
+@pytest.mark.slow
 def test_the_readme_regression_task_trains_through_dagster(instance, tmp_path, mlflow_uri):
     cfg = training_config(task="trainer.tasks.regression:build", task_args={"n": 256})
     res = materialize_run(instance, "regression", make_resources(str(tmp_path / "s")),
@@ -49,6 +50,7 @@ def test_the_readme_regression_task_trains_through_dagster(instance, tmp_path, m
     assert materializations(res, "final_model")[0]["eval_loss"] < 10
 
 
+@pytest.mark.slow
 def test_a_command_run_trains_through_dagster_with_its_own_loop(instance, tmp_path, mlflow_uri):
     cfg = {"command": ["python", PLAIN, "--steps", "60"], "max_steps": 60,
            "checkpoint": {"heartbeat_seconds": 0.5}}
@@ -62,6 +64,7 @@ def test_a_command_run_trains_through_dagster_with_its_own_loop(instance, tmp_pa
     assert final["step"] == 60 and final["weights_sha256"]
 
 
+@pytest.mark.slow
 def test_a_command_is_handed_the_newest_verified_checkpoint_and_continues_from_it(
         instance, tmp_path, mlflow_uri):
     store = str(tmp_path / "s")
@@ -77,50 +80,16 @@ def test_a_command_is_handed_the_newest_verified_checkpoint_and_continues_from_i
     assert "resumed from file://" in logs and "step-000000040-a1 at step 40" in logs
 
 
-def test_a_command_that_does_not_exist_fails_once_as_bad_input(instance, tmp_path, mlflow_uri):
-    cfg = {"command": ["no-such-trainer-binary", "--epochs", "3"]}
-    res = materialize_run(instance, "nocmd", make_resources(str(tmp_path / "s")), training=cfg)
-    f = _failure(res)
-    assert (f.exit_code, f.failure_class) == (2, "bad_input")
-    assert "'no-such-trainer-binary' does not exist" in f.message
-    _never_resumed(f)
-
-
-def test_a_script_that_never_commits_a_checkpoint_fails_with_a_clear_reason(
-        instance, tmp_path, mlflow_uri):
-    cfg = {"command": [sys.executable, "-c", "print('trained, I promise')"]}
-    res = materialize_run(instance, "nockpt", make_resources(str(tmp_path / "s")), training=cfg)
-    desc, _ = step_failure_metadata(res)
-    f = _failure(res)
-    assert (f.exit_code, f.failure_class) == (0, "no_checkpoint")
-    assert "CheckpointSession" in desc
-    _never_resumed(f)
-
-
-def test_a_task_returning_the_wrong_optimizer_type_is_bad_input(instance, tmp_path, mlflow_uri):
-    cfg = training_config(task="tests.user_tasks:wrong_optimizer", task_args={})
-    res = materialize_run(instance, "badopt", make_resources(str(tmp_path / "s")), training=cfg)
-    f = _failure(res)
-    assert (f.exit_code, f.failure_class) == (2, "bad_input")
-    assert "optimizer is a str" in f.message
-    _never_resumed(f)
-
-
-def test_evaluation_runs_in_eval_mode_without_gradients(instance, tmp_path, mlflow_uri):
-    cfg = training_config(task="tests.user_tasks:strict_eval")
-    res = materialize_run(instance, "evalmode", make_resources(str(tmp_path / "s")),
-                          training=cfg)
-    assert res.success, step_failure_metadata(res)
-
-
 def test_a_missing_dataset_fails_the_dataset_step_as_bad_input(instance, tmp_path, mlflow_uri):
     cfg = training_config(dataset=str(tmp_path / "nowhere"))
     res = materialize_run(instance, "nodata", make_resources(str(tmp_path / "s")), training=cfg)
     f = _failure(res, "training_dataset")
     assert (f.exit_code, f.failure_class) == (2, "bad_input")
     assert "does not exist" in f.message
+    _never_resumed(f)
 
 
+@pytest.mark.slow
 def test_a_dataset_file_is_versioned_passed_by_uri_and_a_changed_byte_is_refused(
         instance, tmp_path, mlflow_uri):
     from trainer.tasks.toy import write_dataset

@@ -165,6 +165,7 @@ LEAVES_TWO = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_stopping_a_group_stops_what_its_leader_left_behind_even_what_ignores_sigterm():
     proc = subprocess.Popen([PYTHON, "-c", LEAVES_TWO], start_new_session=True,
                             stdout=subprocess.PIPE, text=True)
@@ -200,6 +201,7 @@ SHIELDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_stdout_pipe_nobody_reads_any_more_is_pointed_at_devnull():
     proc = subprocess.run([PYTHON, "-c", SHIELDED], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -222,6 +224,7 @@ def _started_with(instance, worker: ProcessRef, machine: str | None):
     return dagster_runs.started_run(instance, "lost", tags={TAG_PROCESSES: procs.to_tag()})
 
 
+@pytest.mark.slow
 def test_a_run_whose_worker_died_here_is_recorded_as_ended_by_whoever_looks(instance):
     run = _started_with(instance, _dead_process(), this_machine())
     state = run_state(instance, "lost")
@@ -231,6 +234,7 @@ def test_a_run_whose_worker_died_here_is_recorded_as_ended_by_whoever_looks(inst
     assert failure_of(instance, run, None).outcome is Outcome.WORKER_LOST
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["alive", "elsewhere"])
 def test_a_run_whose_worker_lives_or_ran_elsewhere_is_left_training(instance, where):
     if where == "alive":

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import dagster as dg
@@ -25,6 +24,7 @@ from tests.dagster_fixtures import (
     stop_process_group,
     training_config,
 )
+from tests.polling import wait_for
 from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
 
@@ -38,15 +38,10 @@ def _write_config(tmp_path: Path, **overrides) -> Path:
 
 
 def _wait(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return wait_for(predicate, timeout, interval, what)
 
 
+@pytest.mark.slow
 def test_dagster_definitions_validate_accepts_the_workspace_from_the_repo_root(dagster_home):
     proc = dagster_cli("definitions", "validate", "-w", "workspace.yaml", timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -68,6 +63,7 @@ def test_the_code_location_has_the_contract_names_of_the_design():
             dg.AssetKey(key)]
 
 
+@pytest.mark.slow
 def test_the_cli_entry_point_answers_bad_input_with_one_line_and_exit_code_2(
         tmp_path, dagster_home, store_uri):
     proc = cli("register", "Bad/Name", "--config", str(_write_config(tmp_path)))

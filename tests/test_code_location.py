@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import subprocess
-import time
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -19,6 +18,7 @@ import yaml
 
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import DAGSTER, ROOT, cli, stop_process_group, training_config
+from tests.polling import wait_for
 
 
 def test_pyproject_and_workspace_name_the_code_location_alike():
@@ -35,13 +35,7 @@ def _free_port() -> int:
 
 
 def _wait(pred, timeout: float, what: str, log: Path):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+    return wait_for(pred, timeout, 0.5, what, lambda: log.read_text()[-3000:])
 
 
 def _answers(url: str) -> bool:

@@ -36,6 +36,7 @@ def test_a_directory_of_1000_files_is_versioned_by_content_and_one_byte_changes_
     assert diff == ["shard-07/sample-0777.bin"]
 
 
+@pytest.mark.slow
 def test_an_s3_prefix_is_versioned_by_size_and_etag_and_one_byte_changes_it(s3_env):
     import boto3
 
@@ -69,6 +70,7 @@ def test_an_unreadable_dataset_file_is_bad_input_naming_the_file(tmp_path):
         dataset_manifest(str(root))
 
 
+@pytest.mark.slow
 def test_an_empty_or_missing_s3_prefix_is_bad_input(s3_env):
     with pytest.raises(ConfigError, match="holds no objects"):
         dataset_manifest(f"s3://{s3_env['bucket']}/nothing-here/")

@@ -113,6 +113,7 @@ def test_a_payload_without_its_manifest_is_invisible_and_the_previous_version_lo
     assert repo.current() == "v-000003"
 
 
+@pytest.mark.slow
 def test_a_writer_sigkilled_between_payload_and_manifest_leaves_nothing_visible(
         instance, registered, tmp_path):
     store, base = registered
@@ -209,13 +210,16 @@ def test_an_output_for_an_unregistered_run_is_refused_with_what_to_do(instance, 
 def test_load_input_of_model_checkpoint_returns_the_newest_checkpoint_that_verifies(tmp_path):
     """The trainer's walk-back, through the IO manager: a corrupt newest checkpoint is skipped."""
     from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, load_checkpoint_state
-    from tests.trainer_proc import run_trainer, write_config
+    from trainer.session import CheckpointSession
 
     store = tmp_path / "store"
-    cfg = write_config(tmp_path / "cfg.json", run="wb", max_steps=30,
-                       checkpoint={"every_steps": 10, "keep_last": 3, "on_epoch_end": False,
-                                   "on_best": False}, task_args={"n_train": 256, "hidden": 16})
-    assert run_trainer(cfg, str(store)).returncode == 0
+    model = torch.nn.Linear(4, 2)
+    # Checkpoints at steps 10, 20 and 30, committed the way a training loop commits them.
+    with CheckpointSession(run="wb", store=str(store), install_signals=False, max_steps=30,
+                           every_steps=10, keep_last=3, heartbeat_seconds=60) as ckpt:
+        ckpt.restore(model=model)
+        for step in range(1, 31):
+            ckpt.step(step, loss=1.0 / step)
     latest = store / "default" / "wb" / "checkpoints" / "step-000000030-a1" / "state.pt"
     data = bytearray(latest.read_bytes())
     data[-50] ^= 0xFF

@@ -121,7 +121,8 @@ def test_cli_register_adds_the_partition_after_writing_the_config(tmp_path, caps
 
 
 @pytest.mark.parametrize("case", ["invalid name", "rejected config", "unparsable config",
-                                  "unreachable store", "bucket missing"])
+                                  "unreachable store",
+                                  pytest.param("bucket missing", marks=pytest.mark.slow)])
 def test_cli_bad_input_gets_one_clear_line_and_leaves_no_half_registered_run(
         case, tmp_path, capsys, dagster_home, store_uri, request):
     name, config, extra, code_want, says = "ok-run", training_config(), [], (2,), None

@@ -1,13 +1,13 @@
 """What a person reads in Dagster: links, the metrics table and loss plot across attempts,
 a traceback as one event, and the resume decision in the failed run's own log. Fast: no
-training, real Dagster instances and a real subprocess for the output stream."""
+training, real Dagster instances, and the training process's output as the text it prints
+(tests/test_traceback_event.py reads it from the real trainer's stream)."""
 
 from __future__ import annotations
 
 import base64
-import sys
-import textwrap
-import threading
+import io
+import traceback
 
 import dagster as dg
 import pytest
@@ -20,7 +20,7 @@ from ckpt_assets.metadata import checkpoint_metadata
 from ckpt_assets.policy import Budget, Decision
 from ckpt_assets.resume_decision import record as record_decision
 from ckpt_assets.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
-from ckpt_assets.trainer_process import _pump, _start, tail
+from ckpt_assets.trainer_process import _pump
 from tests import dagster_runs
 from trainer.contract import Failed
 from trainer.outcomes import Kind, Outcome
@@ -145,32 +145,33 @@ def test_a_history_that_cannot_be_built_is_a_warning_not_a_failed_run():
 
 # -- a traceback is one event -----------------------------------------------------------------
 
-SCRIPT = textwrap.dedent('''
-    import sys, traceback
-    print("before", flush=True)
+def _chained_error() -> None:
     try:
-        try:
-            raise KeyError("inner")
-        except KeyError as e:
-            raise ValueError("outer") from e
+        raise KeyError("inner")
+    except KeyError as e:
+        raise ValueError("outer") from e
+
+
+def _printed_by_a_failing_script() -> str:
+    """What a script prints when it reports a chained error itself, goes on, and then dies
+    of another: the interpreter prints the last traceback on its way out."""
+    out = io.StringIO()
+    print("before", file=out)
+    try:
+        _chained_error()
     except ValueError:
-        traceback.print_exc(file=sys.stdout)
-        sys.stdout.flush()
-    print("after", flush=True)
-    raise RuntimeError("boom")
-''')
+        traceback.print_exc(file=out)
+    print("after", file=out)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as e:
+        out.write("".join(traceback.format_exception(e)))
+    return out.getvalue()
 
 
-def test_a_traceback_printed_by_the_training_process_is_one_log_entry_not_one_per_line(
-        tmp_path):
-    output = str(tmp_path / "output.log")
-    proc = _start([sys.executable, "-u", "-c", SCRIPT], {"PATH": "/usr/bin:/bin"},
-                  str(tmp_path), output)
-    proc.wait(30)
-    done = threading.Event()
-    done.set()  # the process is gone: read its output to the end
+def test_a_traceback_printed_by_the_training_process_is_one_log_entry_not_one_per_line():
     ctx = Context()
-    _pump(tail(output, done), ctx)
+    _pump(iter(io.StringIO(_printed_by_a_failing_script())), ctx)
     msgs = [m for _, m in ctx.log.entries]
     assert msgs[0] == "[trainer] before" and msgs[2] == "[trainer] after"
     assert len(msgs) == 4, msgs

@@ -1,4 +1,5 @@
-"""S3Store against a real moto_server over HTTP (see the `s3_env` fixture)."""
+"""S3Store against a real moto_server over HTTP (see the `s3_env` fixture); what it refuses
+before any request, and an endpoint where nothing listens, need no server."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def _all_keys(s3_env) -> list[str]:
     return [o["Key"] for o in resp.get("Contents", [])]
 
 
+@pytest.mark.slow
 def test_keys_live_under_the_store_prefix_in_the_bucket_and_list_relative_to_it(store, s3_env):
     # The shared contract (round trips, listing, pointers) is in test_store_contract.py.
     store.put_new("run1/step-2/model.pt", b"weights")
@@ -43,6 +45,7 @@ def test_keys_live_under_the_store_prefix_in_the_bucket_and_list_relative_to_it(
     assert store.list("run1") == ["run1/step-2/model.pt"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [100, 2 * PART + 123], ids=["put_object", "multipart"])
 def test_name_taken_while_writing_is_refused_and_the_first_object_kept(store, size):
     with pytest.raises(AlreadyExistsError):
@@ -52,6 +55,7 @@ def test_name_taken_while_writing_is_refused_and_the_first_object_kept(store, si
     assert store.read_bytes("run1/model.pt") == b"the other writer won"
 
 
+@pytest.mark.slow
 def test_server_refuses_to_complete_a_multipart_upload_over_an_existing_object(s3_env):
     # S3Store relies on If-None-Match on CompleteMultipartUpload for atomic create-once
     # (its HEAD before completing is only a fallback): pin that the server honours it.
@@ -77,6 +81,7 @@ class Boom(Exception):
     pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [1000, 2 * PART + 5], ids=["put_object", "multipart"])
 def test_failed_write_leaves_nothing_visible(store, s3_env, size):
     with pytest.raises(Boom):
@@ -93,6 +98,7 @@ def test_failed_write_leaves_nothing_visible(store, s3_env, size):
     assert store.read_bytes("run1/model.pt") == b"retry"
 
 
+@pytest.mark.slow
 def test_large_object_round_trips_with_matching_sha256(store, s3_env):
     data = os.urandom(3 * PART + 4321)  # three full parts and a short last one
     with store.create("run1/model.pt") as w:
@@ -115,9 +121,9 @@ def test_large_object_round_trips_with_matching_sha256(store, s3_env):
 
 
 @pytest.mark.parametrize("prefix", ["../outside", "a/../..", "a//b", "a\nb"])
-def test_a_store_prefix_that_could_escape_is_refused(s3_env, prefix):
+def test_a_store_prefix_that_could_escape_is_refused(prefix):
     with pytest.raises(InvalidNameError):
-        S3Store(s3_env["bucket"], prefix)
+        S3Store("some-bucket", prefix, client=object())
 
 
 @pytest.mark.parametrize("bucket", ["", "a", "b/c", "user@host", "b:1", "b?x", "-b", "b..c"])
@@ -126,6 +132,7 @@ def test_a_bucket_name_that_is_not_one_is_refused_with_the_rule(bucket):
         S3Store(bucket, "p", client=object())
 
 
+@pytest.mark.slow
 def test_missing_bucket_is_reported_with_advice(s3_env):
     store = S3Store(f"{s3_env['bucket']}-missing", "ckpts")
     with pytest.raises(StorageError, match="does not exist") as err:
@@ -141,17 +148,17 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # nothing listens once the socket is closed
 
 
-def test_unreachable_endpoint_gives_one_clear_storage_error(s3_env, monkeypatch):
+def test_unreachable_endpoint_gives_one_clear_storage_error(aws_env, monkeypatch):
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     store = S3Store(
-        s3_env["bucket"], "ckpts", max_attempts=2, connect_timeout=0.5, read_timeout=0.5
+        "some-bucket", "ckpts", max_attempts=2, connect_timeout=0.5, read_timeout=0.5
     )
     started = time.monotonic()
     with pytest.raises(StorageError) as err:
         store.check_reachable()
     msg = str(err.value)
-    assert endpoint in msg and s3_env["uri"] in msg and "AWS_ENDPOINT_URL" in msg
+    assert endpoint in msg and "s3://some-bucket/ckpts" in msg and "AWS_ENDPOINT_URL" in msg
     assert err.value.exit_code == 5
     # Every operation reports the same kind of error; none mistakes it for "missing".
     for call in (

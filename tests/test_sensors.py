@@ -525,6 +525,7 @@ def test_a_trainer_declared_dead_is_fenced_so_it_never_commits_or_claims_again(i
     assert _repo(store).claim("step-000000020-a1", at_least=3, launched=True) == 3
 
 
+@pytest.mark.slow
 def test_a_frozen_trainer_on_this_machine_is_stopped_with_its_group_before_the_run_fails(
         instance, store, processes):
     trainer = processes()
@@ -542,6 +543,7 @@ def test_a_frozen_trainer_on_this_machine_is_stopped_with_its_group_before_the_r
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
 
 
+@pytest.mark.slow
 def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace(
         instance, store, processes, monkeypatch):
     monkeypatch.setenv("CKPT_STOP_GRACE_S", "0.5")
@@ -555,6 +557,7 @@ def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace(
     assert "killed (SIGKILL 0s after SIGTERM)" in tags_of(instance, run)[TAG_STALLED]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("elsewhere,said", [
     pytest.param(lambda p: dataclasses.replace(p, host="another-machine"),
                  "its launcher could not", id="a trainer on another machine"),

@@ -26,11 +26,17 @@ from tests.dagster_runs import run_in_status
 S = dg.DagsterRunStatus
 
 
+# Step output is not what these tests read, and capturing it would start a `tail` process
+# per run: no compute logs.
+NO_COMPUTE_LOGS = {"compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
+                                    "class": "NoOpComputeLogManager"}}
+
+
 @pytest.fixture
 def instance():
     # On disk, with the DefaultRunLauncher a deployment has (an ephemeral instance's
     # in-memory launcher cannot terminate anything).
-    with dg.instance_for_test() as inst:
+    with dg.instance_for_test(overrides=NO_COMPUTE_LOGS) as inst:
         yield inst
 
 

@@ -86,7 +86,7 @@ def _s3_backend(request, monkeypatch):
         proxy.close()
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
 def backend(request, tmp_path, monkeypatch):
     if request.param == "local":
         yield _local_backend(tmp_path, monkeypatch)
@@ -339,6 +339,7 @@ def test_a_full_local_disk_is_reported_as_no_space_left_with_what_to_do(tmp_path
     assert "Free space" in str(err.value) and "--store" in str(err.value)
 
 
+@pytest.mark.slow
 def test_transient_server_errors_are_retried_and_the_write_lands_once(s3):
     s3.proxy.inject("503", times=2, method="PUT")
     s3.store.put_new("run1/x.bin", b"payload")
@@ -346,6 +347,7 @@ def test_transient_server_errors_are_retried_and_the_write_lands_once(s3):
     assert s3.store.read_bytes("run1/x.bin") == b"payload"
 
 
+@pytest.mark.slow
 def test_connections_reset_for_good_are_a_storage_error_naming_the_endpoint(s3):
     s3.proxy.inject("reset", times=10_000)
     with pytest.raises(StorageError, match="AWS_ENDPOINT_URL") as err:
@@ -353,6 +355,7 @@ def test_connections_reset_for_good_are_a_storage_error_naming_the_endpoint(s3):
     assert err.value.exit_code == 5
 
 
+@pytest.mark.slow
 def test_a_pointer_write_whose_answer_was_lost_is_recognised_as_our_own(s3):
     token = s3.store.write_if("run1/latest.json", b"1", None)
     s3.proxy.inject("drop", method="PUT", path_part="latest.json")
@@ -361,6 +364,7 @@ def test_a_pointer_write_whose_answer_was_lost_is_recognised_as_our_own(s3):
     assert s3.store.read_versioned("run1/latest.json") == (b"2", new)
 
 
+@pytest.mark.slow
 def test_a_create_whose_answer_was_lost_is_not_mistaken_for_another_writer(s3):
     s3.proxy.inject("drop", method="PUT", path_part="x.bin")
     s3.store.put_new("run1/x.bin", b"payload")

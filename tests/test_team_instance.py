@@ -9,13 +9,10 @@ import sys
 import pytest
 import yaml
 
-from tests.browser_harness import free_port
 from tests.daemon_harness import EMBEDDED_INSTANCE_YAML, ROOT, fresh_instance
 from tests.postgres_server import (
     POSTGRES_INSTANCE_YAML,
     instance_env_names,
-    require_postgres,
-    running_postgres,
 )
 
 
@@ -40,26 +37,25 @@ def test_every_connection_setting_of_the_team_instance_comes_from_the_environmen
 
 @pytest.mark.slow
 def test_a_run_recorded_on_the_team_instance_is_found_by_another_process_from_the_environment(
-        tmp_path):
-    require_postgres()
-    with running_postgres(free_port()) as server:
-        server.create_database("dagster")
-        env_vars = server.instance_env("dagster")
-        home, env, instance = fresh_instance(tmp_path, str(tmp_path / "store"), env_vars,
-                                             POSTGRES_INSTANCE_YAML)
-        from dagster._core.test_utils import create_run_for_test
+        tmp_path, postgres_server):
+    server = postgres_server  # the session's; this test's own database on it
+    server.create_database("team_probe")
+    env_vars = server.instance_env("team_probe")
+    home, env, instance = fresh_instance(tmp_path, str(tmp_path / "store"), env_vars,
+                                         POSTGRES_INSTANCE_YAML)
+    from dagster._core.test_utils import create_run_for_test
 
-        run = create_run_for_test(instance, job_name="train_job")
-        assert server.password not in (home / "dagster.yaml").read_text()
-        read = ("from dagster import DagsterInstance; "
-                "print(*[r.run_id for r in DagsterInstance.get().get_runs()])")
-        found = subprocess.run([sys.executable, "-c", read], cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=120)
-        assert found.returncode == 0, found.stderr
-        assert found.stdout.split() == [run.run_id]
-        without = {k: v for k, v in env.items() if k not in env_vars}
-        missing = subprocess.run([sys.executable, "-c", read], cwd=ROOT, env=without,
-                                 capture_output=True, text=True, timeout=120)
-        assert missing.returncode != 0
-        assert instance_env_names()["password"] in missing.stderr
-        instance.dispose()
+    run = create_run_for_test(instance, job_name="train_job")
+    assert server.password not in (home / "dagster.yaml").read_text()
+    read = ("from dagster import DagsterInstance; "
+            "print(*[r.run_id for r in DagsterInstance.get().get_runs()])")
+    found = subprocess.run([sys.executable, "-c", read], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == [run.run_id]
+    without = {k: v for k, v in env.items() if k not in env_vars}
+    missing = subprocess.run([sys.executable, "-c", read], cwd=ROOT, env=without,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0
+    assert instance_env_names()["password"] in missing.stderr
+    instance.dispose()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.polling import wait_for
 from tests.trainer_proc import ROOT, run_trainer, write_config
 
 pytestmark = pytest.mark.slow
@@ -194,7 +195,6 @@ def test_unwritable_local_store_exits_2(tmp_path):
 
 def test_a_zombie_attempt_cannot_advance_a_run_after_a_newer_attempt_claimed_it(tmp_path):
     import os
-    import time
 
     store = tmp_path / "store"
     slow = write_config(tmp_path / "slow.json", max_steps=400,
@@ -205,11 +205,8 @@ def test_a_zombie_attempt_cannot_advance_a_run_after_a_newer_attempt_claimed_it(
                                str(store)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=env, cwd=ROOT)
     ptr = _ckdir(store) / "latest.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if ptr.exists() and (json.loads(ptr.read_text()).get("step") or 0) >= 10:
-            break
-        time.sleep(0.2)
+    wait_for(lambda: ptr.exists() and (json.loads(ptr.read_text()).get("step") or 0) >= 10,
+             120, 0.2, "the first attempt to commit step 10")
     fast = write_config(tmp_path / "fast.json", max_steps=400,
                         task_args={"n_train": 1024, "hidden": 48},
                         checkpoint={"every_steps": 5})
