@@ -27,7 +27,6 @@ from ckpt_assets.policy import decide
 from ckpt_assets.trainer_process import LaunchError, ProcessOutcome, _start
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, step_failure_metadata, training_config
-from tests.dagster_runs import run_in_status
 from trainer.outcomes import Outcome
 from trainer.repo import CheckpointRepo
 from trainer.storage import open_store

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.layout import HEARTBEAT
 from trainer.cli import main
 from trainer.contract import Env
+from trainer.layout import HEARTBEAT
 from trainer.outcomes import Outcome
 from trainer.session import CheckpointSession
 
