@@ -17,6 +17,9 @@ history to lose), then applies one fault and resumes until the run finishes:
                   committed, run as the orchestrator runs an attempt (a process group of its
                   own, stopped when its main process exits); expect `unfinished`, never a
                   success, and no process of the attempt left running
+    env-override  another run, registered by hand with an env naming this run (CKPT_RUN,
+                  CKPT_ATTEMPT), is launched as model_checkpoint launches a command; expect
+                  it to write its own run only, this run's pointer and checkpoints untouched
     long-step     the attempt's first step lasts 3x a shortened heartbeat timeout (a
                   compiled first step); the reconciler's own judgement (ckpt_assets.liveness)
                   reads the heartbeat every 0.1 s throughout; expect it never to find the
@@ -63,7 +66,7 @@ from trainer.storage import open_store  # noqa: E402
 MAX_STEPS, EVERY = 110, 20
 EXPERIMENT, RUN = "default", "equiv"
 LOCAL_KINDS = ["kill", "ptr-deleted", "ptr-garbled", "ptr-types", "disk-full", "race",
-               "fifo-in-data", "fork-and-exit", "long-step"]
+               "fifo-in-data", "fork-and-exit", "long-step", "env-override"]
 # fifo-in-data: the run versions a directory of files while it trains on the toy task's
 # data, so it ends identical to the reference; a trainer still running after the deadline
 # was blocked on the FIFO.
@@ -188,6 +191,44 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def env_override(work: Path, store: str, env: dict) -> str:
+    """An attempt of another run, `attacker`, whose registered config's env names this run
+    (written past the registration check, which refuses it), launched as `model_checkpoint`
+    launches a command: it must train its own run and leave this one untouched."""
+    from ckpt_assets.defs.resources import TrainerResource
+    from ckpt_assets.launch import AttemptIds, base_env, command_launch, contract
+    from ckpt_assets.registration import Registration
+    from trainer.config import config_from_dict
+
+    victim = CheckpointRepo(open_store(store), EXPERIMENT, RUN)
+    before = (victim.read_pointer(), sorted(victim.committed()))
+    own = write_config(work / "attacker.json", run="attacker", max_steps=EVERY * 2)
+    cfg = config_from_dict({"run": "attacker", "command": trainer_argv(own, store)})
+    cfg = cfg.model_copy(update={"env": {Env.RUN.value: RUN, Env.ATTEMPT.value: "99",
+                                         Env.EXPERIMENT.value: EXPERIMENT}})
+    reg = Registration("attacker", EXPERIMENT, cfg, "file:///by-hand/config.json", "0" * 64)
+    repo = CheckpointRepo(open_store(store), EXPERIMENT, "attacker")
+    trainer = TrainerResource(extra_env=dict(env))
+    told = contract(reg, store, AttemptIds(1, "soak-attacker", "soak-attacker", None),
+                    _no_dataset())
+    launch = command_launch(reg, repo, told, base_env(trainer, {}), trainer,
+                            logging.getLogger("soak"))
+    rc = subprocess.run(launch.argv, env=launch.env, cwd=launch.cwd, capture_output=True,
+                        timeout=600).returncode
+    after = (victim.read_pointer(), sorted(victim.committed()))
+    if after != before:
+        return f"wrote into {RUN} (attacker exit {rc})"
+    return "own run only" if rc == 0 and repo.read_pointer() else f"attacker exit {rc}"
+
+
+def _no_dataset():
+    from ckpt_assets.datasets import DatasetRecord
+
+    return DatasetRecord(kind="generated", version="soak")
+
+
 class LivenessWatch(threading.Thread):
     """Judges a trainer's heartbeat as the reconciler does, every 0.1 s, from its first beat
     (its start-up is not what is judged here) until stopped; keeps every verdict."""
@@ -275,6 +316,8 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
         expected, got = 5, rc
     elif kind == "fork-and-exit":
         expected, got = Outcome.UNFINISHED.value, fork_and_exit(work, store, env)
+    elif kind == "env-override":
+        expected, got = "own run only", env_override(work, store, env)
     elif kind == "race":
         # Slow steps (not state: the run still ends identical) so that the two lifetimes
         # overlap however far apart the two processes happen to start.
