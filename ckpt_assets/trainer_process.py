@@ -41,6 +41,7 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.pipes_transport import PipesChannels
 from ckpt_assets.tags import TAG_PROCESSES
 
 KILL_WAIT_S = 30.0  # after SIGKILL: only a process stuck in the kernel takes longer
@@ -277,16 +278,20 @@ def run_to_end(argv: list[str], env: dict[str, str], cwd: str, output: str, grac
 
 def run_under_pipes(context: dg.AssetExecutionContext, argv: list[str], env: dict[str, str],
                     cwd: str, grace_s: float, on_messages: Callable[[list[Any]], None],
-                    after_start: Callable[[], None], extras: dict[str, Any]) -> ProcessOutcome:
+                    after_start: Callable[[], None], extras: dict[str, Any],
+                    channels: PipesChannels | None = None) -> ProcessOutcome:
     """Run `argv` in a Pipes session until it and every process it started are gone; feed
-    its custom messages to `on_messages` as they arrive (and the last ones at the end)."""
+    its custom messages to `on_messages` as they arrive (and the last ones at the end).
+    `channels`: how the context and messages travel (`ckpt_assets.pipes_transport`; default
+    temp files on this machine)."""
+    channels = channels or PipesChannels.local()
     stop_leftovers(context, grace_s)
     fd, output = tempfile.mkstemp(prefix=f"ckpt-{context.run.run_id[:8]}-", suffix=".log")
     os.close(fd)
     try:
         with dg.open_pipes_session(context=context,
-                                   context_injector=dg.PipesTempFileContextInjector(),
-                                   message_reader=dg.PipesTempFileMessageReader(),
+                                   context_injector=channels.context_injector,
+                                   message_reader=channels.message_reader,
                                    extras=extras) as session:
             outcome = _supervise(context, session, argv,
                                  {**env, **session.get_bootstrap_env_vars()}, cwd, output,

@@ -196,3 +196,38 @@ def parse_message(raw: Any) -> Message | None:
     if hasattr(cls, "from_dict"):
         return cls.from_dict(raw)
     return from_known_fields(cls, raw)
+
+
+# -- how Pipes reaches the trainer ---------------------------------------------------------
+
+class PipesTransport(StrEnum):
+    """Where the Pipes context and messages travel: files on a shared machine, or S3 (a
+    trainer that shares no filesystem with the orchestrator)."""
+
+    LOCAL = "local"
+    S3 = "s3"
+
+
+# The key the orchestrator adds to the Pipes context and message params it injects; its
+# value (`PipesS3Params`) tells the trainer which loader and writer to open.
+PIPES_TRANSPORT_PARAM = "ckpt_transport"
+
+
+@dataclass(frozen=True)
+class PipesS3Params:
+    """What the trainer needs, beyond Pipes' own bucket and key, to use S3 for Pipes."""
+
+    transport: PipesTransport = PipesTransport.S3
+    interval_seconds: float = 1.0  # how often the trainer uploads a chunk of messages
+
+    def to_param(self) -> dict[str, Any]:
+        return {PIPES_TRANSPORT_PARAM: {"transport": self.transport.value,
+                                        "interval_seconds": self.interval_seconds}}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> PipesS3Params | None:
+        """The S3 transport the params name; None for Pipes' defaults (local files)."""
+        raw = params.get(PIPES_TRANSPORT_PARAM)
+        if not isinstance(raw, dict) or raw.get("transport") != PipesTransport.S3.value:
+            return None
+        return cls(PipesTransport.S3, float(raw.get("interval_seconds") or 1.0))

@@ -4,6 +4,11 @@ Standalone, reports are log lines. Under Dagster Pipes (DAGSTER_PIPES_CONTEXT se
 orchestrator) they are also Pipes custom messages; only the small `dagster_pipes` package
 is used, never `dagster` itself. One reporter per process (`Reporter.shared()`), because a
 Pipes session can be opened only once.
+
+The orchestrator's injected params say how Pipes travels (`trainer.contract.PipesS3Params`):
+by default through files it can read, or, for a trainer on another machine, through S3 (the
+context read from an object, messages uploaded in chunks), with a client built from the
+standard AWS environment like the checkpoint store's (`trainer.storage.s3.default_client`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import traceback
 
 from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR
 
-from trainer.contract import Failed, Message, to_message
+from trainer.contract import Failed, Message, PipesS3Params, to_message
 from trainer.errors import TrainerError
 from trainer.outcomes import Outcome
 
@@ -32,7 +37,7 @@ class Reporter:
         if os.environ.get(DAGSTER_PIPES_CONTEXT_ENV_VAR):
             from dagster_pipes import open_dagster_pipes
 
-            self._pipes_cm = open_dagster_pipes()
+            self._pipes_cm = open_dagster_pipes(**pipes_channels())
             self._pipes = self._pipes_cm.__enter__()
 
     @classmethod
@@ -57,6 +62,30 @@ class Reporter:
         if self._pipes_cm is not None:
             self._pipes_cm.__exit__(type(error) if error else None, error, None)
             self._pipes_cm = self._pipes = None
+
+
+def pipes_channels() -> dict:
+    """The context loader and message writer the orchestrator's params ask for (none for
+    Pipes' defaults)."""
+    from dagster_pipes import PipesEnvVarParamsLoader
+
+    loader = PipesEnvVarParamsLoader()
+    on_context = PipesS3Params.from_params(loader.load_context_params())
+    on_messages = PipesS3Params.from_params(loader.load_messages_params())
+    if on_context is None and on_messages is None:
+        return {}
+    from dagster_pipes import PipesS3ContextLoader, PipesS3MessageWriter
+
+    from trainer.storage.s3 import default_client
+
+    client = default_client()
+    out: dict = {}
+    if on_context is not None:
+        out["context_loader"] = PipesS3ContextLoader(client)
+    if on_messages is not None:
+        out["message_writer"] = PipesS3MessageWriter(client,
+                                                     interval=on_messages.interval_seconds)
+    return out
 
 
 def report_failure(error: BaseException, reporter: Reporter) -> int:

@@ -46,6 +46,7 @@ from ckpt_assets.history import history_metadata
 from ckpt_assets.launch import AttemptIds, base_env, command_launch, contract, task_launch
 from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
+from ckpt_assets.pipes_transport import pipes_channels
 from ckpt_assets.run_state import RunState, State, run_state, state_observation
 from ckpt_assets.runs import TrainingRunConfig, attempt_number, resolve_registration
 from ckpt_assets.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
@@ -161,7 +162,8 @@ def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
                 context, launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
                 on_messages=on_messages, after_start=after_start,
                 extras={"training_run": reg.run, "experiment": reg.experiment,
-                        "attempt": ids.attempt})
+                        "attempt": ids.attempt},
+                channels=pipes_channels(trainer, checkpoint_store))
         except LaunchError as e:
             raise bad_input(str(e), reg.run, attempt=ids.attempt) from e
         except StorageError as e:

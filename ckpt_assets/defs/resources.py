@@ -119,6 +119,16 @@ class TrainerResource(dg.ConfigurableResource):
         default_factory=list,
         description="directories put first on the trainer's PYTHONPATH, so that a task module "
                     "or a command's imports outside this repository are found")
+    pipes: str = Field(
+        default="local",
+        description="how the Pipes context and messages travel: 'local' (temp files on this "
+                    "machine) or 's3' (objects under pipes_s3_uri: a trainer that shares no "
+                    "filesystem with Dagster)")
+    pipes_s3_uri: str | None = Field(
+        default=None, description="s3://bucket/prefix for pipes: s3 (default: the checkpoint "
+                                  "store's bucket, prefix 'pipes/')")
+    pipes_s3_interval_seconds: float = Field(
+        default=1.0, description="pipes: s3: how often messages are uploaded and read back")
 
     @property
     def python(self) -> str:

@@ -16,6 +16,7 @@ is generated in memory from these task_args:
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import signal
 import time
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, StorageError
 from trainer.task import Task, TaskArgs
 
 ALLOWED = {"data_seed", "n_train", "n_eval", "features", "classes", "hidden",
@@ -65,13 +66,36 @@ def write_dataset(path: str | Path, **kwargs: Any) -> str:
 def load_dataset(uri: str) -> dict[str, torch.Tensor]:
     path = uri.removeprefix("file://")
     try:
+        if uri.startswith("s3://"):  # one object, as `write_dataset` wrote it
+            path = _s3_object(uri)
         data = torch.load(path, weights_only=True)
     except FileNotFoundError:
         raise ConfigError(f"dataset {uri} does not exist; write it with "
                           "trainer.tasks.toy.write_dataset or drop 'dataset' to generate data") from None
+    except StorageError:
+        raise
     except Exception as e:
         raise ConfigError(f"dataset {uri} is not a dataset file of the toy task: {e}") from None
     return data
+
+
+def _s3_object(uri: str) -> io.BytesIO:
+    from urllib.parse import urlparse
+
+    from trainer.storage.s3 import default_client
+
+    parsed = urlparse(uri)
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        body = default_client().get_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
+        return io.BytesIO(body["Body"].read())
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket", "404"):
+            raise FileNotFoundError(uri) from e
+        raise StorageError(f"dataset {uri} could not be read: {e}") from e
+    except BotoCoreError as e:
+        raise StorageError(f"dataset {uri} could not be read: {e}") from e
 
 
 class MLP(nn.Module):

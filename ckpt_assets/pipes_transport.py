@@ -1,0 +1,113 @@
+"""How the Pipes context and messages travel between the run worker and the trainer.
+
+`local` (the default): temp files on the run worker's machine, which the trainer it starts
+reads and writes. `s3`: the context is an object the trainer reads and its messages are
+chunks it uploads (dagster-aws's `PipesS3ContextInjector` and `PipesS3MessageReader`), so a
+trainer on another machine, sharing no filesystem with Dagster, reports the same events.
+Both injected params carry `trainer.contract.PipesS3Params`, from which the trainer picks
+its loader and writer (`trainer.report.pipes_channels`); nothing else is agreed by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import dagster as dg
+from dagster_aws.pipes import PipesS3ContextInjector, PipesS3MessageReader
+
+from trainer.contract import PipesS3Params, PipesTransport
+from trainer.errors import ConfigError
+from trainer.storage.s3 import validate_bucket
+
+DEFAULT_PIPES_PREFIX = "pipes"  # under the checkpoint store's bucket, when no URI is set
+
+
+@dataclass(frozen=True)
+class PipesChannels:
+    """One attempt's Pipes context injector and message reader."""
+
+    context_injector: dg.PipesContextInjector
+    message_reader: dg.PipesMessageReader
+    transport: PipesTransport = PipesTransport.LOCAL
+
+    @classmethod
+    def local(cls) -> PipesChannels:
+        return cls(dg.PipesTempFileContextInjector(), dg.PipesTempFileMessageReader())
+
+
+class _S3ContextInjector(PipesS3ContextInjector):
+    """dagster-aws's injector, whose params also tell the trainer to read them from S3."""
+
+    def __init__(self, *, marker: PipesS3Params, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.marker = marker
+
+    @contextmanager
+    def inject_context(self, context) -> Iterator[dict[str, Any]]:
+        with super().inject_context(context) as params:
+            yield {**params, **self.marker.to_param()}
+
+
+class _S3MessageReader(PipesS3MessageReader):
+    """dagster-aws's reader, with its chunks under our prefix (not the bucket's root) and
+    params that tell the trainer to upload them there."""
+
+    def __init__(self, *, marker: PipesS3Params, key_prefix: str, **kwargs: Any):
+        super().__init__(interval=marker.interval_seconds, **kwargs)
+        self.marker = marker
+        self.key_prefix = key_prefix
+
+    @contextmanager
+    def get_params(self) -> Iterator[dict[str, Any]]:
+        with super().get_params() as params:
+            yield {**params, "key_prefix": self.key_prefix + params["key_prefix"],
+                   **self.marker.to_param()}
+
+
+def _bad(message: str) -> Exception:
+    from ckpt_assets.trainer_process import LaunchError  # bad input, as any bad launch
+
+    return LaunchError(message)
+
+
+def s3_location(uri: str) -> tuple[str, str]:
+    """(bucket, key prefix ending in '/' or empty) of an s3://bucket/prefix URI."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise _bad(f"pipes_s3_uri {uri!r} is not an s3://bucket/prefix URI; set "
+                          "TrainerResource.pipes_s3_uri to one, or pipes: local")
+    prefix = parsed.path.strip("/")
+    try:
+        bucket = validate_bucket(parsed.netloc)
+    except ConfigError as e:
+        raise _bad(f"pipes_s3_uri: {e}") from None
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def pipes_channels(trainer, store) -> PipesChannels:
+    """The channels `trainer` (a TrainerResource) asks for; S3 uses the checkpoint store's
+    (a CheckpointStore's) endpoint and credentials, and its bucket unless a URI is set."""
+    try:
+        transport = PipesTransport(trainer.pipes)
+    except ValueError:
+        raise _bad(f"TrainerResource.pipes is {trainer.pipes!r}; use one of "
+                          f"{', '.join(t.value for t in PipesTransport)}") from None
+    if transport is PipesTransport.LOCAL:
+        return PipesChannels.local()
+    uri = trainer.pipes_s3_uri
+    if uri is None:
+        if not store.is_s3:
+            raise _bad("pipes: s3 needs an S3 location: set TrainerResource."
+                              "pipes_s3_uri (s3://bucket/prefix) or use an s3:// store")
+        uri = f"s3://{urlparse(store.resolved_uri).netloc}/{DEFAULT_PIPES_PREFIX}"
+    bucket, prefix = s3_location(uri)
+    client = store.s3_client()
+    marker = PipesS3Params(interval_seconds=trainer.pipes_s3_interval_seconds)
+    return PipesChannels(
+        _S3ContextInjector(bucket=bucket, client=client, key_prefix=prefix, marker=marker),
+        _S3MessageReader(bucket=bucket, client=client, key_prefix=prefix, marker=marker),
+        PipesTransport.S3)
