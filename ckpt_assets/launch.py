@@ -65,9 +65,11 @@ def base_env(trainer: TrainerResource, aws_env: dict[str, str]) -> dict[str, str
 
 def task_launch(reg: Registration, launch: LaunchEnv, env: dict[str, str],
                 trainer: TrainerResource, workdir: Path) -> Launch:
-    config_path = workdir / "config.json"
-    config_path.write_text(strict_json.dumps(reg.config.to_dict(), indent=1))
-    argv = [trainer.python, "-m", "trainer", "--config", str(config_path), "--store",
+    config_path = reg.config_uri  # a trainer elsewhere reads the registered config itself
+    if trainer.shares_filesystem:
+        config_path = str(workdir / "config.json")
+        Path(config_path).write_text(strict_json.dumps(reg.config.to_dict(), indent=1))
+    argv = [trainer.python, "-m", "trainer", "--config", config_path, "--store",
             launch.store_uri, "--resume", "auto", "--log-level", trainer.log_level]
     return Launch(argv, {**env, **launch.to_env()}, trainer.cwd)
 

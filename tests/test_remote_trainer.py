@@ -82,12 +82,15 @@ def _pipes_messages(bucket: str) -> list[dict]:
 
 
 def _assert_launched_without_local_files(launch: dict, home: Path) -> None:
-    """The trainer was told S3 locations only: no Pipes path on the run worker's disk."""
+    """The trainer was told S3 locations only: no Pipes path or config file on the run
+    worker's disk."""
     for var in (DAGSTER_PIPES_CONTEXT_ENV_VAR, DAGSTER_PIPES_MESSAGES_ENV_VAR):
         params = decode_param(launch["env"][var])
         assert "path" not in params, params
         assert params["bucket"] and PipesS3Params.from_params(params) is not None, params
     assert launch["cwd"] == str(home) and launch["env"]["TMPDIR"] == str(home / "tmp")
+    config = launch["argv"][launch["argv"].index("--config") + 1]
+    assert config.startswith("s3://"), "the registered config is read from the store"
 
 
 def test_a_trainer_reached_only_through_s3_trains_reports_and_materializes_the_final_model(

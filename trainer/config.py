@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.contract import RESERVED_PREFIXES, Env, reserved
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, StorageError
 from trainer.manifest import MAX_STEP
 from trainer.storage import validate_name
 from trainer.strict_json import non_finite_path
@@ -242,13 +242,37 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+def _read_s3_text(uri: str) -> str:
+    from urllib.parse import urlparse
+
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from trainer.storage.s3 import default_client
+
+    parsed = urlparse(uri)
+    try:
+        body = default_client().get_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
+        return body["Body"].read().decode("utf-8")
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket", "404"):
+            raise FileNotFoundError(uri) from e
+        raise StorageError(f"config {uri} could not be read: {e}; check the store's "
+                           "endpoint and credentials (AWS_*)") from e
+    except BotoCoreError as e:
+        raise StorageError(f"config {uri} could not be read: {e}; check the store's "
+                           "endpoint and credentials (AWS_*)") from e
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The raw mapping in a JSON or YAML config file; ConfigError says what is wrong."""
+    """The raw mapping in a JSON or YAML config file (a path, or an s3://bucket/key object:
+    a trainer on another machine reads the registered config from the store); ConfigError
+    says what is wrong."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = _read_s3_text(str(path)) if str(path).startswith("s3://") else p.read_text()
     except FileNotFoundError:
-        raise ConfigError(f"config file {p} does not exist; pass --config with a JSON or YAML file") from None
+        raise ConfigError(f"config file {path} does not exist; pass --config with a JSON or "
+                          "YAML file") from None
     except OSError as e:
         raise ConfigError(f"config file {p} cannot be read: {e.strerror}") from None
     yaml_file = p.suffix in (".yaml", ".yml")

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import dagster as dg
 from pydantic import Field
 
+from trainer.contract import PipesTransport
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore, open_store
 
@@ -137,6 +138,12 @@ class TrainerResource(dg.ConfigurableResource):
     @property
     def cwd(self) -> str:
         return self.working_directory or str(REPO_ROOT)
+
+    @property
+    def shares_filesystem(self) -> bool:
+        """Whether the trainer can read the run worker's files (not with Pipes over S3:
+        then it reads its config from the store too)."""
+        return self.pipes != PipesTransport.S3
 
 
 def default_tracking_uri() -> str:
