@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -181,3 +183,13 @@ def test_a_sigkilled_trainer_reached_only_through_s3_resumes_bitwise_identically
         _assert_launched_without_local_files(launch, remote["home"])
     assert_bitwise_equal(uninterrupted, training_state(final_state_s3(remote["uri"],
                                                                       run="remote")))
+
+
+def test_a_config_missing_from_the_store_is_bad_input_that_names_it(s3_env, tmp_path):
+    missing = f"s3://{s3_env['bucket']}/nowhere/config.json"
+    res = subprocess.run([sys.executable, "-m", "trainer", "--config", missing, "--store",
+                          s3_env["uri"]], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+                         timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert f"config file {missing} does not exist" in res.stderr
