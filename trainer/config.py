@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.contract import RESERVED_PREFIXES, Env, reserved
-from trainer.errors import ConfigError, StorageError
+from trainer.errors import ConfigError
 from trainer.manifest import MAX_STEP
 from trainer.storage import validate_name
 from trainer.strict_json import non_finite_path
@@ -243,24 +243,9 @@ class _NoAliasLoader(yaml.SafeLoader):
 
 
 def _read_s3_text(uri: str) -> str:
-    from urllib.parse import urlparse
+    from trainer.storage.s3 import read_uri
 
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from trainer.storage.s3 import default_client
-
-    parsed = urlparse(uri)
-    try:
-        body = default_client().get_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
-        return body["Body"].read().decode("utf-8")
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket", "404"):
-            raise FileNotFoundError(uri) from e
-        raise StorageError(f"config {uri} could not be read: {e}; check the store's "
-                           "endpoint and credentials (AWS_*)") from e
-    except BotoCoreError as e:
-        raise StorageError(f"config {uri} could not be read: {e}; check the store's "
-                           "endpoint and credentials (AWS_*)") from e
+    return read_uri(uri).decode("utf-8")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

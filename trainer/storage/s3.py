@@ -47,7 +47,8 @@ from trainer.storage.s3_errors import (
 )
 from trainer.storage.s3_upload import DEFAULT_PART_SIZE, MIN_PART_SIZE, MiB, Upload
 
-__all__ = ["DEFAULT_PART_SIZE", "MIN_PART_SIZE", "S3Store", "default_client", "validate_bucket"]
+__all__ = ["DEFAULT_PART_SIZE", "MIN_PART_SIZE", "S3Store", "default_client", "read_uri",
+           "validate_bucket"]
 
 SMALL_READ = 8 * MiB  # open_read() below this: one GET into memory
 
@@ -98,6 +99,26 @@ def default_client(
     # AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) is read by botocore itself; custom
     # endpoints get path-style addressing, which every S3-compatible server accepts.
     return session.client("s3", region_name=session.region_name or "us-east-1", config=config)
+
+
+def read_uri(uri: str, client=None) -> bytes:
+    """The bytes of one object named by an s3://bucket/key URI (a dataset file, a config):
+    FileNotFoundError if it does not exist, StorageError if S3 could not be asked."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(uri)
+    try:
+        body = (client or default_client()).get_object(Bucket=parsed.netloc,
+                                                       Key=parsed.path.lstrip("/"))
+        return body["Body"].read()
+    except ClientError as e:
+        if code(e) in ("NoSuchKey", "NoSuchBucket", "404"):
+            raise FileNotFoundError(uri) from e
+        raise StorageError(f"{uri} could not be read: {e}; check the endpoint and the "
+                           "credentials (AWS_*)") from e
+    except BotoCoreError as e:
+        raise StorageError(f"{uri} could not be read: {e}; check the endpoint and the "
+                           "credentials (AWS_*)") from e
 
 
 class S3Store(ObjectStore):

@@ -3,7 +3,8 @@
 Small enough to train in seconds on a CPU, yet it exercises everything a resume must get
 right: dropout (RNG), a shuffling sampler, AdamW, warm-up schedule, clipping, evaluation.
 
-The config's `dataset` may name a file written by `write_dataset`; without one the data
+The config's `dataset` may name a file written by `write_dataset` (a path, or an
+s3://bucket/key object it was uploaded to); without one the data
 is generated in memory from these task_args:
   data_seed, n_train, n_eval, features, classes   the generated dataset (defaults below)
   hidden, dropout                                 the model
@@ -80,22 +81,9 @@ def load_dataset(uri: str) -> dict[str, torch.Tensor]:
 
 
 def _s3_object(uri: str) -> io.BytesIO:
-    from urllib.parse import urlparse
+    from trainer.storage.s3 import read_uri
 
-    from trainer.storage.s3 import default_client
-
-    parsed = urlparse(uri)
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        body = default_client().get_object(Bucket=parsed.netloc, Key=parsed.path.lstrip("/"))
-        return io.BytesIO(body["Body"].read())
-    except ClientError as e:
-        if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket", "404"):
-            raise FileNotFoundError(uri) from e
-        raise StorageError(f"dataset {uri} could not be read: {e}") from e
-    except BotoCoreError as e:
-        raise StorageError(f"dataset {uri} could not be read: {e}") from e
+    return io.BytesIO(read_uri(uri))
 
 
 class MLP(nn.Module):
