@@ -86,6 +86,22 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
     for c in checkpoints:
         if c.get("dagster_run_id"):
             by_run.setdefault(c["dagster_run_id"], []).append(c)
+    attempts = _attempts_ended(attempts, ends, by_run, reasons)
+    try:
+        ptr = repo.read_pointer()
+    except CheckpointError:
+        ptr = None
+    return {"run": run_key, "experiment": reg.experiment, "config_uri": reg.config_uri,
+            "attempts": attempts, "checkpoints": checkpoints,
+            "latest_checkpoint": ptr.checkpoint if ptr else None,
+            "final_model": _final_model(store, reg.experiment, run_key)}
+
+
+def _attempts_ended(attempts: list[dict[str, Any]], ends: dict[str, list[dict[str, Any]]],
+                    by_run: dict[str, list[dict[str, Any]]], reasons: dict[str, Any]
+                    ) -> list[dict[str, Any]]:
+    """One row per attempt: a Dagster run's row, once per `attempt_ended` it recorded (a
+    trainer relaunched in the run is an attempt of its own), with how each ended."""
     rows = [(dict(a), e, i < len(es) - 1) for a in attempts
             for es in [ends.get(a["dagster_run_id"]) or [{}]] for i, e in enumerate(es)]
     attempts = [a for a, _, _ in rows]
@@ -106,14 +122,7 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
         a["end"] = _attempt_end(a, e)
         if a["last_committed_step"] is None and own:
             a["last_committed_step"] = max(c.get("step") or 0 for c in own)
-    try:
-        ptr = repo.read_pointer()
-    except CheckpointError:
-        ptr = None
-    return {"run": run_key, "experiment": reg.experiment, "config_uri": reg.config_uri,
-            "attempts": attempts, "checkpoints": checkpoints,
-            "latest_checkpoint": ptr.checkpoint if ptr else None,
-            "final_model": _final_model(store, reg.experiment, run_key)}
+    return attempts
 
 
 def _attempt_rows(instance: dg.DagsterInstance, run_key: str) -> list[dict[str, Any]]:
