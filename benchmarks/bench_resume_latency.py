@@ -287,7 +287,7 @@ def in_run_path(args, rng: random.Random, env: dict, cfg: dict) -> list[dict]:
     daemon, rows = None, []
     try:
         daemon = Daemon.start(work, store, extra_env={**env, "CKPT_IN_RUN_RELAUNCH": "1"})
-        daemon.launch(RUN_IN, cfg, work)
+        daemon.launch(RUN_IN, {**cfg, "run": RUN_IN}, work)
         repo = CheckpointRepo(open_store(store), "default", RUN_IN)
         hb = first_beat_of_new_attempt(daemon, 0, args.timeout, RUN_IN)
         print(f"\nin-run path: {args.in_run_kills} SIGKILLs of the trainer, its run worker "
