@@ -4,6 +4,7 @@ the one failure policy and budget the sensors use (`ckpt_assets.in_run`)."""
 from __future__ import annotations
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from ckpt_assets.attempt_end import AttemptEnd
 from ckpt_assets.definitions import make_resources
@@ -116,6 +117,10 @@ def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_ident
     assert first["dagster_run_id"] == second["dagster_run_id"] == killed.run_id
     run = instance.get_run_by_id(killed.run_id)
     assert Budget.from_tag(run.tags[TAG_BUDGET]).transient == 1
+    # MLflow: the training run's one MLflow run carries each attempt's tags.
+    tags = MlflowClient(tracking_uri=mlflow_uri).get_run(second["mlflow_run_id"]).data.tags
+    assert tags["attempt_1.failure_class"] == "killed_by_signal"
+    assert tags["attempt_2.start"] == "resumed" and tags["attempt_2.resumed_from_step"] == "10"
     rep = lineage_report(instance, open_store(str(store)), "killed")
     assert [(a["attempt"], a["failure_class"]) for a in rep["attempts"]] == [
         (1, "killed_by_signal"), (2, "success")]
