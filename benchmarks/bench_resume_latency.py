@@ -55,7 +55,7 @@ from trainer.storage import open_store  # noqa: E402
 RUN = "bench-resume"
 RUN_IN = "bench-resume-in-run"
 SENSOR_INTERVAL_S = 5  # resume_failed_training's minimum_interval_seconds (Dagster's floor)
-RECONCILE_INTERVAL_S = 15  # reconcile_training_runs
+RECONCILE_INTERVAL_S = 15  # reconcile_training_runs: its full sweep (due back-offs: every 5 s)
 POLL_S = 0.02
 
 
