@@ -4,6 +4,10 @@ A real dagster-daemon (tests.daemon_harness.Daemon, on a temporary DAGSTER_HOME 
 the project's dagster_home/dagster.yaml) runs one long training run; the benchmark kills
 its trainer process with SIGKILL N times, each time a random (seeded) number of steps after
 the current attempt's first completed step, and waits for the failure sensor to resume it.
+Then, on a second daemon with CKPT_IN_RUN_RELAUNCH=1, it kills the trainer of another run
+(its run worker alive) `--in-run-kills` times: the step relaunches it in the same Dagster
+run (`ckpt_assets.in_run`), and the two paths' kill -> first resumed step are printed side
+by side.
 For each kill it splits kill -> first resumed step into
 
   detection  kill -> the failed Dagster run's end       (run record end_time)
@@ -19,7 +23,8 @@ The policy's back-off is switched off (CKPT_BACKOFF_BASE_S=0) and its budgets ra
 every kill takes the immediate path: this measures the mechanism, not the policy's chosen
 delays.
 
-    python benchmarks/bench_resume_latency.py [--kills 10] [--seed 0] [--step-delay 0.15]
+    python benchmarks/bench_resume_latency.py [--kills 10] [--in-run-kills 5] [--seed 0]
+        [--step-delay 0.15]
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt_assets.clock import parse_time
+from ckpt_assets.clock import parse_time  # noqa: E402
+from ckpt_assets.events import STATE, partition_events  # noqa: E402
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
 from ckpt_assets.trainer_process import PROCESS_STARTED  # noqa: E402
 from tests.daemon_harness import Daemon, training_config  # noqa: E402
@@ -47,8 +53,9 @@ from trainer.repo import CheckpointRepo, parse_checkpoint_name  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
 RUN = "bench-resume"
+RUN_IN = "bench-resume-in-run"
 SENSOR_INTERVAL_S = 5  # resume_failed_training's minimum_interval_seconds (Dagster's floor)
-RECONCILE_INTERVAL_S = 15  # reconcile_training_runs
+RECONCILE_INTERVAL_S = 15  # reconcile_training_runs: its full sweep (due back-offs: every 5 s)
 POLL_S = 0.02
 
 
@@ -115,9 +122,10 @@ def phases(daemon: Daemon, run_id: str) -> dict[str, float]:
     return out
 
 
-def first_beat_of_new_attempt(daemon: Daemon, old_attempt: int, timeout: float) -> dict:
+def first_beat_of_new_attempt(daemon: Daemon, old_attempt: int, timeout: float,
+                              run: str = RUN) -> dict:
     def got():
-        hb = daemon.heartbeat(RUN)
+        hb = daemon.heartbeat(run)
         # Beats start at restore: the first completed step is the first past the resumed one.
         return hb if hb and int(hb.get("attempt", 0)) > old_attempt and \
             int(hb["step"]) > int(hb.get("resumed_step", -1)) else None
@@ -223,6 +231,92 @@ def add_detail(daemon: Daemon, r: dict) -> None:
     })
 
 
+def relaunch_noted(daemon: Daemon, run_id: str, attempt: int) -> float | None:
+    """When the step said it relaunches `attempt` in run `run_id` (its state observation)."""
+    for md, rec in partition_events(daemon.instance, RUN_IN, STATE, newest_first=True,
+                                    limit=20):
+        if md.get("relaunched_in_run") and md.get("attempt") == attempt + 1 \
+                and rec.run_id == run_id:
+            return rec.timestamp
+    return None
+
+
+def measure_in_run(daemon: Daemon, repo: CheckpointRepo, rng: random.Random, first_hb: dict,
+                   every_steps: int, timeout: float) -> tuple[dict, dict]:
+    """Kill the trainer of the attempt whose first heartbeat is `first_hb`, its run worker
+    alive; the step relaunches it in the same Dagster run. Return (row, next first_hb)."""
+    attempt = int(first_hb["attempt"])
+    (run,) = [r for r in daemon.runs(RUN_IN) if r.status.value == "STARTED"]
+    target = int(first_hb["step"]) + rng.randint(2, every_steps + 1)
+
+    def reached():
+        hb = daemon.heartbeat(RUN_IN)
+        return hb if hb and int(hb["attempt"]) == attempt and int(hb["step"]) >= target else None
+
+    pre = poll(reached, f"attempt {attempt} to reach step {target}", timeout)
+    pid = int(pre["pid"])
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    poll(lambda: not pid_alive(pid), f"trainer pid {pid} to die", 30)
+    post = daemon.heartbeat(RUN_IN)
+    post_step = int(post["step"]) if post and int(post["attempt"]) == attempt else int(pre["step"])
+    ptr = repo.read_pointer()
+    ptr_step = ptr.step if ptr and ptr.checkpoint else 0
+    step_at_kill = max(post_step, ptr_step)
+    nxt = first_beat_of_new_attempt(daemon, attempt, timeout, RUN_IN)
+    runs = daemon.runs(RUN_IN)
+    if [r.run_id for r in runs] != [run.run_id] or runs[0].status.value != "STARTED":
+        raise BenchError(f"expected the one Dagster run {run.run_id[:8]} to carry on, found "
+                         f"{[(r.run_id[:8], r.status.value) for r in runs]}")
+    resumed_from = int(nxt["step"]) - 1
+    noted = relaunch_noted(daemon, run.run_id, attempt)
+    t_first = float(nxt["time"])
+    nan = float("nan")
+    row = {"attempt": attempt, "step_at_kill": step_at_kill, "resumed_from": resumed_from,
+           "lost": step_at_kill - resumed_from,
+           "decide": (noted - t_kill) if noted else nan,
+           "restart": (t_first - noted) if noted else nan, "total": t_first - t_kill}
+    return row, nxt
+
+
+def in_run_path(args, rng: random.Random, env: dict, cfg: dict) -> list[dict]:
+    """The same kills, with the daemon's run workers relaunching in-run
+    (CKPT_IN_RUN_RELAUNCH=1): kill -> the step's relaunch decision -> first resumed step."""
+    work = Path(tempfile.mkdtemp(prefix="bench_resume_in_run_"))
+    store = str(work / "store")
+    daemon, rows = None, []
+    try:
+        daemon = Daemon.start(work, store, extra_env={**env, "CKPT_IN_RUN_RELAUNCH": "1"})
+        daemon.launch(RUN_IN, {**cfg, "run": RUN_IN}, work)
+        repo = CheckpointRepo(open_store(store), "default", RUN_IN)
+        hb = first_beat_of_new_attempt(daemon, 0, args.timeout, RUN_IN)
+        print(f"\nin-run path: {args.in_run_kills} SIGKILLs of the trainer, its run worker "
+              "alive, CKPT_IN_RUN_RELAUNCH=1 (same policy settings)")
+        print(f"{'kill':>4} {'att':>4} {'kill':>7} {'from':>7} {'lost':>5}  {'decide':>7} "
+              f"{'restart':>8} {'total':>7}  (seconds; decide: kill -> the step's relaunch "
+              "state observation; restart: -> first resumed step)")
+        for i in range(1, args.in_run_kills + 1):
+            row, hb = measure_in_run(daemon, repo, rng, hb, args.every_steps, args.timeout)
+            rows.append(row)
+            print(f"{i:>4} {row['attempt']:>4} {row['step_at_kill']:>7} {row['resumed_from']:>7} "
+                  f"{row['lost']:>5}  {row['decide']:>7.2f} {row['restart']:>8.2f} "
+                  f"{row['total']:>7.2f}", flush=True)
+        print(f"  Dagster runs of the partition: {len(daemon.runs(RUN_IN))} (all attempts in one)")
+        daemon.cli("stop", RUN_IN)
+    except BaseException:
+        if daemon is not None:
+            print("\n--- daemon log tail ---\n" + daemon.log_tail(60), file=sys.stderr)
+        raise
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        if not args.keep:
+            for _ in range(3):
+                shutil.rmtree(work, ignore_errors=True)
+                time.sleep(1)
+    return rows
+
+
 def fmt_row(i: int, r: dict) -> str:
     return (f"{i:>4} {r['attempt']:>4} {r['step_at_kill']:>7} {r['resumed_from']:>7} "
             f"{r['lost']:>5}  {r['detect']:>7.2f} {r['sensor']:>7.2f} {r['queue']:>7.2f} "
@@ -240,6 +334,9 @@ def fmt_detail(i: int, r: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=10)
+    ap.add_argument("--in-run-kills", type=int, default=5,
+                    help="kills of the trainer with its run worker alive, relaunched in-run "
+                         "(0: skip that path)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-delay", type=float, default=0.15, help="seconds per training step")
     ap.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps")
@@ -374,6 +471,19 @@ def main() -> int:
           f"{'MET' if ok_t else 'MISSED'} ({med:.2f}s)")
     print(f"target: lost work <= one checkpoint interval = {args.every_steps} steps: "
           f"{'MET' if ok_l else 'MISSED'} (worst {max(lost)})")
+    if args.in_run_kills < 1:
+        return 0
+    in_run = in_run_path(args, rng, env, cfg)
+
+    def both(key: str, rows_: list[dict]) -> str:
+        vals = [r[key] for r in rows_]
+        return f"median {statistics.median(vals):6.2f}s  worst {max(vals):6.2f}s"
+
+    print("\nkill of the trainer -> first resumed step, side by side:")
+    print(f"  sensor path (new Dagster run)  {len(rows):>3} kills  {both('total', rows)}")
+    print(f"  in-run path (same Dagster run) {len(in_run):>3} kills  {both('total', in_run)}")
+    print(f"    in-run: decide {both('decide', in_run)}; restart {both('restart', in_run)}; "
+          f"lost work per kill {[r['lost'] for r in in_run]}")
     return 0
 
 

@@ -54,7 +54,11 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
         raise KeyError(run_key)
     attempts = _attempt_rows(instance, run_key)
     # What each attempt did and why it was (not) resumed: observations on the partition.
-    ended = {rec.run_id: md for md, rec in partition_events(instance, run_key, ATTEMPT_ENDED)}
+    # One Dagster run holds several attempts when its trainer was relaunched in it
+    # (`ckpt_assets.in_run`): one row per attempt_ended, in order.
+    ends: dict[str, list[dict[str, Any]]] = {}
+    for md, rec in partition_events(instance, run_key, ATTEMPT_ENDED):
+        ends.setdefault(rec.run_id, []).append(md)
     reasons = {md["failed_run_id"]: md.get("reason") for md in decisions(instance, run_key)}
     repo = CheckpointRepo(store, reg.experiment, run_key)
     timeline = checkpoint_timeline(repo)
@@ -82,12 +86,33 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
     for c in checkpoints:
         if c.get("dagster_run_id"):
             by_run.setdefault(c["dagster_run_id"], []).append(c)
-    for position, a in enumerate(attempts, start=1):
-        e = ended.get(a["dagster_run_id"], {})
-        own = by_run.get(a["dagster_run_id"], [])
+    attempts = _attempts_ended(attempts, ends, by_run, reasons)
+    try:
+        ptr = repo.read_pointer()
+    except CheckpointError:
+        ptr = None
+    return {"run": run_key, "experiment": reg.experiment, "config_uri": reg.config_uri,
+            "attempts": attempts, "checkpoints": checkpoints,
+            "latest_checkpoint": ptr.checkpoint if ptr else None,
+            "final_model": _final_model(store, reg.experiment, run_key)}
+
+
+def _attempts_ended(attempts: list[dict[str, Any]], ends: dict[str, list[dict[str, Any]]],
+                    by_run: dict[str, list[dict[str, Any]]], reasons: dict[str, Any]
+                    ) -> list[dict[str, Any]]:
+    """One row per attempt: a Dagster run's row, once per `attempt_ended` it recorded (a
+    trainer relaunched in the run is an attempt of its own), with how each ended."""
+    rows = [(dict(a), e, i < len(es) - 1) for a in attempts
+            for es in [ends.get(a["dagster_run_id"]) or [{}]] for i, e in enumerate(es)]
+    attempts = [a for a, _, _ in rows]
+    for position, (a, e, relaunched) in enumerate(rows, start=1):
+        own = [c for c in by_run.get(a["dagster_run_id"], [])
+               if len(ends.get(a["dagster_run_id"], [])) < 2 or c.get("attempt") == e.get("attempt")]
         a.update(exit_code=e.get("exit_code"), failure_class=e.get("failure_class"),
                  last_committed_step=e.get("last_committed_step"),
-                 decision=reasons.get(a["dagster_run_id"]))
+                 resumed_from_step=e.get("resumed_from_step"), relaunched_in_run=relaunched,
+                 decision=("relaunched in the same Dagster run" if relaunched
+                           else reasons.get(a["dagster_run_id"])))
         # The attempt number the trainer claimed (on its checkpoints) is the truth; the tag
         # is what the orchestrator asked for; a run launched by hand and lost before it
         # reported anything is numbered by its place among the partition's runs.
@@ -97,14 +122,7 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
         a["end"] = _attempt_end(a, e)
         if a["last_committed_step"] is None and own:
             a["last_committed_step"] = max(c.get("step") or 0 for c in own)
-    try:
-        ptr = repo.read_pointer()
-    except CheckpointError:
-        ptr = None
-    return {"run": run_key, "experiment": reg.experiment, "config_uri": reg.config_uri,
-            "attempts": attempts, "checkpoints": checkpoints,
-            "latest_checkpoint": ptr.checkpoint if ptr else None,
-            "final_model": _final_model(store, reg.experiment, run_key)}
+    return attempts
 
 
 def _attempt_rows(instance: dg.DagsterInstance, run_key: str) -> list[dict[str, Any]]:
@@ -162,8 +180,10 @@ def format_lineage(rep: dict[str, Any]) -> str:
                      f"{a['status']} (root {a['root_run_id'][:8]}, parent "
                      f"{(a['parent_run_id'] or '-')[:8]})")
         if a.get("exit_code") is not None:
-            lines.append(f"      trainer exit {a['exit_code']} ({a['failure_class']}), last "
-                         f"committed step {a['last_committed_step']}")
+            resumed = (f"resumed from step {a['resumed_from_step']}, "
+                       if a.get("resumed_from_step") is not None else "")
+            lines.append(f"      {resumed}trainer exit {a['exit_code']} ({a['failure_class']}), "
+                         f"last committed step {a['last_committed_step']}")
         elif a.get("end") == WORKER_LOST:
             lines.append(f"      worker lost: the run ended {a['status']} without recording the "
                          f"trainer's exit (exit unknown), last committed step "

@@ -79,6 +79,10 @@ class ResumeSettings:
     stall_timeout_s: float = 1800.0
     # A trainer declared dead or stalled gets this long after SIGTERM before SIGKILL.
     stop_grace_s: float = 10.0
+    # A trainer that died while its run worker lives is relaunched in the same run
+    # (`ckpt_assets.in_run`), serving back-offs up to this long by sleeping in the step.
+    in_run_relaunch: bool = False
+    in_run_max_delay_s: float = 60.0
 
     @classmethod
     def from_env(cls) -> ResumeSettings:
@@ -94,7 +98,10 @@ class ResumeSettings:
             heartbeat_timeout_s=float(env("CKPT_HEARTBEAT_TIMEOUT_S", cls.heartbeat_timeout_s)),
             worker_grace_s=float(env("CKPT_WORKER_GRACE_S", cls.worker_grace_s)),
             stall_timeout_s=float(env("CKPT_STALL_TIMEOUT_S", cls.stall_timeout_s)),
-            stop_grace_s=float(env("CKPT_STOP_GRACE_S", cls.stop_grace_s)))
+            stop_grace_s=float(env("CKPT_STOP_GRACE_S", cls.stop_grace_s)),
+            in_run_relaunch=env("CKPT_IN_RUN_RELAUNCH", "0").strip().lower()
+            in ("1", "true", "yes", "on"),
+            in_run_max_delay_s=float(env("CKPT_IN_RUN_MAX_DELAY_S", cls.in_run_max_delay_s)))
 
 
 # The reconciler's verdict on a STARTED run's trainer, tagged on the run before it acts

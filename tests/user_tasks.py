@@ -49,3 +49,24 @@ def lbfgs(t: TaskArgs) -> Task:
     task.optimizer = lambda model: torch.optim.LBFGS(model.parameters(), lr=0.2, max_iter=4,
                                                      history_size=8)
     return task
+
+
+def crash_once(t: TaskArgs) -> Task:
+    """The toy task, SIGKILLed once before step `crash_once_at` (the marker file
+    `crash_marker` says it happened), as an OOM kill or a lost node kills a trainer."""
+    import os
+    import signal
+    from pathlib import Path
+
+    mine = ("crash_once_at", "crash_marker")
+    task = toy.build(TaskArgs({k: v for k, v in t.args.items() if k not in mine}, t.seed))
+    inner, marker = task.before_step, Path(t.args["crash_marker"])
+
+    def before_step(step: int) -> None:
+        if step == t.args["crash_once_at"] and not marker.exists():
+            marker.write_text(str(step))
+            os.kill(os.getpid(), signal.SIGKILL)
+        inner(step)
+
+    task.before_step = before_step
+    return task

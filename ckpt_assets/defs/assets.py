@@ -17,7 +17,7 @@ checkpointing through `trainer.CheckpointSession`); `model_checkpoint` treats bo
 
 import tempfile
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
@@ -43,6 +43,7 @@ from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY
 from ckpt_assets.history import history_metadata
+from ckpt_assets.in_run import consider_relaunch, record_relaunch, serve_backoff
 from ckpt_assets.launch import AttemptIds, base_env, command_launch, contract, task_launch
 from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
@@ -125,7 +126,31 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     link_resume(context.instance, context.run, context.log)
     context.log_event(state_observation(run_state(context.instance, reg.run)))
     # Before this attempt commits anything: what earlier attempts committed unseen.
-    late = record_unseen_checkpoints(context, repo, reg.run)
+    seen = record_unseen_checkpoints(context, repo, reg.run)
+    while True:
+        ended, tracker, relaunch = _one_attempt(context, reg, repo, ids, dataset, seen,
+                                                checkpoint_store, trainer, mlflow_tracking)
+        if relaunch is None:
+            break
+        # The trainer died, its worker (this step) lives, and the policy resumes it: the
+        # next attempt starts here, in this run (`ckpt_assets.in_run`).
+        record_relaunch(context, ended, relaunch)
+        serve_backoff(relaunch)
+        ids = replace(ids, attempt=_next_attempt(repo, ended.attempt))
+    context.log_event(state_observation(RunState(
+        reg.run, State.FINISHED, f"attempt {ended.attempt} trained to step "
+        f"{ended.last_committed_step}", context.run.run_id, ended.attempt)))
+    # The run's history across attempts, on the output people open last.
+    yield _final_output(repo, ended, tracker, context, history_metadata(
+        context.instance, reg.run, seen, context.log))
+
+
+def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: DatasetRecord,
+                 seen: list[CheckpointRecord], checkpoint_store: CheckpointStore,
+                 trainer: TrainerResource, mlflow_tracking: MLflowResource):
+    """Run one attempt's process and record how it ended: (its AttemptEnd, its MLflow
+    tracker, the policy's decision to relaunch it in this run or None). Raises the step's
+    Failure (or interrupt) when the attempt failed and is not relaunched here."""
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     report = AttemptReport(reg.run, ids.attempt)
     proc = _run_trainer(context, reg, repo, ids, dataset, checkpoint_store, trainer,
@@ -134,16 +159,22 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
                                 reg.config.to_dict()))
     # Once more at the end: an orphaned trainer of an earlier attempt may have committed
     # after the first look and before this attempt's trainer claimed the run.
-    record_unseen_checkpoints(context, repo, reg.run,
-                              known={r.name for r in (*late, *report.checkpoints)})
+    seen.extend(report.checkpoints)
+    seen.extend(record_unseen_checkpoints(context, repo, reg.run,
+                                          known={r.name for r in seen}))
     ended = report.outcome(repo, proc, context)
-    _record_end(context, ended, proc, tracker, report)
-    context.log_event(state_observation(RunState(
-        reg.run, State.FINISHED, f"attempt {ended.attempt} trained to step "
-        f"{ended.last_committed_step}", context.run.run_id, ended.attempt)))
-    # The run's history across attempts, on the output people open last.
-    yield _final_output(repo, ended, tracker, context, history_metadata(
-        context.instance, reg.run, [*late, *report.checkpoints], context.log))
+    relaunch = (consider_relaunch(context, ended, proc.interrupted is not None)
+                if ended.outcome.failed else None)
+    _record_end(context, ended, proc, tracker, report, relaunching=relaunch is not None)
+    return ended, tracker, relaunch
+
+
+def _next_attempt(repo: CheckpointRepo, ended: int) -> int:
+    """The attempt after `ended`, or later if the store already holds that one."""
+    try:
+        return max(ended + 1, repo.next_attempt())
+    except StorageError as e:
+        raise storage_unavailable(str(e), repo.run) from e
 
 
 def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: DatasetRecord,
@@ -171,9 +202,9 @@ def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
 
 
 def _record_end(context, ended: AttemptEnd, proc, tracker: MlflowTracker,
-                report: AttemptReport) -> None:
+                report: AttemptReport, relaunching: bool = False) -> None:
     """Record how the attempt ended (Dagster, MLflow); re-raise an interrupt, and fail the
-    step with the attempt's record unless it finished the run."""
+    step with the attempt's record unless it finished the run or is relaunched in it."""
     record_end(context, ended, proc.interrupted is not None,
                {"parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),
                 "mlflow_run_id": tracker.run_id,
@@ -189,7 +220,8 @@ def _record_end(context, ended: AttemptEnd, proc, tracker: MlflowTracker,
         raise proc.interrupted
     if ended.outcome.failed:
         tracker.finish("FAILED")
-        raise attempt_failure(ended, report)
+        if not relaunching:
+            raise attempt_failure(ended, report)
 
 
 def _open_tracking(context, tracker: MlflowTracker, repo: CheckpointRepo, ids: AttemptIds,

@@ -3,10 +3,10 @@
 `resume_failed_training` (failed runs) and `resume_terminated_training` (runs terminated
 from Dagster, which end CANCELED, not FAILED) see each ended training run once and hand it
 to `ckpt_assets.resume_decision.consider`, which decides once and returns the resume.
-`reconcile_training_runs` sweeps periodically for what they cannot see: failures from
-before they were enabled or whose tick errored, delayed (backed-off) resumes that are due,
-and runs stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats without
-completing a step (stalled); `ckpt_assets.liveness` judges those and retires their trainer
+`reconcile_training_runs` launches delayed (backed-off) resumes once due (it ticks every
+5 s, one cheap query), and every 15 s sweeps for what the others cannot see: failures from
+before they were enabled or whose tick errored, and runs stuck in STARTED whose trainer
+stopped heartbeating (dead) or heartbeats without completing a step (stalled); `ckpt_assets.liveness` judges those and retires their trainer
 before the run is marked failed.
 """
 
@@ -16,12 +16,19 @@ import time
 
 import dagster as dg
 
+from ckpt_assets.clock import iso, parse_time
 from ckpt_assets.defs.jobs import train_job
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.liveness import judge, read_beat, retire
 from ckpt_assets.resume_decision import ResumeSettings, consider
 from ckpt_assets.run_queries import is_training_run
-from ckpt_assets.tags import PARTITION_TAG, TAG_DECISION, TAG_DECISION_REASON
+from ckpt_assets.tags import (
+    PARTITION_TAG,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_RESUME_AT,
+    TAG_RESUMED_BY,
+)
 
 LOOKBACK_RUNS = 200
 
@@ -79,19 +86,61 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
     return notes
 
 
+# The daemon evaluates sensors at most every 5 s (its loop's floor), so the reconciler ticks
+# that often, to launch a back-off once it is due; its full sweep (every ended run, and the
+# heartbeat of every STARTED run read from the store) runs at most every
+# RECONCILE_EVERY_S, timed by the sensor's cursor.
+TICK_S = 5
+RECONCILE_EVERY_S = 15.0
+
+
+def due_backoffs(instance: dg.DagsterInstance, store: CheckpointStore,
+                 settings: ResumeSettings, now: float) -> list[dg.RunRequest]:
+    """The resumes whose back-off has ended: one query for runs decided `resume` and not
+    yet resumed, then only those with a due `ckpt/resume_at` are considered."""
+    runs = instance.get_runs(filters=dg.RunsFilter(
+        statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED],
+        tags={TAG_DECISION: "resume"}), limit=LOOKBACK_RUNS)
+    requests = []
+    for run in runs:
+        due = parse_time(run.tags.get(TAG_RESUME_AT))
+        if TAG_RESUMED_BY in run.tags or due is None or now < due:
+            continue
+        req = consider(instance, run, store, sweep=True, settings=settings)
+        if req is not None:
+            requests.append(req)
+    return requests
+
+
 @dg.sensor(
     name="reconcile_training_runs",
     job=train_job,
-    minimum_interval_seconds=15,
+    minimum_interval_seconds=TICK_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Finds what the failure sensors missed: earlier failures, errored ticks, due "
-                "back-offs, and runs whose trainer stopped heartbeating.",
+    description="Launches back-offs once due (every tick), and finds what the failure sensors "
+                "missed (every 15 s): earlier failures, errored ticks, and runs whose trainer "
+                "stopped heartbeating.",
 )
 def reconcile_training_runs(context: dg.SensorEvaluationContext,
                             checkpoint_store: CheckpointStore):
     instance, now = context.instance, time.time()
     settings = ResumeSettings.from_env()
-    requests, notes = [], fail_silent_runs(instance, checkpoint_store, settings, now)
+    last = parse_time(context.cursor) if context.cursor else None
+    if last is not None and 0 <= now - last < RECONCILE_EVERY_S:
+        requests = due_backoffs(instance, checkpoint_store, settings, now)
+        if not requests:
+            return dg.SkipReason("no back-off due; the full sweep runs every "
+                                 f"{RECONCILE_EVERY_S:.0f}s")
+        context.log.info("; ".join(f"launching resume of {r.partition_key} (back-off ended)"
+                                   for r in requests))
+        return requests
+    context.update_cursor(iso(now))
+    return _sweep(context, instance, checkpoint_store, settings, now)
+
+
+def _sweep(context, instance: dg.DagsterInstance, store: CheckpointStore,
+           settings: ResumeSettings, now: float):
+    requests, notes = [], fail_silent_runs(instance, store, settings, now)
     ended = instance.get_runs(filters=dg.RunsFilter(
         statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]), limit=LOOKBACK_RUNS)
     for run in ended:
@@ -99,7 +148,7 @@ def reconcile_training_runs(context: dg.SensorEvaluationContext,
             end = instance.get_run_record_by_id(run.run_id).end_time or now
             if now - end < settings.launch_grace_s:
                 continue  # the failure sensors have not had their turn yet
-        req = consider(instance, run, checkpoint_store, sweep=True, settings=settings)
+        req = consider(instance, run, store, sweep=True, settings=settings)
         if req is not None:
             requests.append(req)
             notes.append(f"{run.run_id[:8]}: launching resume of {req.partition_key}")

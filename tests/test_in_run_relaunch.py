@@ -1,0 +1,166 @@
+"""A trainer that dies while its run worker lives is relaunched in the same Dagster run, by
+the one failure policy and budget the sensors use (`ckpt_assets.in_run`)."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from ckpt_assets.attempt_end import AttemptEnd
+from ckpt_assets.definitions import make_resources
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.events import ATTEMPT_ENDED, partition_events
+from ckpt_assets.in_run import relaunch_decision, serve_backoff
+from ckpt_assets.lineage import format_lineage, lineage_report
+from ckpt_assets.policy import Budget, PolicyConfig, decide
+from ckpt_assets.resume_decision import ResumeSettings, consider
+from ckpt_assets.tags import TAG_BUDGET, TAG_DECISION, TAG_DECISION_REASON
+from tests.dagster_fixtures import *  # noqa: F403
+from tests.dagster_fixtures import materialize_run, step_failure_metadata, training_config
+from tests.trainer_proc import assert_bitwise_equal, final_state
+from trainer.outcomes import Outcome
+from trainer.storage import open_store
+
+ON = ResumeSettings(in_run_relaunch=True)
+FRESH = Budget()
+
+
+def _ended(outcome: Outcome, step: int | None = 10, attempt: int = 1) -> AttemptEnd:
+    return AttemptEnd(outcome, "r", exit_code=outcome.exit_code or -9, attempt=attempt,
+                      last_committed_step=step)
+
+
+def _relaunch(ended: AttemptEnd, used: Budget = FRESH, settings: ResumeSettings = ON,
+              **kw):
+    return relaunch_decision(ended, used, settings, interrupted=kw.get("interrupted", False),
+                             stop_requested=kw.get("stop_requested", False))
+
+
+def test_a_killed_trainer_is_relaunched_by_the_policys_own_decision_and_budget():
+    ended = _ended(Outcome.KILLED_BY_SIGNAL)
+    got = _relaunch(ended)
+    assert got == decide(ended, Budget(), ON.policy)
+    assert got.resume and got.delay_s == 0 and got.budget.transient == 1
+
+
+@pytest.mark.parametrize("outcome", [Outcome.USER_CODE_ERROR, Outcome.BAD_INPUT,
+                                     Outcome.DIVERGED, Outcome.CHECKPOINT_UNLOADABLE,
+                                     Outcome.SUPERSEDED, Outcome.UNFINISHED])
+def test_what_the_policy_never_resumes_is_never_relaunched(outcome):
+    assert _relaunch(_ended(outcome)) is None
+
+
+def test_a_sigterm_of_the_trainer_is_left_to_the_sensors():
+    ended = _ended(Outcome.PREEMPTED)
+    assert decide(ended).resume  # the sensors resume it, once the worker's fate is known
+    assert _relaunch(ended) is None
+
+
+def test_a_used_up_budget_is_not_relaunched_in_run_either():
+    cfg = ResumeSettings(policy=PolicyConfig(max_transient=1), in_run_relaunch=True)
+    first = _relaunch(_ended(Outcome.KILLED_BY_SIGNAL), settings=cfg)
+    assert first is not None
+    assert _relaunch(_ended(Outcome.KILLED_BY_SIGNAL, 20, 2), first.budget, cfg) is None
+
+
+def test_a_back_off_longer_than_the_in_run_bound_is_left_to_the_reconciler():
+    used = Budget(transient=1, resumed_from_step=10, high_step=10)
+    ended = _ended(Outcome.STORAGE_UNAVAILABLE, 20, 2)
+    assert decide(ended, used).delay_s == 10.0
+    short = ResumeSettings(in_run_relaunch=True, in_run_max_delay_s=5.0)
+    assert _relaunch(ended, used, short) is None
+    assert _relaunch(ended, used).delay_s == 10.0
+
+
+def test_an_interrupted_or_stopped_run_or_a_disabled_setting_is_not_relaunched():
+    ended = _ended(Outcome.KILLED_BY_SIGNAL)
+    assert _relaunch(ended, interrupted=True) is None
+    assert _relaunch(ended, stop_requested=True) is None
+    assert _relaunch(ended, settings=ResumeSettings()) is None
+
+
+def test_the_setting_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CKPT_IN_RUN_RELAUNCH", "1")
+    monkeypatch.setenv("CKPT_IN_RUN_MAX_DELAY_S", "7")
+    s = ResumeSettings.from_env()
+    assert s.in_run_relaunch and s.in_run_max_delay_s == 7.0
+
+
+def test_a_back_off_is_slept_out_and_an_immediate_relaunch_does_not_sleep():
+    slept = []
+    serve_backoff(_relaunch(_ended(Outcome.KILLED_BY_SIGNAL)), slept.append)
+    used = Budget(transient=1, resumed_from_step=10, high_step=10)
+    serve_backoff(_relaunch(_ended(Outcome.KILLED_BY_SIGNAL, 20, 2), used), slept.append)
+    assert slept == [10.0]
+
+
+# -- end to end: real trainer processes, in-process materialize ----------------------------
+
+def _ends(instance, key: str) -> list[dict]:
+    return [md for md, _ in partition_events(instance, key, ATTEMPT_ENDED)]
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_identical(
+        instance, tmp_path, mlflow_uri, monkeypatch):
+    monkeypatch.setenv("CKPT_IN_RUN_RELAUNCH", "1")
+    store = tmp_path / "store"
+    res = make_resources(str(store), tracking_uri=mlflow_uri)
+    killed = materialize_run(instance, "killed", res, training=training_config(
+        task="tests.user_tasks:crash_once",
+        task_args={"crash_once_at": 15, "crash_marker": str(tmp_path / "crashed")}))
+    assert killed.success and (tmp_path / "crashed").exists()
+    first, second = _ends(instance, "killed")
+    assert first["failure_class"] == "killed_by_signal" and first["attempt"] == 1
+    assert second["failure_class"] == "success" and second["attempt"] == 2
+    assert second["resumed_from_step"] == first["last_committed_step"] == 10
+    assert first["dagster_run_id"] == second["dagster_run_id"] == killed.run_id
+    run = instance.get_run_by_id(killed.run_id)
+    assert Budget.from_tag(run.tags[TAG_BUDGET]).transient == 1
+    # MLflow: the training run's one MLflow run carries each attempt's tags.
+    tags = MlflowClient(tracking_uri=mlflow_uri).get_run(second["mlflow_run_id"]).data.tags
+    assert tags["attempt_1.failure_class"] == "killed_by_signal"
+    assert tags["attempt_2.start"] == "resumed" and tags["attempt_2.resumed_from_step"] == "10"
+    rep = lineage_report(instance, open_store(str(store)), "killed")
+    assert [(a["attempt"], a["failure_class"]) for a in rep["attempts"]] == [
+        (1, "killed_by_signal"), (2, "success")]
+    assert "resumed from step 10" in format_lineage(rep)
+    assert {c["attempt"] for c in rep["checkpoints"]} == {1, 2}
+    plain = materialize_run(instance, "plain", res, training=training_config())
+    assert plain.success
+    assert_bitwise_equal(final_state(store, run="plain"), final_state(store, run="killed"))
+
+
+@pytest.mark.slow
+def test_after_the_budget_is_used_up_in_run_the_next_failure_is_not_relaunched(
+        instance, tmp_path, mlflow_uri, monkeypatch):
+    monkeypatch.setenv("CKPT_IN_RUN_RELAUNCH", "1")
+    monkeypatch.setenv("CKPT_MAX_TRANSIENT_FAILURES", "1")
+    store = CheckpointStore(uri=str(tmp_path / "store"))
+    res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
+    # Killed before step 15 in every attempt: attempt 1 is relaunched, attempt 2 is not.
+    out = materialize_run(instance, "loop", res,
+                          training=training_config(task_args={"crash_at_step": 15}))
+    assert not out.success
+    _, md = step_failure_metadata(out)
+    assert md["attempt"] == 2 and md["failure_class"] == "killed_by_signal"
+    assert [e["attempt"] for e in _ends(instance, "loop")] == [1, 2]
+    run = instance.get_run_by_id(out.run_id)
+    assert Budget.from_tag(run.tags[TAG_BUDGET]).transient == 1
+    # The sensors, deciding over the same record and budget, stop it too.
+    assert consider(instance, run, store, sweep=False) is None
+    tags = instance.get_run_by_id(out.run_id).tags
+    assert tags[TAG_DECISION] == "stop" and "over the budget of 1" in tags[TAG_DECISION_REASON]
+
+
+@pytest.mark.slow
+def test_a_bug_in_the_training_code_is_never_relaunched(instance, tmp_path, mlflow_uri,
+                                                        monkeypatch):
+    monkeypatch.setenv("CKPT_IN_RUN_RELAUNCH", "1")
+    res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
+    out = materialize_run(instance, "bug", res,
+                          training=training_config(task_args={"fail_at_step": 15}))
+    assert not out.success
+    _, md = step_failure_metadata(out)
+    assert md["attempt"] == 1 and md["failure_class"] == "user_code_error"
+    assert [e["attempt"] for e in _ends(instance, "bug")] == [1]
