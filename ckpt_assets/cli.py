@@ -11,6 +11,15 @@ Common options: --store URI (default $CKPT_STORE_URI, else ./checkpoints under t
 the same default as the code location's CheckpointStore). The Dagster instance is
 $DAGSTER_HOME (default: dagster_home/ under the repository root).
 
+A command run's config is checked at registration, before the name is taken: its `cwd`
+must be a directory, `python` is this interpreter and its script must exist in `cwd`, a
+program path must be an executable file, a bare program must be on PATH. Relative paths
+(`cwd`, and the script or program relative to `cwd`) are relative to the config FILE's
+directory, whichever directory the CLI runs from; no `cwd` means that directory. Absolute
+paths are taken as they are. A run with no committed checkpoint (and no active Dagster run)
+may be registered again with a corrected config: there is nothing it could contradict, and
+`register` says it replaced the config; once a checkpoint is committed the config is fixed.
+
 Exit codes (the trainer's): 0 ok; 2 bad input (name, config, arguments, an unusable
 local store path; nothing was written); 5 store unavailable (S3 endpoint, bucket or
 credentials; nothing was written); 1 anything else (e.g. the launch failed). `launch` of a
@@ -124,21 +133,39 @@ def _read_config(path: str) -> dict:
     return raw
 
 
+def _config_dir(path: str) -> Path:
+    """What a command's relative paths are relative to: the config file's directory, so that
+    a config registers the same from wherever the CLI runs."""
+    return Path(path).resolve().parent
+
+
 def cmd_register(args) -> int:
-    from ckpt_assets.registration import register_training_run, validate_partition_key
+    from ckpt_assets.registration import (
+        normalize_training_config,
+        register_training_run,
+        validate_partition_key,
+    )
 
     validate_partition_key(args.name)
     raw = _read_config(args.config)
+    base = _config_dir(args.config)
     store = _store(args.store)
     # Validate before touching the instance, so that bad input creates nothing anywhere.
-    from ckpt_assets.registration import normalize_training_config
-
-    normalize_training_config(raw, args.name, args.experiment)
+    normalize_training_config(raw, args.name, args.experiment, base)
     instance = _instance()
-    reg = register_training_run(store, args.name, raw, args.experiment, instance=instance)
+    reg = register_training_run(store, args.name, raw, args.experiment, instance=instance,
+                                base_dir=base, may_correct=True)
+    _print_registered(reg)
+    return EXIT_OK
+
+
+def _print_registered(reg) -> None:
+    if reg.corrected:
+        print(f"re-registered: training run {reg.run} had no committed checkpoint, so its "
+              f"config was replaced ({reg.corrected}); config {reg.config_uri}")
+        return
     what = "registered" if reg.created else "already registered (same config)"
     print(f"{what}: training run {reg.run} in experiment {reg.experiment}; config {reg.config_uri}")
-    return EXIT_OK
 
 
 def _launch_tags(args) -> dict[str, str]:
@@ -172,12 +199,16 @@ def cmd_launch(args) -> int:
     validate_partition_key(args.name)
     tags = _launch_tags(args)
     raw = _read_config(args.config) if args.config else None
+    base = _config_dir(args.config) if args.config else None
     store = _store(args.store)
     if raw is not None:
-        normalize_training_config(raw, args.name, args.experiment)
+        normalize_training_config(raw, args.name, args.experiment, base)
     instance = _instance()
     if raw is not None:
-        reg = register_training_run(store, args.name, raw, args.experiment, instance=instance)
+        reg = register_training_run(store, args.name, raw, args.experiment, instance=instance,
+                                    base_dir=base, may_correct=True)
+        if reg.corrected:
+            _print_registered(reg)
     else:
         reg = read_registration(store, args.name)
         if reg is None:

@@ -77,6 +77,30 @@ def test_the_cli_entry_point_answers_bad_input_with_one_line_and_exit_code_2(
 
 
 @pytest.mark.slow
+def test_cli_register_refuses_a_typod_cwd_with_exit_2_then_takes_the_corrected_config(
+        tmp_path, dagster_home, store_uri):
+    # The CLI runs from the repository root; relative paths are the config file's.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text("print('training')\n")
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"command": ["python", "train.py"], "cwd": "scr",
+                                  "max_steps": 5}))
+    proc = cli("register", "first-day", "--config", str(config))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{tmp_path / 'scr'} is not a directory" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "store").exists()
+    config.write_text(json.dumps({"command": ["python", "train.py"], "cwd": "src",
+                                  "max_steps": 5}))
+    proc = cli("register", "first-day", "--config", str(config))
+    assert proc.returncode == 0, proc.stderr
+    assert "registered: training run first-day" in proc.stdout
+    on_disk = json.loads((tmp_path / "store" / "default" / "first-day" / "config.json")
+                         .read_text())
+    assert on_disk["cwd"] == str(tmp_path / "src")
+
+
+@pytest.mark.slow
 def test_dagster_asset_materialize_trains_a_partition_registered_with_the_cli(
         tmp_path, dagster_home, store_uri, mlflow_uri):
     reg = cli("register", "cli-run", "--config", str(_write_config(tmp_path)))
