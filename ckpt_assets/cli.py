@@ -14,9 +14,9 @@ $DAGSTER_HOME (default: dagster_home/ under the repository root).
 A command run's config is checked at registration, before the name is taken: its `cwd`
 must be a directory, `python` is this interpreter and its script must exist in `cwd`, a
 program path must be an executable file, a bare program must be on PATH. Relative paths
-(`cwd`, and the script or program relative to `cwd`) are relative to the config FILE's
-directory, whichever directory the CLI runs from; no `cwd` means that directory. Absolute
-paths are taken as they are. A run with no committed checkpoint (and no active Dagster run)
+(`cwd`, and the script or program relative to `cwd`) are relative to the directory the
+CLI runs in (not this checkout), and are recorded absolute; no `cwd` means that directory.
+Absolute paths are taken as they are. A run with no committed checkpoint (and no active Dagster run)
 may be registered again with a corrected config: there is nothing it could contradict, and
 `register` says it replaced the config; once a checkpoint is committed the config is fixed.
 
@@ -133,10 +133,11 @@ def _read_config(path: str) -> dict:
     return raw
 
 
-def _config_dir(path: str) -> Path:
-    """What a command's relative paths are relative to: the config file's directory, so that
-    a config registers the same from wherever the CLI runs."""
-    return Path(path).resolve().parent
+def _registered_from() -> Path:
+    """What a command's relative paths are relative to: the directory the user registers
+    from, as for any program they start from a shell (the examples' configs name their
+    scripts from the repository root, where the README runs them)."""
+    return Path.cwd()
 
 
 def cmd_register(args) -> int:
@@ -148,7 +149,7 @@ def cmd_register(args) -> int:
 
     validate_partition_key(args.name)
     raw = _read_config(args.config)
-    base = _config_dir(args.config)
+    base = _registered_from()
     store = _store(args.store)
     # Validate before touching the instance, so that bad input creates nothing anywhere.
     normalize_training_config(raw, args.name, args.experiment, base)
@@ -199,7 +200,7 @@ def cmd_launch(args) -> int:
     validate_partition_key(args.name)
     tags = _launch_tags(args)
     raw = _read_config(args.config) if args.config else None
-    base = _config_dir(args.config) if args.config else None
+    base = _registered_from() if args.config else None
     store = _store(args.store)
     if raw is not None:
         normalize_training_config(raw, args.name, args.experiment, base)

@@ -119,7 +119,7 @@ def normalize_training_config(raw: dict[str, Any] | None, run: str,
 
 def anchor_command(cfg: TrainConfig, base_dir: Path) -> TrainConfig:
     """A command's `cwd` made absolute against `base_dir` (the `ckpt-assets` CLI passes the
-    config file's directory); no `cwd` is `base_dir` itself. (A config given in a Dagster
+    directory it runs in); no `cwd` is `base_dir` itself. (A config given in a Dagster
     launch keeps a relative `cwd` relative to the TrainerResource's working_directory.)"""
     if cfg.cwd and os.path.isabs(cfg.cwd):
         return cfg
@@ -135,7 +135,7 @@ def check_command(cfg: TrainConfig, base_dir: Path | None = None) -> None:
     (the config's `env` PATH if it sets one). A relative `cwd` without `base_dir` is
     unknown here: only what does not depend on it is checked."""
     assert cfg.command
-    where = f" (relative paths are relative to {base_dir}, the config file's directory)" \
+    where = f" (relative paths are relative to {base_dir}, where it was registered from)" \
         if base_dir is not None else ""
     cwd = Path(cfg.cwd) if cfg.cwd and os.path.isabs(cfg.cwd) else None
     if cwd is not None and not cwd.is_dir():

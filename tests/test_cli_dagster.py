@@ -15,6 +15,7 @@ import pytest
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     DAGSTER,
+    PYTHON,
     ROOT,
     cli,
     dagster_cli,
@@ -79,20 +80,27 @@ def test_the_cli_entry_point_answers_bad_input_with_one_line_and_exit_code_2(
 @pytest.mark.slow
 def test_cli_register_refuses_a_typod_cwd_with_exit_2_then_takes_the_corrected_config(
         tmp_path, dagster_home, store_uri):
-    # The CLI runs from the repository root; relative paths are the config file's.
+    # Run from the user's project, not from this checkout: relative paths are the project's.
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "train.py").write_text("print('training')\n")
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"command": ["python", "train.py"], "cwd": "scr",
                                   "max_steps": 5}))
-    proc = cli("register", "first-day", "--config", str(config))
+
+    def register() -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, "-m", "ckpt_assets", "register", "first-day",
+                               "--config", "train.json"], cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=180)
+
+    proc = register()
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{tmp_path / 'scr'} is not a directory" in proc.stderr
     assert proc.stderr.strip().count("\n") == 0
     assert not (tmp_path / "store").exists()
     config.write_text(json.dumps({"command": ["python", "train.py"], "cwd": "src",
                                   "max_steps": 5}))
-    proc = cli("register", "first-day", "--config", str(config))
+    proc = register()
     assert proc.returncode == 0, proc.stderr
     assert "registered: training run first-day" in proc.stdout
     on_disk = json.loads((tmp_path / "store" / "default" / "first-day" / "config.json")

@@ -44,20 +44,21 @@ def _command(**overrides) -> dict:
 
 
 def _register(tmp_path: Path, capsys, name: str, config: dict) -> tuple[int, str, str]:
-    path = tmp_path / "proj" / "train.json"
+    """`ckpt-assets register` run from the project's directory, the config kept elsewhere."""
+    path = tmp_path / "configs" / "train.json"
+    path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(config))
     code = cli_main(["register", name, "--config", str(path)])
     out = capsys.readouterr()
     return code, out.out, out.err
 
 
-def test_a_relative_cwd_is_anchored_at_the_config_files_directory_not_the_cli_cwd(
-        tmp_path, monkeypatch):
+def test_a_relative_cwd_is_anchored_where_it_was_registered_from_and_recorded_absolute(
+        tmp_path):
     proj = _project(tmp_path)
-    monkeypatch.chdir(tmp_path)  # somewhere else: the config file's directory counts
     cfg = normalize_training_config(_command(), "r1", base_dir=proj)
     assert cfg.cwd == str(proj / "src")
-    # No cwd: the command runs in the config file's directory.
+    # No cwd: the command runs where it was registered from.
     cfg = normalize_training_config(_command(command=["python", "src/train.py"], cwd=None),
                                     "r1", base_dir=proj)
     assert cfg.cwd == str(proj)
@@ -91,8 +92,8 @@ def test_a_command_the_launch_can_start_is_accepted(tmp_path, command):
 
 
 def test_a_typod_cwd_is_refused_with_exit_2_then_the_corrected_config_takes_the_same_name(
-        tmp_path, capsys, dagster_home, store_uri):
-    _project(tmp_path)
+        tmp_path, capsys, dagster_home, store_uri, monkeypatch):
+    monkeypatch.chdir(_project(tmp_path))
     code, out, err = _register(tmp_path, capsys, "first", _command(cwd="scr"))
     assert code == 2 and "config key 'cwd'" in err and "scr is not a directory" in err
     assert err.strip().count("\n") == 0
@@ -106,8 +107,8 @@ def test_a_typod_cwd_is_refused_with_exit_2_then_the_corrected_config_takes_the_
 
 
 def test_a_run_without_a_committed_checkpoint_is_registered_again_with_a_corrected_config(
-        tmp_path, capsys, dagster_home, store_uri):
-    _project(tmp_path)
+        tmp_path, capsys, dagster_home, store_uri, monkeypatch):
+    monkeypatch.chdir(_project(tmp_path))
     assert _register(tmp_path, capsys, "fixme", _command(max_steps=5))[0] == 0
     code, out, err = _register(tmp_path, capsys, "fixme", _command(max_steps=7))
     assert code == 0, err
