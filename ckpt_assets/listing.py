@@ -7,7 +7,7 @@ from typing import Any
 import dagster as dg
 
 from ckpt_assets.registration import read_registration
-from ckpt_assets.run_state import run_state
+from ckpt_assets.run_state import run_state, without_daemon
 from trainer.errors import CheckpointError
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore
@@ -16,7 +16,7 @@ from trainer.storage import ObjectStore
 def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
     """One row of `ckpt-assets list`: the state, and the latest checkpoint from the store."""
     reg = read_registration(store, run_key)
-    state = run_state(instance, run_key)
+    state = without_daemon(instance, run_state(instance, run_key))
     out: dict[str, Any] = {
         "run": run_key, "experiment": reg.experiment if reg else None,
         "registered": reg is not None, **state.to_dict(),
