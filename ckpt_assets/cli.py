@@ -3,8 +3,9 @@
     register NAME --config FILE [--experiment E]   record the run's config, add the partition
     launch   NAME [--config FILE] [--experiment E] register if needed, queue a train_job run
                                                    (none if one is active: exit 0, says which)
-    list     [--json]                              runs: state, attempts, latest step/checkpoint
-    lineage  NAME [--json]                         attempts, checkpoints (parent links), model
+    list     [--json] [--experiment E]             runs: state, attempts, latest step/checkpoint
+                                                   (standalone runs too, found in the store)
+    lineage  NAME [--json] [--experiment E]        attempts, checkpoints (parent links), model
     stop     NAME                                  terminate its active run; do not resume it
 
 Common options: --store URI (default $CKPT_STORE_URI, else ./checkpoints under the repo;
@@ -88,10 +89,15 @@ def _parser() -> argparse.ArgumentParser:
 
     li = sub.add_parser("list", parents=[common], help="training runs with state, attempts and latest checkpoint")
     li.add_argument("--json", action="store_true")
+    li.add_argument("--experiment", action="append", default=[],
+                    help="also look for standalone runs in this experiment (repeatable; "
+                         "the registered runs' experiments and 'default' always are)")
 
     lg = sub.add_parser("lineage", parents=[common], help="attempts, checkpoints and final model of one run")
     lg.add_argument("name")
     lg.add_argument("--json", action="store_true")
+    lg.add_argument("--experiment", default=None,
+                    help="a standalone run's experiment (default: 'default')")
     return p
 
 
@@ -247,12 +253,24 @@ def _print_launch(reg, launch) -> None:
 
 def cmd_list(args) -> int:
     from ckpt_assets.defs.names import PARTITIONS_NAME
-    from ckpt_assets.listing import run_summary
+    from ckpt_assets.listing import (
+        DEFAULT_EXPERIMENT,
+        run_summary,
+        standalone_runs,
+        standalone_summary,
+    )
+    from trainer.storage import validate_name
 
+    for e in args.experiment:
+        validate_name(e, "experiment name")
     store = _store(args.store)
     instance = _instance()
-    rows = [run_summary(instance, store, key)
-            for key in sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))]
+    keys = sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))
+    rows = [run_summary(instance, store, key) for key in keys]
+    experiments = {*args.experiment, DEFAULT_EXPERIMENT, *(r["experiment"] for r in rows
+                                                           if r["experiment"])}
+    rows += [standalone_summary(store, e, run)
+             for e, run in standalone_runs(store, experiments, set(keys))]
     if args.json:
         print(strict_json.dumps(rows, indent=1))
         return EXIT_OK
@@ -273,16 +291,23 @@ def cmd_list(args) -> int:
 
 
 def cmd_lineage(args) -> int:
-    from ckpt_assets.lineage import format_lineage, lineage_report
+    from ckpt_assets.lineage import format_lineage, lineage_report, standalone_report
+    from ckpt_assets.listing import DEFAULT_EXPERIMENT
     from ckpt_assets.registration import validate_partition_key
 
     validate_partition_key(args.name)
     store = _store(args.store)
     instance = _instance()
+    experiment = args.experiment or DEFAULT_EXPERIMENT
     try:
         rep = lineage_report(instance, store, args.name)
     except KeyError:
-        raise CliError(f"training run {args.name!r} is not registered in {store.uri}") from None
+        try:
+            rep = standalone_report(store, experiment, args.name)
+        except KeyError:
+            raise CliError(f"training run {args.name!r} is not registered in {store.uri}, "
+                           f"and experiment {experiment!r} has no standalone run of that "
+                           "name (a script's run: pass --experiment)") from None
     print(strict_json.dumps(rep, indent=1) if args.json else format_lineage(rep))
     return EXIT_OK
 

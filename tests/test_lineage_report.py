@@ -10,6 +10,7 @@ from dagster._core.test_utils import create_run_for_test
 from ckpt_assets.lineage import format_lineage, lineage_report
 from ckpt_assets.registration import register_training_run
 from ckpt_assets.tags import PARTITION_TAG
+from tests.dagster_fixtures import *  # noqa: F403 (dagster_home, store_uri)
 from tests.dagster_runs import lost_worker_run, started_run
 from trainer.storage import open_store
 
@@ -62,3 +63,65 @@ def test_a_running_attempt_has_no_end_yet(instance, store):
     started_run(instance, KEY)
     (a,) = lineage_report(instance, store, KEY)["attempts"]
     assert a["end"] is None and a["status"] == "STARTED"
+
+
+# -- standalone runs: never launched through Dagster, read from the store ------------------
+
+def _standalone(store, experiment: str, run: str) -> list[str]:
+    """A script's run: two attempts of CheckpointSession-like commits, no registration."""
+    from trainer.repo import CheckpointRepo
+
+    names = []
+    for attempt, steps in ((1, (10, 20)), (2, (30,))):
+        repo = CheckpointRepo(store, experiment, run)
+        repo.claim(names[-1] if names else None, at_least=attempt)
+        for step in steps:
+            pending = repo.begin(step, attempt)
+            with repo.write_file(pending, "model.pt") as f:
+                f.write(b"w" * step)
+            names.append(repo.commit(pending, {"step": step, "loss": 1.0 / step}).name)
+    return names
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from ckpt_assets.cli import main
+
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_list_shows_a_standalone_run_from_the_store_with_its_latest_checkpoint(
+        tmp_path, capsys, dagster_home, store_uri):
+    import json
+
+    store = open_store(store_uri)
+    register_training_run(store, "registered", {"max_steps": 10})
+    names = _standalone(store, "default", "script-run")
+    _standalone(store, "spirals", "other-exp")
+    code, out, err = _cli(capsys, "list", "--json")
+    assert code == 0, err
+    rows = {r["run"]: r for r in json.loads(out)}
+    assert set(rows) == {"script-run"}  # "registered" is no partition yet: not launched
+    row = rows["script-run"]
+    assert (row["state"], row["experiment"], row["latest_step"], row["attempts"]) == (
+        "standalone", "default", 30, 2)
+    assert row["latest_checkpoint"].endswith(names[-1])
+    code, out, err = _cli(capsys, "list", "--json", "--experiment", "spirals")
+    assert {r["run"] for r in json.loads(out)} == {"script-run", "other-exp"}
+
+
+def test_lineage_of_a_standalone_run_lists_its_checkpoints_and_attempts(
+        tmp_path, capsys, dagster_home, store_uri):
+    store = open_store(store_uri)
+    names = _standalone(store, "spirals", "script-run")
+    code, out, err = _cli(capsys, "lineage", "script-run")
+    assert code == 2 and "pass --experiment" in err
+    code, out, err = _cli(capsys, "lineage", "script-run", "--experiment", "spirals")
+    assert code == 0, err
+    assert "standalone: never launched through Dagster" in out
+    assert "attempt 1: standalone, 2 checkpoint(s), last committed step 20" in out
+    assert "attempt 2: standalone, 1 checkpoint(s), last committed step 30" in out
+    for name in names:
+        assert name in out
+    assert f"{names[-1]} step 30 attempt 2" in out and f"parent {names[1]} <- latest" in out
