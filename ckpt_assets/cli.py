@@ -223,11 +223,35 @@ def cmd_launch(args) -> int:
                            "pass --config FILE the first time")
         add_partition(instance, args.name)
     try:
-        launch = launch_training_run(instance, args.name, tags, force=args.force)
+        launch = launch_training_run(instance, args.name,
+                                     {**rerun_tags(instance, args.name), **tags},
+                                     force=args.force)
     except LaunchError as e:
         raise CliError(str(e), EXIT_ERROR) from e
     _print_launch(reg, launch)
     return EXIT_OK
+
+
+def rerun_tags(instance, name: str) -> dict[str, str]:
+    """A launch after a failed or canceled attempt continues that attempt's chain, as the
+    sensors' resume would have (`resume_decision.resume_request`): the failed run is its
+    parent, the chain's root its root, and it is the next attempt. The sensors leave a
+    failed run alone once a newer run of the partition exists, so it is resumed once."""
+    from ckpt_assets.resume_decision import recorded_end
+    from ckpt_assets.run_queries import newest_training_run, training_runs_of
+    from ckpt_assets.stop import ENDED_UNSUCCESSFULLY
+    from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
+
+    failed = newest_training_run(instance, name)
+    if failed is None or failed.status not in ENDED_UNSUCCESSFULLY:
+        return {}
+    ended = recorded_end(instance, failed)
+    tag = failed.tags.get(TAG_ATTEMPT, "")
+    attempt = (ended.attempt if ended and ended.attempt else None) or (
+        int(tag) if tag.isdigit() else len(training_runs_of(instance, name)))
+    return {TAG_PARENT_RUN_ID: failed.run_id,
+            TAG_ROOT_RUN_ID: failed.tags.get(TAG_ROOT_RUN_ID, failed.run_id),
+            TAG_ATTEMPT: str(attempt + 1)}
 
 
 def _print_launch(reg, launch) -> None:

@@ -125,3 +125,28 @@ def test_lineage_of_a_standalone_run_lists_its_checkpoints_and_attempts(
     for name in names:
         assert name in out
     assert f"{names[-1]} step 30 attempt 2" in out and f"parent {names[1]} <- latest" in out
+
+
+# -- a CLI re-run after a failure continues the chain -------------------------------------
+
+def test_a_cli_launch_after_a_failure_is_the_next_attempt_linked_to_the_failed_run(
+        instance, store):
+    from ckpt_assets.cli import rerun_tags
+    from ckpt_assets.listing import run_summary
+    from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
+
+    assert rerun_tags(instance, KEY) == {}  # nothing to continue
+    failed = lost_worker_run(instance, KEY)
+    tags = rerun_tags(instance, KEY)
+    assert tags == {TAG_PARENT_RUN_ID: failed.run_id, TAG_ROOT_RUN_ID: failed.run_id,
+                    TAG_ATTEMPT: "2"}
+    rerun = create_run_for_test(instance, job_name="train_job",
+                                tags={PARTITION_TAG: KEY, **tags},
+                                status=dg.DagsterRunStatus.STARTED)
+    rows = lineage_report(instance, store, KEY)["attempts"]
+    assert [(a["dagster_run_id"], a["attempt"], a["parent_run_id"], a["root_run_id"])
+            for a in rows] == [(failed.run_id, 1, None, failed.run_id),
+                               (rerun.run_id, 2, failed.run_id, failed.run_id)]
+    listed = run_summary(instance, store, KEY)
+    assert (listed["dagster_run_id"], listed["attempt"]) == (rerun.run_id, 2)
+    assert f"resuming run {failed.run_id}" in listed["detail"]
