@@ -6,6 +6,10 @@
     list     [--json] [--experiment E]             runs: state, attempts, latest step/checkpoint
                                                    (standalone runs too, found in the store)
     lineage  NAME [--json] [--experiment E]        attempts, checkpoints (parent links), model
+    run      NAME [--config FILE] [--experiment E] register if needed, train it in this
+                                                   process (no daemon); exit with the
+                                                   attempt's code (143: preempted; run it
+                                                   again to resume)
     stop     NAME                                  terminate its active run; do not resume it
 
 Common options: --store URI (default $CKPT_STORE_URI, else ./checkpoints under the repo;
@@ -79,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--force", action="store_true",
                     help="queue another run even if the run already has a queued or running "
                          "Dagster run")
+
+    ru = sub.add_parser("run", parents=[common],
+                        help="register if needed, then train the run in this process (no "
+                             "daemon); exit with the attempt's exit code")
+    ru.add_argument("name")
+    ru.add_argument("--config", default=None, help="training config (needed the first time)")
+    ru.add_argument("--experiment", default=None)
 
     st = sub.add_parser("stop", parents=[common],
                         help="terminate the run's active Dagster run and mark it not to be resumed")
@@ -194,34 +205,12 @@ def cmd_launch(args) -> int:
     """Register if needed, then queue a train_job run (`ckpt_assets.submit`): once, even
     when launches of the name race. A run that is active already is what the user asked
     for: that is reported, and the launch succeeds without queuing another."""
-    from ckpt_assets.registration import (
-        add_partition,
-        normalize_training_config,
-        read_registration,
-        register_training_run,
-        validate_partition_key,
-    )
+    from ckpt_assets.ci_run import rerun_tags
     from ckpt_assets.submit import LaunchError, launch_training_run
 
-    validate_partition_key(args.name)
     tags = _launch_tags(args)
-    raw = _read_config(args.config) if args.config else None
-    base = _registered_from() if args.config else None
-    store = _store(args.store)
-    if raw is not None:
-        normalize_training_config(raw, args.name, args.experiment, base)
-    instance = _instance()
-    if raw is not None:
-        reg = register_training_run(store, args.name, raw, args.experiment, instance=instance,
-                                    base_dir=base, may_correct=True)
-        if reg.corrected:
-            _print_registered(reg)
-    else:
-        reg = read_registration(store, args.name)
-        if reg is None:
-            raise CliError(f"training run {args.name!r} is not registered in {store.uri}; "
-                           "pass --config FILE the first time")
-        add_partition(instance, args.name)
+    instance, store = _validated(args)
+    reg = _registered(args, instance, store)
     try:
         launch = launch_training_run(instance, args.name,
                                      {**rerun_tags(instance, args.name), **tags},
@@ -230,28 +219,6 @@ def cmd_launch(args) -> int:
         raise CliError(str(e), EXIT_ERROR) from e
     _print_launch(reg, launch)
     return EXIT_OK
-
-
-def rerun_tags(instance, name: str) -> dict[str, str]:
-    """A launch after a failed or canceled attempt continues that attempt's chain, as the
-    sensors' resume would have (`resume_decision.resume_request`): the failed run is its
-    parent, the chain's root its root, and it is the next attempt. The sensors leave a
-    failed run alone once a newer run of the partition exists, so it is resumed once."""
-    from ckpt_assets.resume_decision import recorded_end
-    from ckpt_assets.run_queries import newest_training_run, training_runs_of
-    from ckpt_assets.stop import ENDED_UNSUCCESSFULLY
-    from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
-
-    failed = newest_training_run(instance, name)
-    if failed is None or failed.status not in ENDED_UNSUCCESSFULLY:
-        return {}
-    ended = recorded_end(instance, failed)
-    tag = failed.tags.get(TAG_ATTEMPT, "")
-    attempt = (ended.attempt if ended and ended.attempt else None) or (
-        int(tag) if tag.isdigit() else len(training_runs_of(instance, name)))
-    return {TAG_PARENT_RUN_ID: failed.run_id,
-            TAG_ROOT_RUN_ID: failed.tags.get(TAG_ROOT_RUN_ID, failed.run_id),
-            TAG_ATTEMPT: str(attempt + 1)}
 
 
 def _print_launch(reg, launch) -> None:
@@ -273,6 +240,53 @@ def _print_launch(reg, launch) -> None:
     else:  # a concurrent launch created it, and it has ended since
         print(f"training run {reg.run}: Dagster run {run_id} ({status.value}) was launched by "
               "another launch at the same moment; nothing else queued")
+
+
+def _validated(args):
+    """(instance, store) once the name and the config (if given) are valid: bad input
+    creates nothing anywhere, not even the instance."""
+    from ckpt_assets.registration import normalize_training_config, validate_partition_key
+
+    validate_partition_key(args.name)
+    store = _store(args.store)
+    if args.config is not None:
+        normalize_training_config(_read_config(args.config), args.name, args.experiment,
+                                  _registered_from())
+    return _instance(), store
+
+
+def _registered(args, instance, store):
+    """`launch` and `run`: register the config if one is given, else read the registration."""
+    from ckpt_assets.registration import add_partition, read_registration, register_training_run
+
+    if args.config is not None:
+        reg = register_training_run(store, args.name, _read_config(args.config),
+                                    args.experiment, instance=instance,
+                                    base_dir=_registered_from(), may_correct=True)
+        if reg.corrected:
+            _print_registered(reg)
+        return reg
+    reg = read_registration(store, args.name)
+    if reg is None:
+        raise CliError(f"training run {args.name!r} is not registered in {store.uri}; "
+                       "pass --config FILE the first time")
+    add_partition(instance, args.name)
+    return reg
+
+
+def cmd_run(args) -> int:
+    """Train the run here, through the assets, and exit with its attempt's code
+    (`ckpt_assets.ci_run`): the daemon-less path for CI."""
+    from ckpt_assets.ci_run import rerun_tags, run_in_process
+    from ckpt_assets.tags import TAG_ATTEMPT
+
+    instance, store = _validated(args)
+    reg = _registered(args, instance, store)
+    tags = rerun_tags(instance, args.name)
+    what = f"attempt {tags[TAG_ATTEMPT]}" if tags else "training"
+    print(f"{what} of training run {reg.run} (experiment {reg.experiment}) in this process",
+          flush=True)
+    return run_in_process(instance, args.name, tags)
 
 
 def cmd_list(args) -> int:
@@ -352,7 +366,7 @@ def cmd_stop(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"register": cmd_register, "launch": cmd_launch, "list": cmd_list,
+COMMANDS = {"register": cmd_register, "launch": cmd_launch, "run": cmd_run, "list": cmd_list,
             "lineage": cmd_lineage, "stop": cmd_stop}
 
 

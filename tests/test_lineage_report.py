@@ -131,7 +131,7 @@ def test_lineage_of_a_standalone_run_lists_its_checkpoints_and_attempts(
 
 def test_a_cli_launch_after_a_failure_is_the_next_attempt_linked_to_the_failed_run(
         instance, store):
-    from ckpt_assets.cli import rerun_tags
+    from ckpt_assets.ci_run import rerun_tags
     from ckpt_assets.listing import run_summary
     from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 
