@@ -167,8 +167,7 @@ def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made) -> RunState:
 # A daemon beats every 30 s (dagster's DEFAULT_HEARTBEAT_INTERVAL_SECONDS); missing three
 # beats in a row means none is running (dagster's own tolerance, 30 min, is for alerting).
 DAEMON_SILENT_AFTER_S = 90.0
-RERUN_HINT = ("dagster asset materialize -m ckpt_assets.definitions --select "
-              "'training_dataset,model_checkpoint,final_model' --partition {run}")
+RERUN_HINT = "python -m ckpt_assets run {run}"  # ckpt_assets.ci_run: resumes, in-process
 
 
 def daemon_running(instance: dg.DagsterInstance, daemon_type: str,

@@ -178,7 +178,7 @@ def test_a_failed_run_awaiting_its_decision_without_a_daemon_says_what_to_run(
     row = _listed(instance, tmp_path)
     assert row["state"] == State.DECIDING.value
     assert row["detail"].startswith(f"attempt 1 {NO_DAEMON}")
-    assert f"--partition {KEY}" in row["detail"]
+    assert f"python -m ckpt_assets run {KEY}" in row["detail"]
     assert "within seconds" not in row["detail"]  # no promise nobody keeps
 
 
