@@ -3,13 +3,27 @@
     register NAME --config FILE [--experiment E]   record the run's config, add the partition
     launch   NAME [--config FILE] [--experiment E] register if needed, queue a train_job run
                                                    (none if one is active: exit 0, says which)
-    list     [--json]                              runs: state, attempts, latest step/checkpoint
-    lineage  NAME [--json]                         attempts, checkpoints (parent links), model
+    list     [--json] [--experiment E]             runs: state, attempts, latest step/checkpoint
+                                                   (standalone runs too, found in the store)
+    lineage  NAME [--json] [--experiment E]        attempts, checkpoints (parent links), model
+    run      NAME [--config FILE] [--experiment E] register if needed, train it in this
+                                                   process (no daemon); exit with the
+                                                   attempt's code (143: preempted; run it
+                                                   again to resume)
     stop     NAME                                  terminate its active run; do not resume it
 
 Common options: --store URI (default $CKPT_STORE_URI, else ./checkpoints under the repo;
 the same default as the code location's CheckpointStore). The Dagster instance is
 $DAGSTER_HOME (default: dagster_home/ under the repository root).
+
+A command run's config is checked at registration, before the name is taken: its `cwd`
+must be a directory, `python` is this interpreter and its script must exist in `cwd`, a
+program path must be an executable file, a bare program must be on PATH. Relative paths
+(`cwd`, and the script or program relative to `cwd`) are relative to the directory the
+CLI runs in (not this checkout), and are recorded absolute; no `cwd` means that directory.
+Absolute paths are taken as they are. A run with no committed checkpoint (and no active Dagster run)
+may be registered again with a corrected config: there is nothing it could contradict, and
+`register` says it replaced the config; once a checkpoint is committed the config is fixed.
 
 Exit codes (the trainer's): 0 ok; 2 bad input (name, config, arguments, an unusable
 local store path; nothing was written); 5 store unavailable (S3 endpoint, bucket or
@@ -70,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="queue another run even if the run already has a queued or running "
                          "Dagster run")
 
+    ru = sub.add_parser("run", parents=[common],
+                        help="register if needed, then train the run in this process (no "
+                             "daemon); exit with the attempt's exit code")
+    ru.add_argument("name")
+    ru.add_argument("--config", default=None, help="training config (needed the first time)")
+    ru.add_argument("--experiment", default=None)
+
     st = sub.add_parser("stop", parents=[common],
                         help="terminate the run's active Dagster run and mark it not to be resumed")
     st.add_argument("name")
@@ -79,10 +100,15 @@ def _parser() -> argparse.ArgumentParser:
 
     li = sub.add_parser("list", parents=[common], help="training runs with state, attempts and latest checkpoint")
     li.add_argument("--json", action="store_true")
+    li.add_argument("--experiment", action="append", default=[],
+                    help="also look for standalone runs in this experiment (repeatable; "
+                         "the registered runs' experiments and 'default' always are)")
 
     lg = sub.add_parser("lineage", parents=[common], help="attempts, checkpoints and final model of one run")
     lg.add_argument("name")
     lg.add_argument("--json", action="store_true")
+    lg.add_argument("--experiment", default=None,
+                    help="a standalone run's experiment (default: 'default')")
     return p
 
 
@@ -124,21 +150,40 @@ def _read_config(path: str) -> dict:
     return raw
 
 
+def _registered_from() -> Path:
+    """What a command's relative paths are relative to: the directory the user registers
+    from, as for any program they start from a shell (the examples' configs name their
+    scripts from the repository root, where the README runs them)."""
+    return Path.cwd()
+
+
 def cmd_register(args) -> int:
-    from ckpt_assets.registration import register_training_run, validate_partition_key
+    from ckpt_assets.registration import (
+        normalize_training_config,
+        register_training_run,
+        validate_partition_key,
+    )
 
     validate_partition_key(args.name)
     raw = _read_config(args.config)
+    base = _registered_from()
     store = _store(args.store)
     # Validate before touching the instance, so that bad input creates nothing anywhere.
-    from ckpt_assets.registration import normalize_training_config
-
-    normalize_training_config(raw, args.name, args.experiment)
+    normalize_training_config(raw, args.name, args.experiment, base)
     instance = _instance()
-    reg = register_training_run(store, args.name, raw, args.experiment, instance=instance)
+    reg = register_training_run(store, args.name, raw, args.experiment, instance=instance,
+                                base_dir=base, may_correct=True)
+    _print_registered(reg)
+    return EXIT_OK
+
+
+def _print_registered(reg) -> None:
+    if reg.corrected:
+        print(f"re-registered: training run {reg.run} had no committed checkpoint, so its "
+              f"config was replaced ({reg.corrected}); config {reg.config_uri}")
+        return
     what = "registered" if reg.created else "already registered (same config)"
     print(f"{what}: training run {reg.run} in experiment {reg.experiment}; config {reg.config_uri}")
-    return EXIT_OK
 
 
 def _launch_tags(args) -> dict[str, str]:
@@ -160,32 +205,16 @@ def cmd_launch(args) -> int:
     """Register if needed, then queue a train_job run (`ckpt_assets.submit`): once, even
     when launches of the name race. A run that is active already is what the user asked
     for: that is reported, and the launch succeeds without queuing another."""
-    from ckpt_assets.registration import (
-        add_partition,
-        normalize_training_config,
-        read_registration,
-        register_training_run,
-        validate_partition_key,
-    )
+    from ckpt_assets.ci_run import rerun_tags
     from ckpt_assets.submit import LaunchError, launch_training_run
 
-    validate_partition_key(args.name)
     tags = _launch_tags(args)
-    raw = _read_config(args.config) if args.config else None
-    store = _store(args.store)
-    if raw is not None:
-        normalize_training_config(raw, args.name, args.experiment)
-    instance = _instance()
-    if raw is not None:
-        reg = register_training_run(store, args.name, raw, args.experiment, instance=instance)
-    else:
-        reg = read_registration(store, args.name)
-        if reg is None:
-            raise CliError(f"training run {args.name!r} is not registered in {store.uri}; "
-                           "pass --config FILE the first time")
-        add_partition(instance, args.name)
+    instance, store = _validated(args)
+    reg = _registered(args, instance, store)
     try:
-        launch = launch_training_run(instance, args.name, tags, force=args.force)
+        launch = launch_training_run(instance, args.name,
+                                     {**rerun_tags(instance, args.name), **tags},
+                                     force=args.force)
     except LaunchError as e:
         raise CliError(str(e), EXIT_ERROR) from e
     _print_launch(reg, launch)
@@ -213,14 +242,73 @@ def _print_launch(reg, launch) -> None:
               "another launch at the same moment; nothing else queued")
 
 
+def _validated(args):
+    """(instance, store) once the name and the config (if given) are valid: bad input
+    creates nothing anywhere, not even the instance."""
+    from ckpt_assets.registration import normalize_training_config, validate_partition_key
+
+    validate_partition_key(args.name)
+    store = _store(args.store)
+    if args.config is not None:
+        normalize_training_config(_read_config(args.config), args.name, args.experiment,
+                                  _registered_from())
+    return _instance(), store
+
+
+def _registered(args, instance, store):
+    """`launch` and `run`: register the config if one is given, else read the registration."""
+    from ckpt_assets.registration import add_partition, read_registration, register_training_run
+
+    if args.config is not None:
+        reg = register_training_run(store, args.name, _read_config(args.config),
+                                    args.experiment, instance=instance,
+                                    base_dir=_registered_from(), may_correct=True)
+        if reg.corrected:
+            _print_registered(reg)
+        return reg
+    reg = read_registration(store, args.name)
+    if reg is None:
+        raise CliError(f"training run {args.name!r} is not registered in {store.uri}; "
+                       "pass --config FILE the first time")
+    add_partition(instance, args.name)
+    return reg
+
+
+def cmd_run(args) -> int:
+    """Train the run here, through the assets, and exit with its attempt's code
+    (`ckpt_assets.ci_run`): the daemon-less path for CI."""
+    from ckpt_assets.ci_run import rerun_tags, run_in_process
+    from ckpt_assets.tags import TAG_ATTEMPT
+
+    instance, store = _validated(args)
+    reg = _registered(args, instance, store)
+    tags = rerun_tags(instance, args.name)
+    what = f"attempt {tags[TAG_ATTEMPT]}" if tags else "training"
+    print(f"{what} of training run {reg.run} (experiment {reg.experiment}) in this process",
+          flush=True)
+    return run_in_process(instance, args.name, tags)
+
+
 def cmd_list(args) -> int:
     from ckpt_assets.defs.names import PARTITIONS_NAME
-    from ckpt_assets.listing import run_summary
+    from ckpt_assets.listing import (
+        DEFAULT_EXPERIMENT,
+        run_summary,
+        standalone_runs,
+        standalone_summary,
+    )
+    from trainer.storage import validate_name
 
+    for e in args.experiment:
+        validate_name(e, "experiment name")
     store = _store(args.store)
     instance = _instance()
-    rows = [run_summary(instance, store, key)
-            for key in sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))]
+    keys = sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))
+    rows = [run_summary(instance, store, key) for key in keys]
+    experiments = {*args.experiment, DEFAULT_EXPERIMENT, *(r["experiment"] for r in rows
+                                                           if r["experiment"])}
+    rows += [standalone_summary(store, e, run)
+             for e, run in standalone_runs(store, experiments, set(keys))]
     if args.json:
         print(strict_json.dumps(rows, indent=1))
         return EXIT_OK
@@ -241,16 +329,23 @@ def cmd_list(args) -> int:
 
 
 def cmd_lineage(args) -> int:
-    from ckpt_assets.lineage import format_lineage, lineage_report
+    from ckpt_assets.lineage import format_lineage, lineage_report, standalone_report
+    from ckpt_assets.listing import DEFAULT_EXPERIMENT
     from ckpt_assets.registration import validate_partition_key
 
     validate_partition_key(args.name)
     store = _store(args.store)
     instance = _instance()
+    experiment = args.experiment or DEFAULT_EXPERIMENT
     try:
         rep = lineage_report(instance, store, args.name)
     except KeyError:
-        raise CliError(f"training run {args.name!r} is not registered in {store.uri}") from None
+        try:
+            rep = standalone_report(store, experiment, args.name)
+        except KeyError:
+            raise CliError(f"training run {args.name!r} is not registered in {store.uri}, "
+                           f"and experiment {experiment!r} has no standalone run of that "
+                           "name (a script's run: pass --experiment)") from None
     print(strict_json.dumps(rep, indent=1) if args.json else format_lineage(rep))
     return EXIT_OK
 
@@ -271,7 +366,7 @@ def cmd_stop(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"register": cmd_register, "launch": cmd_launch, "list": cmd_list,
+COMMANDS = {"register": cmd_register, "launch": cmd_launch, "run": cmd_run, "list": cmd_list,
             "lineage": cmd_lineage, "stop": cmd_stop}
 
 

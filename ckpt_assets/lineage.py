@@ -125,6 +125,32 @@ def _attempts_ended(attempts: list[dict[str, Any]], ends: dict[str, list[dict[st
     return attempts
 
 
+def standalone_report(store: ObjectStore, experiment: str, run_key: str) -> dict[str, Any]:
+    """The lineage of a run never launched through Dagster (a script's CheckpointSession,
+    `python -m trainer`): its checkpoints with their parent links, and the attempts they
+    name, all from the store. KeyError if the store has no such run."""
+    repo = CheckpointRepo(store, experiment, run_key)
+    try:
+        ptr = repo.read_pointer()
+    except CheckpointError:
+        ptr = None
+    timeline = checkpoint_timeline(repo)
+    if ptr is None and not timeline:
+        raise KeyError(run_key)
+    checkpoints = [dict(c, stored=True) for c in timeline]
+    checkpoints.sort(key=lambda c: (c.get("step") or 0, c.get("attempt") or 0))
+    attempts = []
+    for n in sorted({c["attempt"] for c in checkpoints if c.get("attempt")}):
+        steps = [c["step"] for c in checkpoints if c.get("attempt") == n]
+        attempts.append({"attempt": n, "dagster_run_id": None, "status": "STANDALONE",
+                         "root_run_id": None, "parent_run_id": None,
+                         "checkpoints": len(steps), "last_committed_step": max(steps)})
+    return {"run": run_key, "experiment": experiment, "config_uri": None, "standalone": True,
+            "attempts": attempts, "checkpoints": checkpoints,
+            "latest_checkpoint": ptr.checkpoint if ptr else None,
+            "final_model": _final_model(store, experiment, run_key)}
+
+
 def _attempt_rows(instance: dg.DagsterInstance, run_key: str) -> list[dict[str, Any]]:
     """One row per Dagster run of the training run, from its tags and run record."""
     attempts = []
@@ -174,8 +200,14 @@ def _attempt_end(a: dict[str, Any], ended: dict[str, Any]) -> str | None:
 
 def format_lineage(rep: dict[str, Any]) -> str:
     lines = [f"training run {rep['run']} (experiment {rep['experiment']})",
-             f"  config: {rep['config_uri']}", "  attempts:"]
+             f"  config: {rep['config_uri']}" if not rep.get("standalone") else
+             "  standalone: never launched through Dagster (no registered config)",
+             "  attempts:"]
     for a in rep["attempts"]:
+        if a["dagster_run_id"] is None:
+            lines.append(f"    attempt {a['attempt']}: standalone, {a['checkpoints']} "
+                         f"checkpoint(s), last committed step {a['last_committed_step']}")
+            continue
         lines.append(f"    attempt {a['attempt']}: dagster run {a['dagster_run_id']} "
                      f"{a['status']} (root {a['root_run_id'][:8]}, parent "
                      f"{(a['parent_run_id'] or '-')[:8]})")

@@ -63,8 +63,9 @@ def links(values: dict[str, str | None]) -> dict[str, dg.MetadataValue]:
 
 
 # Lineage metadata of every checkpoint materialization.
-CHECKPOINT_METADATA_KEYS = ("step", "uri", "name", "sha256", "size", "loss", "parent",
-                            "parent_checkpoint", "save_seconds", "experiment", "training_run",
+# `size`: all the checkpoint's files, in bytes; `part_bytes`: each part's tensor bytes.
+CHECKPOINT_METADATA_KEYS = ("step", "uri", "name", "sha256", "size", "part_bytes", "loss",
+                            "parent", "parent_checkpoint", "save_seconds", "experiment", "training_run",
                             "dagster_run_id", "root_run_id", "attempt", "resumed_from_step",
                             "code_version", "user_code_version", "data_version", "dataset")
 
@@ -73,7 +74,8 @@ def checkpoint_metadata(rec: CheckpointRecord) -> dict[str, Any]:
     lin = rec.lineage
     return to_metadata({
         "step": rec.step, "uri": rec.uri, "name": rec.name, "sha256": rec.sha256,
-        "size": rec.size, "loss": rec.loss, "parent": rec.parent,
+        "size": rec.size, "part_bytes": rec.part_bytes or None, "loss": rec.loss,
+        "parent": rec.parent,
         "parent_checkpoint": rec.parent, "save_seconds": rec.save_seconds,
         "blocking_seconds": rec.blocking_seconds, "eval": rec.eval or None,
         "reason": rec.reason,

@@ -1,5 +1,6 @@
-"""What the MLflow run records per committed checkpoint: its training loss, and the
-evaluations up to its step, as metric histories over the global training step.
+"""What the MLflow run records per committed checkpoint: its training loss, its size
+(`checkpoint_bytes`, all its files), and the evaluations up to its step, as metric
+histories over the global training step.
 
 Metrics are logged only for committed checkpoints (the trainer reports a checkpoint after
 latest.json moved), so a resumed attempt continues the same step axis. A step at or below
@@ -18,8 +19,10 @@ from trainer.contract import Eval
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 
+# The size of each committed checkpoint (all its files), in bytes, over the step.
+CHECKPOINT_BYTES = "checkpoint_bytes"
 # The metrics whose last logged step a resumed attempt reads back before it logs more.
-STEPPED_METRICS = ("loss", "eval_loss", "eval_accuracy")
+STEPPED_METRICS = ("loss", "eval_loss", "eval_accuracy", CHECKPOINT_BYTES)
 
 
 class CheckpointMetrics:
@@ -61,6 +64,7 @@ class CheckpointMetrics:
                 self._log("eval_accuracy", ev.metrics.get("accuracy"), ev.step)
             self._pending_eval = [e for e in self._pending_eval if e.step > step]
             self._log("loss", rec.loss, step)
+            self._log(CHECKPOINT_BYTES, rec.size, step)
             self.run.client.set_tag(self.run.run_id, "last_checkpoint", rec.uri)
             self.run.client.set_tag(self.run.run_id, "last_committed_step", str(step))
         except Exception as e:
@@ -83,6 +87,7 @@ class CheckpointMetrics:
                 if m.step > self.last_step.get("loss", -1):
                     self._log("loss", m.meta.get("loss"), m.step)
                     n += 1
+                self._log(CHECKPOINT_BYTES, m.total_size, m.step)
         except Exception as e:
             self.run.warn("back-filling committed checkpoints", e)
         return n

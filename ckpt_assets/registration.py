@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_assets.defs.names import PARTITIONS_NAME
@@ -76,7 +79,8 @@ def config_key(experiment: str, run: str) -> str:
 
 
 def normalize_training_config(raw: dict[str, Any] | None, run: str,
-                              experiment: str | None = None) -> TrainConfig:
+                              experiment: str | None = None,
+                              base_dir: Path | None = None) -> TrainConfig:
     """Validate `raw` exactly as the trainer would and return the full typed config.
 
     The run name is forced to the partition key; `experiment` (if given) overrides the
@@ -104,7 +108,60 @@ def normalize_training_config(raw: dict[str, Any] | None, run: str,
     cfg = config_from_dict(raw)
     if cfg.command is None:
         _check_task(cfg.task)
+    elif base_dir is not None:
+        # Registered from a config file (the CLI): where the command runs is known here, so
+        # everything the launch would trip on is refused now, before the name is taken. A
+        # config given in a Dagster launch is checked by the launch (exit 2, never resumed).
+        cfg = anchor_command(cfg, base_dir)
+        check_command(cfg, base_dir)
     return cfg
+
+
+def anchor_command(cfg: TrainConfig, base_dir: Path) -> TrainConfig:
+    """A command's `cwd` made absolute against `base_dir` (the `ckpt-assets` CLI passes the
+    directory it runs in); no `cwd` is `base_dir` itself. (A config given in a Dagster
+    launch keeps a relative `cwd` relative to the TrainerResource's working_directory.)"""
+    if cfg.cwd and os.path.isabs(cfg.cwd):
+        return cfg
+    cwd = Path(base_dir, cfg.cwd or ".").resolve()
+    return cfg.model_copy(update={"cwd": str(cwd)})
+
+
+def check_command(cfg: TrainConfig, base_dir: Path | None = None) -> None:
+    """Refuse what the launch could not start, as the launch resolves it
+    (`ckpt_assets.launch.command_launch`): `cwd` must be a directory; `python` is the
+    orchestrator's interpreter and the script it is given must exist in `cwd`; a path with a
+    slash is relative to `cwd` and must be an executable file; a bare name must be on PATH
+    (the config's `env` PATH if it sets one). A relative `cwd` without `base_dir` is
+    unknown here: only what does not depend on it is checked."""
+    assert cfg.command
+    where = f" (relative paths are relative to {base_dir}, where it was registered from)" \
+        if base_dir is not None else ""
+    cwd = Path(cfg.cwd) if cfg.cwd and os.path.isabs(cfg.cwd) else None
+    if cwd is not None and not cwd.is_dir():
+        raise ConfigError(f"config key 'cwd': {cwd} is not a directory{where}; fix cwd")
+    program, args = cfg.command[0], cfg.command[1:]
+    if Path(program).name.startswith("python"):  # an interpreter: check its script too
+        script = args[0] if args and not args[0].startswith("-") else None
+        if script and cwd is not None and not Path(cwd, script).is_file():
+            raise ConfigError(f"config key 'command' runs the script {script!r}, but "
+                              f"{Path(cwd, script)} does not exist{where}; fix the command "
+                              "or cwd")
+        if program == "python":
+            return  # the orchestrator's own interpreter
+    if os.sep in program:
+        if cwd is None and not os.path.isabs(program):
+            return
+        path = Path(cwd or "/", program)
+        if not path.is_file():
+            raise ConfigError(f"config key 'command': {path} does not exist{where}; fix the "
+                              "command or cwd")
+        if not os.access(path, os.X_OK):
+            raise ConfigError(f"config key 'command': {path} is not executable; chmod +x it, "
+                              f"or run it as [python, {program}]")
+    elif shutil.which(program, path=cfg.env.get("PATH", os.environ.get("PATH"))) is None:
+        raise ConfigError(f"config key 'command': {program!r} is not on PATH; give its path, "
+                          "or use python for the orchestrator's interpreter")
 
 
 def _check_task(spec: str) -> None:
@@ -125,6 +182,8 @@ class Registration:
     config_uri: str
     config_sha256: str
     created: bool = field(default=False, compare=False)  # True if this call wrote it
+    # What a correction changed (a run without a committed checkpoint registered again).
+    corrected: str | None = field(default=None, compare=False)
 
     @classmethod
     def from_bytes(cls, run: str, body: bytes, uri: str, created: bool = False) -> Registration:
@@ -177,36 +236,80 @@ def read_registration(store: ObjectStore, run: str) -> Registration | None:
 
 def register_training_run(store: ObjectStore, run: str, raw_config: dict[str, Any] | None,
                           experiment: str | None = None,
-                          instance: DagsterInstance | None = None) -> Registration:
+                          instance: DagsterInstance | None = None,
+                          base_dir: Path | None = None,
+                          may_correct: bool = False) -> Registration:
     """Record `raw_config` as the config of training run `run` (create-once), then add the
     partition to `instance` (if given).
 
-    Re-registering with the same (normalized) config is a no-op; a different config, or
-    another experiment, raises RegistrationConflict. Nothing is written on bad input.
+    Re-registering with the same (normalized) config is a no-op. A different config, or
+    another experiment, raises RegistrationConflict, unless `may_correct` and the run has no
+    committed checkpoint and no active Dagster run (nothing the new config could
+    contradict): then the config is replaced and `Registration.corrected` says what changed.
+    `base_dir` anchors a command's relative paths (`anchor_command`). Nothing is written on
+    bad input.
     """
-    config = normalize_training_config(raw_config, run, experiment)
-    experiment = config.experiment
+    config = normalize_training_config(raw_config, run, experiment, base_dir)
     store.check_reachable()  # StorageError before anything is written
 
     existing = read_registration(store, run)
-    if existing is not None:
-        _compare(existing, config)
+    if existing is not None and existing.config == config:
         if instance is not None:
             add_partition(instance, run)
         return existing
+    if existing is not None:
+        _check_correctable(store, existing, config, instance, may_correct)
+    reg = _write_registration(store, run, config, overwrite=existing is not None)
+    if existing is not None:
+        reg = replace(reg, corrected=_diff(existing.config.to_dict(), config.to_dict()))
+        if existing.experiment != config.experiment:
+            store.delete(config_key(existing.experiment, run))
+    if instance is not None:
+        add_partition(instance, run)
+    return reg
 
+
+def _check_correctable(store: ObjectStore, existing: Registration, config: TrainConfig,
+                       instance: DagsterInstance | None, may_correct: bool) -> None:
+    """Refuse to replace a registered config that anything already depends on."""
+    from trainer.repo import CheckpointRepo
+
+    if not may_correct or CheckpointRepo(store, existing.experiment, existing.run).committed():
+        _compare(existing, config)
+    if instance is not None:
+        from ckpt_assets.stop import active_runs
+
+        active = active_runs(instance, existing.run)
+        if active:
+            raise RegistrationConflict(
+                f"training run {existing.run!r} has no committed checkpoint, but Dagster run "
+                f"{active[0].run_id} ({active[0].status.value}) is training it with the "
+                f"registered config; stop it first (python -m ckpt_assets stop "
+                f"{existing.run}), then register the corrected config")
+
+
+def _write_registration(store: ObjectStore, run: str, config: TrainConfig,
+                        overwrite: bool) -> Registration:
+    """config.json, then the registry entry naming its SHA-256 (create-once unless
+    `overwrite`, which only a correctable registration asks for)."""
     body = canonical_json(config.to_dict())
     sha = hashlib.sha256(body).hexdigest()
-    ckey = config_key(experiment, run)
-    try:
-        store.put_new(ckey, body)
-    except AlreadyExistsError:
-        # A registration cut off after config.json: the same config completes it.
-        old = store.read_bytes(ckey)
-        if old != body:
-            _compare(Registration.from_bytes(run, old, store.uri_for(ckey)), config)
-    entry = {"run": run, "experiment": experiment, "config_key": ckey, "config_sha256": sha,
-             "registered_at": time.time()}
+    ckey = config_key(config.experiment, run)
+    if overwrite:
+        store.write_overwrite(ckey, body)
+    else:
+        try:
+            store.put_new(ckey, body)
+        except AlreadyExistsError:
+            # A registration cut off after config.json: the same config completes it.
+            old = store.read_bytes(ckey)
+            if old != body:
+                _compare(Registration.from_bytes(run, old, store.uri_for(ckey)), config)
+    entry = {"run": run, "experiment": config.experiment, "config_key": ckey,
+             "config_sha256": sha, "registered_at": time.time()}
+    if overwrite:
+        store.write_overwrite(registry_key(run), canonical_json(entry))
+        return Registration.from_bytes(run, body, store.uri_for(ckey), created=True)
     try:
         store.put_new(registry_key(run), canonical_json(entry))
     except AlreadyExistsError:
@@ -214,11 +317,7 @@ def register_training_run(store: ObjectStore, run: str, raw_config: dict[str, An
         winner = read_registration(store, run)
         assert winner is not None
         _compare(winner, config)
-        if instance is not None:
-            add_partition(instance, run)
         return winner
-    if instance is not None:
-        add_partition(instance, run)
     return Registration.from_bytes(run, body, store.uri_for(ckey), created=True)
 
 

@@ -18,13 +18,18 @@ stored as the truth: it is derived every time from the runs, so it cannot go sta
 | finished             | succeeded                                                         |
 | stopped by policy    | failed; the policy does not resume it (the reason says why)      |
 | stopped by user      | stopped with `ckpt-assets stop` or the `stop_training_run` job   |
+
+What comes next in `deciding`, `waiting for back-off`, `resuming` after a failure and
+`queued` is a daemon's to do (the sensors, the run queue). `without_daemon` rewrites such a
+state's detail when no dagster-daemon has sent a heartbeat lately, so that `list` never
+promises what nobody will do, and says what to run instead.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -72,6 +77,7 @@ class RunState:
     dagster_run_id: str | None = None
     attempt: int | None = None
     resume_at: str | None = None  # ISO 8601 UTC, while waiting for a back-off
+    ended: bool = False  # the newest training run ended unsuccessfully (failed or canceled)
 
     def __str__(self) -> str:
         return f"{self.state.value}: {self.detail}" if self.detail else self.state.value
@@ -118,7 +124,8 @@ def state_of(run: dg.DagsterRun, now: float) -> RunState:
     partition = tags.get(PARTITION_TAG, "")
 
     def made(state: State, detail: str, resume_at: str | None = None) -> RunState:
-        return RunState(partition, state, detail, run.run_id, attempt, resume_at)
+        return RunState(partition, state, detail, run.run_id, attempt, resume_at,
+                        status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED))
 
     resumed = f", resuming run {tags[TAG_PARENT_RUN_ID]} from " \
               f"{tags.get(TAG_RESUME_FROM) or 'the latest checkpoint'}" \
@@ -155,6 +162,42 @@ def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made) -> RunState:
     lost = f": {tags[TAG_WORKER_LOST]}" if tags.get(TAG_WORKER_LOST) else ""
     return made(State.DECIDING, f"attempt {run.status.value.lower()}{lost}; the resume "
                                 "sensors decide within seconds")
+
+
+# A daemon beats every 30 s (dagster's DEFAULT_HEARTBEAT_INTERVAL_SECONDS); missing three
+# beats in a row means none is running (dagster's own tolerance, 30 min, is for alerting).
+DAEMON_SILENT_AFTER_S = 90.0
+RERUN_HINT = "python -m ckpt_assets run {run}"  # ckpt_assets.ci_run: resumes, in-process
+
+
+def daemon_running(instance: dg.DagsterInstance, daemon_type: str,
+                   now: float | None = None) -> bool:
+    """Whether a dagster-daemon running `daemon_type` beat within DAEMON_SILENT_AFTER_S."""
+    beat = instance.get_daemon_heartbeats().get(daemon_type)
+    now = time.time() if now is None else now
+    return beat is not None and now - beat.timestamp <= DAEMON_SILENT_AFTER_S
+
+
+def without_daemon(instance: dg.DagsterInstance, state: RunState,
+                   now: float | None = None) -> RunState:
+    """`state`, its detail rewritten when what comes next needs a daemon that is not running."""
+    from dagster._daemon.daemon import SensorDaemon
+    from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import (
+        QueuedRunCoordinatorDaemon,
+    )
+
+    failed = state.ended and state.state in (State.DECIDING, State.WAITING, State.RESUMING)
+    if failed and not daemon_running(instance, SensorDaemon.daemon_type(), now):
+        rerun = RERUN_HINT.format(run=state.training_run)
+        return replace(state, detail=(
+            f"attempt {state.attempt} failed, no daemon is running: run `dagster-daemon run`, "
+            f"or run the same command again to resume (e.g. {rerun})"))
+    if state.state in (State.QUEUED, State.RESUMING) and not state.ended \
+            and not daemon_running(instance, QueuedRunCoordinatorDaemon.daemon_type(), now):
+        return replace(state, detail=(
+            f"{state.detail}; no daemon is running: it stays queued until `dagster-daemon run` "
+            "(or `dagster dev`) dequeues it"))
+    return state
 
 
 def state_observation(state: RunState, extra: dict[str, Any] | None = None

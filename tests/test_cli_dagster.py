@@ -15,6 +15,7 @@ import pytest
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     DAGSTER,
+    PYTHON,
     ROOT,
     cli,
     dagster_cli,
@@ -25,6 +26,7 @@ from tests.dagster_fixtures import (
     training_config,
 )
 from tests.polling import wait_for
+from tests.trainer_proc import assert_bitwise_equal, final_state, training_state
 from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
 
@@ -74,6 +76,37 @@ def test_the_cli_entry_point_answers_bad_input_with_one_line_and_exit_code_2(
     proc = cli("register")
     assert proc.returncode == 2 and "usage:" in proc.stderr
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.slow
+def test_cli_register_refuses_a_typod_cwd_with_exit_2_then_takes_the_corrected_config(
+        tmp_path, dagster_home, store_uri):
+    # Run from the user's project, not from this checkout: relative paths are the project's.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text("print('training')\n")
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"command": ["python", "train.py"], "cwd": "scr",
+                                  "max_steps": 5}))
+
+    def register() -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, "-m", "ckpt_assets", "register", "first-day",
+                               "--config", "train.json"], cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=180)
+
+    proc = register()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{tmp_path / 'scr'} is not a directory" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "store").exists()
+    config.write_text(json.dumps({"command": ["python", "train.py"], "cwd": "src",
+                                  "max_steps": 5}))
+    proc = register()
+    assert proc.returncode == 0, proc.stderr
+    assert "registered: training run first-day" in proc.stdout
+    on_disk = json.loads((tmp_path / "store" / "default" / "first-day" / "config.json")
+                         .read_text())
+    assert on_disk["cwd"] == str(tmp_path / "src")
 
 
 @pytest.mark.slow
@@ -217,3 +250,55 @@ def test_cli_stop_cancels_a_queued_run_and_marks_it_not_to_be_resumed(
     capsys.readouterr()
     assert cli_main(["stop", "to-stop"]) == 2
     assert "has no queued or running Dagster run" in capsys.readouterr().err
+
+
+def _ci_run(tmp_path, name: str, config: Path) -> subprocess.Popen:
+    """`ckpt-assets run NAME --config FILE`, as a CI job runs it: no daemon anywhere."""
+    return subprocess.Popen([PYTHON, "-m", "ckpt_assets", "run", name, "--config", str(config)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=open(tmp_path / f"{name}.log", "ab"),
+                            stderr=subprocess.STDOUT)
+
+
+def _finish(tmp_path, proc: subprocess.Popen, name: str) -> int:
+    try:
+        return proc.wait(300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError((tmp_path / f"{name}.log").read_text()[-6000:]) from None
+
+
+@pytest.mark.slow
+def test_the_ci_command_preempted_by_sigterm_exits_143_and_run_again_resumes_bitwise_linked(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    config = _write_config(tmp_path, max_steps=300, task_args={"step_delay": 0.02})
+    proc = _ci_run(tmp_path, "ci-run", config)
+    try:
+        _wait(lambda: (pointer_step(Path(store_uri), "default", "ci-run") or 0) >= 20, 180,
+              "a committed checkpoint")
+        proc.send_signal(signal.SIGTERM)
+        code = _finish(tmp_path, proc, "ci-run")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "ci-run.log").read_text()
+    assert code == 143, log[-6000:]  # the attempt's outcome: preempted
+    interrupted_at = pointer_step(Path(store_uri), "default", "ci-run")
+    assert interrupted_at is not None and 20 <= interrupted_at < 300
+    assert _finish(tmp_path, _ci_run(tmp_path, "ci-run", config), "ci-run") == 0, \
+        (tmp_path / "ci-run.log").read_text()[-6000:]
+    assert _finish(tmp_path, _ci_run(tmp_path, "ci-ref", config), "ci-ref") == 0, \
+        (tmp_path / "ci-ref.log").read_text()[-6000:]
+
+    resumed = json.loads(cli("lineage", "ci-run", "--json").stdout)
+    first, second = resumed["attempts"]
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert second["parent_run_id"] == first["dagster_run_id"]
+    assert second["root_run_id"] == first["dagster_run_id"] == first["root_run_id"]
+    assert first["failure_class"] == "preempted"
+    # Resumed from its checkpoint, it ends where an uninterrupted run ends, bit for bit.
+    assert_bitwise_equal(
+        training_state(final_state(Path(store_uri), run="ci-ref")),
+        training_state(final_state(Path(store_uri), run="ci-run")))
+    listed = {r["run"]: r for r in json.loads(cli("list", "--json").stdout)}
+    assert (listed["ci-run"]["state"], listed["ci-run"]["attempt"]) == ("finished", 2)

@@ -78,6 +78,9 @@ def test_a_registration_cut_off_after_config_json_is_completed_by_registering_ag
     with pytest.raises(RegistrationConflict):
         register_training_run(store, "r1", training_config(max_steps=99))
     assert read_registration(store, "r1") is None
+    # A correction (the CLI's) finds no registration to correct: still refused.
+    with pytest.raises(RegistrationConflict):
+        register_training_run(store, "r1", training_config(max_steps=99), may_correct=True)
     done = register_training_run(store, "r1", training_config())
     assert done.config == reg.config and read_registration(store, "r1") == done
 

@@ -147,3 +147,67 @@ def test_the_training_job_names_the_state_knows_are_the_code_locations_training_
     assert TRAINING_JOB_NAMES == {train_job.name, train_demo.name}
     assert {j.name for j in JOBS} - TRAINING_JOB_NAMES == {"check_training_run",
                                                            "stop_training_run"}
+
+
+# -- what `list` says when no dagster-daemon is running ------------------------------------
+
+NO_DAEMON = ("failed, no daemon is running: run `dagster-daemon run`, or run the same "
+             "command again to resume")
+
+
+def _beat(instance, daemon_type: str, at: float) -> None:
+    from dagster._daemon.types import DaemonHeartbeat
+
+    instance.add_daemon_heartbeat(DaemonHeartbeat(at, daemon_type, None, None))
+
+
+def _listed(instance, tmp_path) -> dict:
+    store = CheckpointStore(uri=str(tmp_path / "store")).open()
+    register_training_run(store, KEY, {"max_steps": 100})
+    return run_summary(instance, store, KEY)
+
+
+@pytest.mark.parametrize("beat_age", [None, 10_000.0])
+def test_a_failed_run_awaiting_its_decision_without_a_daemon_says_what_to_run(
+        instance, tmp_path, beat_age):
+    from dagster._daemon.daemon import SensorDaemon
+
+    if beat_age is not None:  # a daemon that ran once, long ago
+        _beat(instance, SensorDaemon.daemon_type(), time.time() - beat_age)
+    dagster_runs.lost_worker_run(instance, KEY)
+    row = _listed(instance, tmp_path)
+    assert row["state"] == State.DECIDING.value
+    assert row["detail"].startswith(f"attempt 1 {NO_DAEMON}")
+    assert f"python -m ckpt_assets run {KEY}" in row["detail"]
+    assert "within seconds" not in row["detail"]  # no promise nobody keeps
+
+
+def test_a_failed_run_awaiting_its_decision_with_a_live_daemon_keeps_the_promise(
+        instance, tmp_path):
+    from dagster._daemon.daemon import SensorDaemon
+
+    _beat(instance, SensorDaemon.daemon_type(), time.time())
+    dagster_runs.lost_worker_run(instance, KEY)
+    row = _listed(instance, tmp_path)
+    assert row["state"] == State.DECIDING.value
+    assert "the resume sensors decide within seconds" in row["detail"]
+    assert "no daemon" not in row["detail"]
+
+
+def test_a_resume_due_without_a_daemon_is_not_promised_either(instance, tmp_path):
+    run_with(instance, S.FAILURE, {TAG_DECISION: "resume", TAG_RESUME_AT: iso(time.time() - 1),
+                                   TAG_DECISION_REASON: "resumed at once: preempted"})
+    row = _listed(instance, tmp_path)
+    assert row["state"] == State.RESUMING.value and NO_DAEMON in row["detail"]
+
+
+def test_a_queued_run_without_a_daemon_says_it_stays_queued_until_one_dequeues_it(
+        instance, tmp_path):
+    from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import (
+        QueuedRunCoordinatorDaemon,
+    )
+
+    run_with(instance, S.QUEUED)
+    assert "stays queued until `dagster-daemon run`" in _listed(instance, tmp_path)["detail"]
+    _beat(instance, QueuedRunCoordinatorDaemon.daemon_type(), time.time())
+    assert "no daemon" not in _listed(instance, tmp_path)["detail"]
