@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trainer.interval import IntervalChoice
+
 if TYPE_CHECKING:
     from trainer.manifest import Manifest
 
@@ -59,8 +61,9 @@ class CheckpointRecord:
     eval: dict[str, float] = field(default_factory=dict)
     reason: str | None = None
     save_seconds: float | None = None
-    blocking_seconds: float | None = None
+    blocking_seconds: float | None = None  # the training thread's stall for this save
     lineage: Lineage | None = None
+    interval: IntervalChoice | None = None  # `every_seconds: auto`: the interval and its inputs
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -72,7 +75,8 @@ class CheckpointRecord:
         rec = from_known_fields(cls, raw)
         lin = raw.get("lineage")
         return dataclasses.replace(rec, lineage=Lineage.from_dict(lin) if lin else None,
-                                   eval=dict(raw.get("eval") or {}))
+                                   eval=dict(raw.get("eval") or {}),
+                                   interval=IntervalChoice.from_dict(raw.get("interval")))
 
     @classmethod
     def from_manifest(cls, m: Manifest, uri: str,
@@ -84,5 +88,7 @@ class CheckpointRecord:
                    size=m.total_size, parent=m.parent, loss=m.meta.get("loss"),
                    eval=dict(m.meta.get("metrics") or {}), reason=m.meta.get("reason"),
                    save_seconds=stats.get("save_seconds"),
-                   blocking_seconds=stats.get("blocking_seconds"),
-                   lineage=Lineage.from_dict(lin) if lin else None)
+                   blocking_seconds=stats.get("blocking_seconds",
+                                              m.meta.get("blocking_seconds")),
+                   lineage=Lineage.from_dict(lin) if lin else None,
+                   interval=IntervalChoice.from_dict(m.meta.get("interval")))

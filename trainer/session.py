@@ -59,6 +59,7 @@ from trainer.contract import (
 )
 from trainer.dataset import check_same_data, dataset_manifest
 from trainer.errors import AlreadyExistsError, ConfigError, DivergedError
+from trainer.interval import SaveInterval
 from trainer.manifest import Manifest
 from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord, Lineage
@@ -157,6 +158,8 @@ class CheckpointSession:
             self.resume = (resume or os.environ.get(Env.RESUME_FROM)
                            or os.environ.get(RESUME_FROM_ALIAS) or "auto")
         self.triggers: CheckpointConfig = parse(CheckpointConfig, triggers, "checkpoint")
+        self._interval = SaveInterval(self.triggers.every_seconds, self.triggers.mtbf_seconds,
+                                      launched.mtbf if launched else None)
         self.max_steps = max_steps
         self.best_metric = best_metric
         self.config = config
@@ -258,6 +261,7 @@ class CheckpointSession:
         """Record step `step` as done; commit if a trigger fires; True: stop the loop now."""
         if self._ck is None:
             raise ConfigError("call restore() with your parts before the first step()")
+        self._ck.raise_if_failed()  # a background save's error fails the attempt here
         if loss is not None:
             loss = float(loss)
             if not math.isfinite(loss):
@@ -294,7 +298,7 @@ class CheckpointSession:
                     reasons.append("best")
         if c.every_steps and step % c.every_steps == 0:
             reasons.append("interval")
-        if c.every_seconds and time.monotonic() - self._last_save_t >= c.every_seconds:
+        if self._interval.due(time.monotonic() - self._last_save_t):
             reasons.append("time")
         if c.on_epoch_end and epoch_end:
             reasons.append("epoch_end")
@@ -322,15 +326,16 @@ class CheckpointSession:
         meta = {"reason": reason, "loss": loop.losses[-1] if loop.losses else None,
                 "metrics": loop.metrics, "best_score": loop.best_score,
                 "is_best": reason == "best", "lineage": self.lineage.to_dict(),
-                "config": self._config_ref}
+                "config": self._config_ref, **self._interval.meta()}
         self._ck.save(loop.step, meta)
         self._last_save_t = time.monotonic()
 
     def _on_commit(self, m: Manifest, stats: dict[str, Any]) -> None:
+        self._interval.observe(stats)  # on the save's worker: the next interval uses it
         rec = CheckpointRecord.from_manifest(m, self.repo.uri(m.name), stats)
         loss = f", loss {rec.loss:.4g}" if isinstance(rec.loss, float) else ""
-        self.reporter.log(f"checkpoint committed: step {m.step}{loss} -> {rec.uri} "
-                          f"({rec.size} bytes, {rec.save_seconds:.2f}s)")
+        self.reporter.log(f"checkpoint committed: step {m.step}{loss} -> {rec.uri} ({rec.size} "
+                          f"bytes, {rec.save_seconds:.2f}s); stalled {rec.blocking_seconds:.4f}s")
         self.reporter.send(rec)
 
     # -- the end --------------------------------------------------------------------------

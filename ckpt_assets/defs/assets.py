@@ -42,7 +42,14 @@ from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY
 from ckpt_assets.history import history_metadata
-from ckpt_assets.launch import AttemptIds, base_env, command_launch, contract, task_launch
+from ckpt_assets.launch import (
+    AttemptIds,
+    attempt_mtbf,
+    base_env,
+    command_launch,
+    contract,
+    task_launch,
+)
 from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.run_state import RunState, State, run_state, state_observation
@@ -126,7 +133,8 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     late = record_unseen_checkpoints(context, repo, reg.run)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     report = AttemptReport(reg.run, ids.attempt)
-    told = contract(reg, store.uri, ids, dataset)
+    told = contract(reg, store.uri, ids, dataset,
+                    attempt_mtbf(context.instance, store, reg, context.run.run_id, context.log))
     env = base_env(trainer, checkpoint_store.aws_env())
     with tempfile.TemporaryDirectory(prefix=f"ckpt-{reg.run}-a{ids.attempt}-") as workdir:
         try:
