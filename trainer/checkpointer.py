@@ -14,6 +14,7 @@ deserializing, and only ever with `torch.load(weights_only=True)`.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import random
 import threading
@@ -31,6 +32,9 @@ from trainer.snapshot import HostBuffers, Snapshot, owned_storages, take
 log = logging.getLogger("trainer.checkpoint")
 
 STATE_FILE = "state.pt"  # rank r of a multi-rank save writes state-rank{r}.pt beside it
+# How far a background write's threads step back from training (CPU weight about a third):
+# enough for training to win a contended core, not so far that a busy host starves the write.
+WRITER_NICENESS = 5
 
 
 class Stateful(Protocol):
@@ -117,6 +121,7 @@ class Checkpointer:
         try:
             state = snap.copy(self._buffers)
             stall = call_s + snap.settled_fence_wait()
+            _yield_to_training()
             self._persist(step, state, meta, t0, stall)
         except BaseException as e:  # surfaced by the next step(), save() or wait()
             self._error = e
@@ -194,6 +199,18 @@ class Checkpointer:
                     f"checkpoint {self.repo.uri(manifest.name)} does not fit part {name!r}: {e}. "
                     "Resume with the config the run was started with, or --resume never."
                 ) from e
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's CPU priority (and so that of the threads it starts to hash and
+    fsync): training waits for nothing here, so where cores are short the write gives way
+    to it. Linux threads have their own nice value; elsewhere this does nothing."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid)
+                                                 + WRITER_NICENESS))
+    except (OSError, AttributeError):
+        pass
 
 
 def _save(state: dict[str, Any], dest) -> None:

@@ -62,12 +62,14 @@ class HostBuffers:
     def __init__(self) -> None:
         self.pin = torch.cuda.is_available()
         self._slots: dict[int, torch.Tensor] = {}
+        self.allocations = 0  # buffers allocated so far (a steady run stops counting)
 
     def get(self, slot: int, like: torch.Tensor) -> torch.Tensor:
         buf = self._slots.get(slot)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
             buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
             self._slots[slot] = buf
+            self.allocations += 1
         return buf
 
     @property
