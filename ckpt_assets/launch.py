@@ -16,8 +16,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import dagster as dg
-
 from ckpt_assets.datasets import DatasetRecord
 from ckpt_assets.defs.resources import REPO_ROOT, TrainerResource
 from ckpt_assets.failure_history import experiment_mtbf
@@ -57,15 +55,16 @@ def contract(reg: Registration, store_uri: str, ids: AttemptIds,
         heartbeat_seconds=reg.config.checkpoint.heartbeat_seconds, mtbf=mtbf)
 
 
-def attempt_mtbf(instance: dg.DagsterInstance, store: ObjectStore, reg: Registration,
-                 run_id: str, log) -> Mtbf | None:
-    """The experiment's MTBF for an attempt that may set its interval itself: a task whose
-    config says `every_seconds: auto`, or a command (its script passes its own triggers)."""
-    ck = reg.config.checkpoint
+def attempt_mtbf(context, store: ObjectStore, reg: Registration) -> Mtbf | None:
+    """The experiment's MTBF for the attempt `context` runs (its instance, run and log), if
+    it may set its interval itself: a task whose config says `every_seconds: auto`, or a
+    command (its script passes its own triggers)."""
+    ck, log = reg.config.checkpoint, context.log
     if ck.every_seconds != AUTO and not reg.config.command:
         return None
     try:
-        mtbf = experiment_mtbf(instance, store, reg.experiment, ck.mtbf_seconds, run_id)
+        mtbf = experiment_mtbf(context.instance, store, reg.experiment, ck.mtbf_seconds,
+                               context.run.run_id)
     except Exception as e:  # the history sharpens the interval; the attempt runs without it
         log.warning(f"could not read the failure history of experiment {reg.experiment!r} "
                     f"({e}); the interval uses checkpoint.mtbf_seconds={ck.mtbf_seconds:g}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from types import SimpleNamespace
 
 import dagster as dg
 import pytest
@@ -174,16 +175,17 @@ def test_an_attempt_is_told_the_mtbf_only_when_its_interval_may_set_itself(store
         history = failure_history(instance, ["a"], exclude_run_id=current.run_id)
         assert (history.attempts, history.failures) == (1, 1)
 
+        context = SimpleNamespace(instance=instance, run=current, log=log)  # the asset's
         fixed = register_training_run(store, "fixed", {"experiment": "exp"})
-        assert attempt_mtbf(instance, store, fixed, current.run_id, log) is None
+        assert attempt_mtbf(context, store, fixed) is None
         auto = register_training_run(store, "auto-run", {
             "experiment": "exp", "checkpoint": {"every_seconds": "auto"}})
-        told = attempt_mtbf(instance, store, auto, current.run_id, log)
+        told = attempt_mtbf(context, store, auto)
         assert told.source == MtbfSource.HISTORY and told.failures == 1
         assert told.seconds == pytest.approx(HOUR, abs=60)
         command = register_training_run(store, "cmd", {
             "experiment": "exp", "command": ["python", "train.py"]})
-        assert attempt_mtbf(instance, store, command, current.run_id, log) == told
+        assert attempt_mtbf(context, store, command) == told
 
 
 @pytest.mark.parametrize("every", ["auto", 300, 2.5, None])

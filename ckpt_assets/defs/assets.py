@@ -133,8 +133,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     late = record_unseen_checkpoints(context, repo, reg.run)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     report = AttemptReport(reg.run, ids.attempt)
-    told = contract(reg, store.uri, ids, dataset,
-                    attempt_mtbf(context.instance, store, reg, context.run.run_id, context.log))
+    told = contract(reg, store.uri, ids, dataset, attempt_mtbf(context, store, reg))
     env = base_env(trainer, checkpoint_store.aws_env())
     with tempfile.TemporaryDirectory(prefix=f"ckpt-{reg.run}-a{ids.attempt}-") as workdir:
         try:
