@@ -79,10 +79,11 @@ def _intervals(ckpt: CheckpointSession) -> list[dict]:
 
 
 def test_standalone_the_interval_uses_the_configs_mtbf_and_each_checkpoint_records_it(tmp_path):
-    # Synchronous saves: each commit (and so its stall) is known before the next trigger.
+    # Synchronous saves (the default): each commit, and so its stall, is known before the
+    # next trigger.
     with CheckpointSession(run="r", store=str(tmp_path), resume="never", max_steps=6,
                            every_steps=3, every_seconds="auto", mtbf_seconds=2 * HOUR,
-                           async_save=False, install_signals=False, on_best=False) as ckpt:
+                           install_signals=False, on_best=False) as ckpt:
         _train(ckpt, 6)
     first, second = _intervals(ckpt)
     assert first["mtbf_seconds"] == 2 * HOUR and first["mtbf_source"] == "config"
@@ -101,8 +102,8 @@ def test_launched_by_the_orchestrator_the_interval_uses_the_mtbf_it_was_told(
     assert LaunchEnv.from_env(launch.to_env()) == launch
     for name, value in launch.to_env().items():
         monkeypatch.setenv(name, value)
-    with CheckpointSession(max_steps=2, every_seconds="auto", install_signals=False,
-                           on_best=False) as ckpt:
+    with CheckpointSession(max_steps=2, every_seconds="auto", async_save=True,
+                           install_signals=False, on_best=False) as ckpt:
         _train(ckpt, 2)
     (recorded,) = _intervals(ckpt)
     assert recorded["mtbf_seconds"] == 900.0 and recorded["mtbf_source"] == "history"

@@ -145,7 +145,7 @@ def test_at_most_one_save_is_in_flight_the_next_one_waits_for_its_write(tmp_path
 
 def session(tmp_path, **triggers) -> CheckpointSession:
     return CheckpointSession(run="r", store=str(tmp_path), resume="never", on_epoch_end=False,
-                             on_best=False, install_signals=False, **triggers)
+                             on_best=False, install_signals=False, async_save=True, **triggers)
 
 
 def test_the_stall_of_each_save_is_in_its_manifest_and_its_checkpoint_record(

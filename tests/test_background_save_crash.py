@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 GATED = ROOT / "tests" / "gated_writes.py"
 # A state of about 13 MB (1M parameters and AdamW's two moments): most of it goes through
 # the host buffers and the optimizer's fence, not the training thread's own copy.
-BIG = {"max_steps": 60, "checkpoint": {"every_steps": 20, "on_epoch_end": False, "keep_last": 3},
+BIG = {"max_steps": 60, "checkpoint": {"every_steps": 20, "on_epoch_end": False, "keep_last": 3,
+                                       "async_save": True},
        "task_args": {"n_train": 1024, "hidden": 1024}}
 
 

@@ -66,9 +66,9 @@ class CheckpointConfig(Section):
     on_best: bool = Field(True, description="commit when evaluation gives a new best loss")
     keep_last: int = Field(3, ge=1, description="retention: the last K checkpoints")
     keep_best: bool = Field(True, description="retention: also keep the best one")
-    async_save: bool = Field(True, description="snapshot into reused host buffers while "
-                             "training goes on and write on a background thread (false: "
-                             "training waits for each save; uses no extra host memory)")
+    async_save: bool = Field(False, description="snapshot into reused host buffers while "
+                             "training goes on, and write on a background thread (needs host "
+                             "memory for one copy of the optimizers' tensors)")
     # Liveness: the reconciler declares a run dead when its heartbeat is older than
     # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional.
     heartbeat_seconds: float = Field(5.0, description="liveness heartbeat interval, 0 to "

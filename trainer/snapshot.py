@@ -36,9 +36,18 @@ import torch
 SMALL_TENSOR_BYTES = 1 << 16
 
 
+def _storage_key(t: torch.Tensor) -> tuple:
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+        return ("object", id(t))
+
+
 def _view_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-            tuple(t.stride()), t.dtype)
+    try:
+        return (*_storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    except (RuntimeError, NotImplementedError):
+        return ("object", id(t))
 
 
 def owned_storages(optimizers: list[torch.optim.Optimizer]) -> set[tuple]:
@@ -46,12 +55,9 @@ def owned_storages(optimizers: list[torch.optim.Optimizer]) -> set[tuple]:
     owned = set()
     for opt in optimizers:
         for group in opt.param_groups:
-            for p in group["params"]:
-                owned.add((p.device, p.untyped_storage().data_ptr()))
+            owned.update(_storage_key(p) for p in group["params"])
         for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    owned.add((v.device, v.untyped_storage().data_ptr()))
+            owned.update(_storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
     return owned
 
 
@@ -177,7 +183,7 @@ def take(state: Any, owned: set[tuple]) -> Snapshot:
 
 def _one_tensor(t: torch.Tensor, owned: set[tuple], snap: Snapshot) -> Any:
     nbytes = t.numel() * t.element_size()
-    if nbytes >= SMALL_TENSOR_BYTES and (t.device, t.untyped_storage().data_ptr()) in owned:
+    if nbytes >= SMALL_TENSOR_BYTES and _storage_key(t) in owned:
         snap.sources.append(t)
         return _Deferred(len(snap.sources) - 1)
     return t.to("cpu", copy=True)
