@@ -73,8 +73,8 @@ def plain_copy(host: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
 def bench_background(model, opt, work: Path, rounds: int, batch: int, quiet_steps: int) -> None:
     """Each round: `quiet_steps` training steps with no save in flight, then a background
     save and the steps that overlap it, then (side by side) a synchronous durable save and a
-    plain copy of the same state. Round 0 is the first background save, which allocates the
-    host buffers: reported on its own."""
+    plain copy of the same state. Round 0 is the first background save (the host buffers
+    were allocated after the optimizer's first step): reported on its own."""
     parts = {"model": model, "optimizer": opt}
     x = torch.randn(batch, model[0].in_features)
 
@@ -132,9 +132,9 @@ def report_background(first, quiet, during, stalls, sync_s, copy_s, writes, nbyt
     print(f"background saves while training ({nbytes / 1e9:.2f} GB of parameters and AdamW "
           f"state, batch {batch}, {len(stalls)} rounds after the first, medians):")
     print(f"  step without a save in flight {med(quiet):7.3f}s   background write "
-          f"{med(writes):7.3f}s   host buffers allocated {allocations} (all in the first save)")
-    print(f"  first save (allocates the buffers): stall {first[0]:.4f}s, longest step "
-          f"{first[1]:.2f}x median")
+          f"{med(writes):7.3f}s   host buffers allocated {allocations}, none after the first "
+          "step")
+    print(f"  first save: stall {first[0]:.4f}s, longest step {first[1]:.2f}x median")
     print(f"{'stall per background save / synchronous durable save':<56} "
           f"{med(stalls):8.4f}s / {med(sync_s):7.3f}s  ratio {med(stalls) / med(sync_s):6.3f}"
           "  (target <= 0.1)")

@@ -27,7 +27,7 @@ import torch
 from trainer.errors import CheckpointError
 from trainer.manifest import Manifest
 from trainer.repo import CheckpointRepo
-from trainer.snapshot import HostBuffers, Snapshot, owned_storages, take
+from trainer.snapshot import HostBuffers, Snapshot, owned_storages, owned_tensors, take
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -79,8 +79,10 @@ class Checkpointer:
         self.async_save = async_save
         self._optimizers = [p for p in parts.values() if isinstance(p, torch.optim.Optimizer)]
         self._buffers = HostBuffers() if async_save else None
-        self._hooks = [o.register_step_pre_hook(self._fence) for o in self._optimizers] \
+        self._hooks = [h for o in self._optimizers for h in (
+            o.register_step_pre_hook(self._fence), o.register_step_post_hook(self._prepare))] \
             if async_save else []
+        self._prepared = False
         self._snapshot: Snapshot | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -115,6 +117,15 @@ class Checkpointer:
         snap = self._snapshot
         if snap is not None:
             snap.fence()
+
+    def _prepare(self, _optimizer, _args, _kwargs) -> None:
+        """After the optimizers' first step (their state exists now): the host buffers are
+        allocated and touched in the background, not by the first save's copy."""
+        if self._prepared:
+            return
+        self._prepared = True
+        threading.Thread(target=self._buffers.prepare, args=(owned_tensors(self._optimizers),),
+                         name="checkpoint-buffers", daemon=True).start()
 
     def _persist_bg(self, step: int, snap: Snapshot, meta: dict, t0: float,
                     call_s: float) -> None:

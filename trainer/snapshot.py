@@ -50,33 +50,62 @@ def _view_key(t: torch.Tensor) -> tuple:
         return ("object", id(t))
 
 
-def owned_storages(optimizers: list[torch.optim.Optimizer]) -> set[tuple]:
-    """Storages only an optimizer step writes: its parameters and its state tensors."""
-    owned = set()
+def owned_tensors(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The tensors only an optimizer step writes: its parameters and its state tensors."""
+    out = []
     for opt in optimizers:
         for group in opt.param_groups:
-            owned.update(_storage_key(p) for p in group["params"])
+            out.extend(p.detach() for p in group["params"])
         for state in opt.state.values():
-            owned.update(_storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return owned
+            out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def owned_storages(optimizers: list[torch.optim.Optimizer]) -> set[tuple]:
+    return {_storage_key(t) for t in owned_tensors(optimizers)}
 
 
 class HostBuffers:
-    """Host tensors a snapshot is copied into: allocated on first use, reused while a
-    slot's shape and dtype stay the same. Used by one save at a time."""
+    """Host tensors a snapshot is copied into, one per tensor view: allocated once, ahead
+    of the first save (`prepare`, after the optimizers' first step made their state) or at
+    the latest by it, and reused by every later save while the view's shape and dtype stay
+    the same. One save uses them at a time."""
 
     def __init__(self) -> None:
         self.pin = torch.cuda.is_available()
-        self._slots: dict[int, torch.Tensor] = {}
+        self._slots: dict[tuple, torch.Tensor] = {}
+        self._lock = threading.Lock()
         self.allocations = 0  # buffers allocated so far (a steady run stops counting)
 
-    def get(self, slot: int, like: torch.Tensor) -> torch.Tensor:
-        buf = self._slots.get(slot)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
-            self._slots[slot] = buf
-            self.allocations += 1
-        return buf
+    def get(self, like: torch.Tensor) -> torch.Tensor:
+        """The buffer for the view `like` (a save's copy writes it)."""
+        return self._slot(like, touch=False)
+
+    def prepare(self, tensors: list[torch.Tensor]) -> None:
+        """Allocate the buffers of the large ones among `tensors` and touch every page, so
+        that a save's copy meets neither allocation nor page faults (pinned buffers are
+        touched by pinning)."""
+        for t in tensors:
+            if t.numel() * t.element_size() >= SMALL_TENSOR_BYTES:
+                self._slot(t, touch=not self.pin)
+
+    def retain(self, used: set[tuple]) -> None:
+        """Free the buffers of views no longer saved (the optimizers' tensors were replaced)."""
+        with self._lock:
+            for key in set(self._slots) - used:
+                del self._slots[key]
+
+    def _slot(self, like: torch.Tensor, touch: bool) -> torch.Tensor:
+        key = _view_key(like)
+        with self._lock:  # a save never meets a buffer that is still being touched
+            buf = self._slots.get(key)
+            if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+                buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
+                if touch:
+                    buf.zero_()
+                self._slots[key] = buf
+                self.allocations += 1
+            return buf
 
     @property
     def nbytes(self) -> int:
@@ -107,17 +136,18 @@ class Snapshot:
         """On the worker: copy the deferred tensors into `buffers`; the finished tree."""
         try:
             streams: dict[torch.device, torch.cuda.Stream] = {}
-            done = [self._copy_one(i, src, buffers, streams) for i, src in enumerate(self.sources)]
+            done = [self._copy_one(src, buffers, streams) for src in self.sources]
             for stream in streams.values():
                 stream.synchronize()  # only the copies: training's own stream runs on
         finally:
             self.copied.set()  # a failed copy must not hang the training thread's fence
+        buffers.retain({_view_key(src) for src in self.sources})
         self.sources = []
         return _fill(self.tree, done)
 
-    def _copy_one(self, i: int, src: torch.Tensor, buffers: HostBuffers,
+    def _copy_one(self, src: torch.Tensor, buffers: HostBuffers,
                   streams: dict) -> torch.Tensor:
-        dst = buffers.get(i, src)
+        dst = buffers.get(src)
         if not src.is_cuda:
             return dst.copy_(src)
         stream = streams.get(src.device)
