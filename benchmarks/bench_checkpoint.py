@@ -132,8 +132,7 @@ def report_background(first, quiet, during, stalls, sync_s, copy_s, writes, nbyt
     print(f"background saves while training ({nbytes / 1e9:.2f} GB of parameters and AdamW "
           f"state, batch {batch}, {len(stalls)} rounds after the first, medians):")
     print(f"  step without a save in flight {med(quiet):7.3f}s   background write "
-          f"{med(writes):7.3f}s   host buffers allocated {allocations}, none after the first "
-          "step")
+          f"{med(writes):7.3f}s   host buffers allocated {allocations} (for all the saves)")
     print(f"  first save: stall {first[0]:.4f}s, longest step {first[1]:.2f}x median")
     print(f"{'stall per background save / synchronous durable save':<56} "
           f"{med(stalls):8.4f}s / {med(sync_s):7.3f}s  ratio {med(stalls) / med(sync_s):6.3f}"
