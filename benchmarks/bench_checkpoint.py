@@ -143,6 +143,10 @@ def report_background(first, quiet, during, stalls, sync_s, copy_s, writes, nbyt
     print(f"{'longest step during a save / median step':<56} "
           f"{max(during):8.3f}s / {med(quiet):7.3f}s  ratio {max(during) / med(quiet):6.3f}"
           "  (target <= 2)")
+    print(f"{'  the same without a save (the machine: noise)':<56} "
+          f"{max(quiet):8.3f}s / {med(quiet):7.3f}s  ratio {max(quiet) / med(quiet):6.3f}")
+    print(f"{'  median step during a save / median step':<56} "
+          f"{med(during):8.3f}s / {med(quiet):7.3f}s  ratio {med(during) / med(quiet):6.3f}")
 
 
 def free_port() -> int:
