@@ -4,8 +4,13 @@ For a training state of at least 1 GB (model + AdamW moments), prints:
   durable local save (serialize + hash + fsync + link) / raw write+fsync of as many bytes
   verified load (hash check + torch.load) / plain torch.load of the same file
   S3 save to a loopback moto_server / plain boto3 upload of the same bytes
+and, while the same state trains (forward, backward and AdamW on it, one thread):
+  training stall per background save (`async_save`) / synchronous durable save of the state
+  training stall per background save / a plain copy of the state into host memory
+  longest step while a background save is in flight / median step without one
 
     python benchmarks/bench_checkpoint.py [--gb 1.0] [--repeats 3] [--no-s3]
+                                          [--rounds 3] [--batch 16] [--no-background]
 """
 
 from __future__ import annotations
@@ -55,6 +60,97 @@ def raw_write_fsync(path: Path, payload: memoryview) -> float:
 
 
 
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [*model.parameters(), *(v for st in opt.state.values() for v in st.values()
+                                   if isinstance(v, torch.Tensor) and v.dim() > 0)]
+
+
+def plain_copy(host: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for dst, src in zip(host, tensors, strict=True):
+        dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def bench_background(model, opt, work: Path, rounds: int, batch: int, quiet_steps: int) -> None:
+    """Each round: `quiet_steps` training steps with no save in flight, then a background
+    save and the steps that overlap it, then (side by side) a synchronous durable save and a
+    plain copy of the same state. Round 0 is the first background save (the host buffers
+    were allocated after the optimizer's first step): reported on its own."""
+    parts = {"model": model, "optimizer": opt}
+    x = torch.randn(batch, model[0].in_features)
+
+    def train_step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    def checkpointer(name: str, async_save: bool) -> Checkpointer:
+        repo = CheckpointRepo(open_store(str(work / name)), "bench", name)
+        repo.claim(None)
+        return Checkpointer(repo, parts, 1, keep_last=1, keep_best=False, async_save=async_save)
+
+    bg, sync = checkpointer("background", True), checkpointer("synchronous", False)
+    committed: list[dict] = []
+    bg.on_commit = lambda _m, stats: committed.append(stats)
+    tensors = state_tensors(model, opt)
+    host = [torch.empty_like(t) for t in tensors]
+    plain_copy(host, tensors)  # first touch: the baseline copies into warm memory
+    quiet, during, stalls, sync_s, copy_s, writes = [], [], [], [], [], []
+    step, first = 0, None
+    for r in range(rounds + 1):
+        steady = [train_step() for _ in range(quiet_steps)]
+        step += quiet_steps + 1
+        t0 = time.perf_counter()
+        train_step()
+        bg.save(step, {})
+        overlapping = [time.perf_counter() - t0]
+        while bg.in_flight:
+            overlapping.append(train_step())
+            step += 1
+        bg.wait()
+        if r == 0:
+            first = (committed[-1]["blocking_seconds"], max(overlapping) / statistics.median(steady))
+            continue
+        quiet += steady
+        during += overlapping
+        stalls.append(committed[-1]["blocking_seconds"])
+        writes.append(committed[-1]["write_seconds"])
+        t0 = time.perf_counter()
+        sync.save(step, {})
+        sync_s.append(time.perf_counter() - t0)
+        copy_s.append(plain_copy(host, tensors))
+    bg.close()
+    report_background(first, quiet, during, stalls, sync_s, copy_s, writes,
+                      sum(t.numel() * t.element_size() for t in tensors), batch,
+                      bg._buffers.allocations)
+
+
+def report_background(first, quiet, during, stalls, sync_s, copy_s, writes, nbytes, batch,
+                      allocations) -> None:
+    med = statistics.median
+    print(f"background saves while training ({nbytes / 1e9:.2f} GB of parameters and AdamW "
+          f"state, batch {batch}, {len(stalls)} rounds after the first, medians):")
+    print(f"  step without a save in flight {med(quiet):7.3f}s   background write "
+          f"{med(writes):7.3f}s   host buffers allocated {allocations} (for all the saves)")
+    print(f"  first save: stall {first[0]:.4f}s, longest step {first[1]:.2f}x median")
+    print(f"{'stall per background save / synchronous durable save':<56} "
+          f"{med(stalls):8.4f}s / {med(sync_s):7.3f}s  ratio {med(stalls) / med(sync_s):6.3f}"
+          "  (target <= 0.1)")
+    print(f"{'stall per background save / plain copy to host memory':<56} "
+          f"{med(stalls):8.4f}s / {med(copy_s):7.3f}s  ratio {med(stalls) / med(copy_s):6.3f}"
+          "  (target <= 0.5)")
+    print(f"{'longest step during a save / median step':<56} "
+          f"{max(during):8.3f}s / {med(quiet):7.3f}s  ratio {max(during) / med(quiet):6.3f}"
+          "  (target <= 2)")
+    print(f"{'  the same without a save (the machine: noise)':<56} "
+          f"{max(quiet):8.3f}s / {med(quiet):7.3f}s  ratio {max(quiet) / med(quiet):6.3f}")
+    print(f"{'  median step during a save / median step':<56} "
+          f"{med(during):8.3f}s / {med(quiet):7.3f}s  ratio {med(during) / med(quiet):6.3f}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,6 +182,11 @@ def main() -> int:
     p.add_argument("--gb", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-s3", action="store_true")
+    p.add_argument("--no-background", action="store_true")
+    p.add_argument("--rounds", type=int, default=3, help="background saves measured")
+    p.add_argument("--batch", type=int, default=16, help="training batch (background saves)")
+    p.add_argument("--quiet-steps", type=int, default=3,
+                   help="steps without a save in flight before each background save")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -156,6 +257,8 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait()
+    if not args.no_background:
+        bench_background(model, opt, work, args.rounds, args.batch, args.quiet_steps)
     subprocess.run(["rm", "-rf", str(work)])
     return 0
 

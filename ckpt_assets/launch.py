@@ -17,10 +17,13 @@ from pathlib import Path
 
 from ckpt_assets.datasets import DatasetRecord
 from ckpt_assets.defs.resources import REPO_ROOT, TrainerResource
+from ckpt_assets.failure_history import experiment_mtbf
 from ckpt_assets.registration import Registration
 from trainer import strict_json
 from trainer.contract import RESUME_FROM_ALIAS, LaunchEnv
+from trainer.interval import AUTO, Mtbf
 from trainer.repo import CheckpointRepo
+from trainer.storage import ObjectStore
 
 
 @dataclass(frozen=True)
@@ -40,15 +43,35 @@ class AttemptIds:
 
 
 def contract(reg: Registration, store_uri: str, ids: AttemptIds,
-             dataset: DatasetRecord) -> LaunchEnv:
-    """What this attempt's process is told about the run it trains (`trainer.contract`)."""
+             dataset: DatasetRecord, mtbf: Mtbf | None = None) -> LaunchEnv:
+    """What this attempt's process is told about the run it trains (`trainer.contract`);
+    `mtbf`: the experiment's, from `attempt_mtbf`."""
     return LaunchEnv(
         run=reg.run, experiment=reg.experiment, store_uri=store_uri, attempt=ids.attempt,
         dagster_run_id=ids.dagster_run_id, root_run_id=ids.root_run_id,
         code_version=ids.code_version, dataset_uri=dataset.uri or None,
         data_version=dataset.version,
         # Liveness is the orchestrator's concern: its heartbeat interval holds for commands too.
-        heartbeat_seconds=reg.config.checkpoint.heartbeat_seconds)
+        heartbeat_seconds=reg.config.checkpoint.heartbeat_seconds, mtbf=mtbf)
+
+
+def attempt_mtbf(context, store: ObjectStore, reg: Registration) -> Mtbf | None:
+    """The experiment's MTBF for the attempt `context` runs (its instance, run and log), if
+    it may set its interval itself: a task whose config says `every_seconds: auto`, or a
+    command (its script passes its own triggers)."""
+    ck, log = reg.config.checkpoint, context.log
+    if ck.every_seconds != AUTO and not reg.config.command:
+        return None
+    try:
+        mtbf = experiment_mtbf(context.instance, store, reg.experiment, ck.mtbf_seconds,
+                               context.run.run_id)
+    except Exception as e:  # the history sharpens the interval; the attempt runs without it
+        log.warning(f"could not read the failure history of experiment {reg.experiment!r} "
+                    f"({e}); the interval uses checkpoint.mtbf_seconds={ck.mtbf_seconds:g}")
+        return None
+    log.info(f"experiment {reg.experiment!r}: MTBF {mtbf.seconds:.0f}s ({mtbf.source}: "
+             f"{mtbf.failures} failures in {mtbf.observed_seconds:.0f}s of training)")
+    return mtbf
 
 
 def base_env(trainer: TrainerResource, aws_env: dict[str, str]) -> dict[str, str]:

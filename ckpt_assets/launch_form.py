@@ -10,6 +10,9 @@ What Dagster config cannot say is translated, never dropped:
 
 * `Literal[...] | None` becomes an optional enum (Dagster has enums, but no optional
   literal), so a value outside the literal is still refused in the form.
+* A union of scalar kinds (`checkpoint.every_seconds`: seconds, `auto` or null) takes any
+  value in the form; its help says which, and registration checks it with the trainer's
+  message.
 * `dict[str, Any]` (`task_args`) is a map from strings to anything: the arguments belong to
   the task, which checks them itself.
 * Ranges and cross-field rules (`lr > 0`, two betas in [0, 1), a heartbeat of at most 60 s,
@@ -68,6 +71,11 @@ def _form_type(tp: Any, path: str) -> Any:
         return form_class(tp)
     if origin is Literal:
         return tp
+    if get_origin(tp) in (Union, types.UnionType) and len(
+            [a for a in args if a is not type(None)]) > 1:
+        # A number or a word (`every_seconds: 300` or `auto`): Dagster config has no union
+        # of scalars, so the form takes any value and the trainer's model checks it.
+        return Any
     if _is_optional(tp):
         (inner,) = [a for a in args if a is not type(None)]
         if get_origin(inner) is Literal:

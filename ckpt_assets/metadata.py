@@ -63,10 +63,12 @@ def links(values: dict[str, str | None]) -> dict[str, dg.MetadataValue]:
 
 
 # Lineage metadata of every checkpoint materialization.
-# `size`: all the checkpoint's files, in bytes; `part_bytes`: each part's tensor bytes.
+# `size`: all the checkpoint's files, in bytes; `part_bytes`: each part's tensor bytes;
+# `blocking_seconds`: how long training waited for the save.
 CHECKPOINT_METADATA_KEYS = ("step", "uri", "name", "sha256", "size", "part_bytes", "loss",
-                            "parent", "parent_checkpoint", "save_seconds", "experiment", "training_run",
-                            "dagster_run_id", "root_run_id", "attempt", "resumed_from_step",
+                            "parent", "parent_checkpoint", "save_seconds", "blocking_seconds",
+                            "experiment", "training_run", "dagster_run_id", "root_run_id",
+                            "attempt", "resumed_from_step",
                             "code_version", "user_code_version", "data_version", "dataset")
 
 
@@ -79,6 +81,9 @@ def checkpoint_metadata(rec: CheckpointRecord) -> dict[str, Any]:
         "parent_checkpoint": rec.parent, "save_seconds": rec.save_seconds,
         "blocking_seconds": rec.blocking_seconds, "eval": rec.eval or None,
         "reason": rec.reason,
+        # `every_seconds: auto`: the interval that led here, and its inputs (stall, MTBF).
+        "interval_seconds": rec.interval.every_seconds if rec.interval else None,
+        "interval": rec.interval.to_dict() if rec.interval else None,
         "experiment": lin.experiment if lin else None,
         "training_run": lin.run if lin else None,
         "dagster_run_id": lin.dagster_run_id if lin else None,

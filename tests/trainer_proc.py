@@ -40,11 +40,14 @@ def write_config(path: Path, **overrides) -> Path:
 
 
 def run_trainer(config: Path, store: str, *args: str, interrupt_at: int | None = None,
-                sig: int = signal.SIGKILL, env: dict | None = None, timeout: float = 300) -> Result:
-    """Run `python -m trainer`; if `interrupt_at` is set, send `sig` once step k is done."""
+                sig: int = signal.SIGKILL, env: dict | None = None, timeout: float = 300,
+                wrapper: Path | None = None) -> Result:
+    """Run `python -m trainer` (through `wrapper`, a script that patches it, if given); if
+    `interrupt_at` is set, send `sig` once step k is done."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer", "--config", str(config), "--store", store,
+        [sys.executable, *([str(wrapper)] if wrapper else []), "-m", "trainer",
+         "--config", str(config), "--store", store,
          "--log-level", "DEBUG", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=ROOT)
     lines: list[str] = []

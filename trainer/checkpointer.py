@@ -1,15 +1,20 @@
 """Checkpointer: a dict of named stateful parts saved and restored as one checkpoint.
 
 Parts are anything with `state_dict()` / `load_state_dict()`. `save` snapshots them and
-persists the snapshot through the commit protocol (`trainer.repo`); with `async_save` the
-persisting happens on a background thread while training continues, and the next save (or
-`close`) waits for it. `load` verifies every file's SHA-256 before deserializing, and only
-ever with `torch.load(weights_only=True)`.
+persists the snapshot through the commit protocol (`trainer.repo`). With `async_save` the
+training thread only takes the snapshot (`trainer.snapshot`: small state copied at once, the
+optimizers' tensors copied into reused host buffers while the next forward and backward
+run, fenced before the optimizer writes them) and the writing happens on a background
+thread; at most one save is in flight, the next save (or `close`) waits for it, and its
+error surfaces at the next step. A crash during a background save loses only that save:
+the commit protocol is the same either way. `load` verifies every file's SHA-256 before
+deserializing, and only ever with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import random
 import threading
@@ -22,10 +27,14 @@ import torch
 from trainer.errors import CheckpointError
 from trainer.manifest import Manifest
 from trainer.repo import CheckpointRepo
+from trainer.snapshot import HostBuffers, Snapshot, owned_storages, owned_tensors, take
 
 log = logging.getLogger("trainer.checkpoint")
 
 STATE_FILE = "state.pt"  # rank r of a multi-rank save writes state-rank{r}.pt beside it
+# How far a background write's threads step back from training (CPU weight about a third):
+# enough for training to win a contended core, not so far that a busy host starves the write.
+WRITER_NICENESS = 5
 
 
 class Stateful(Protocol):
@@ -59,20 +68,6 @@ class RNGState:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _snapshot(obj: Any) -> Any:
-    """Copy every tensor so that training can mutate the originals during a background save."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, _snapshot(v)) for k, v in obj.items()) if type(obj) is not dict \
-            else {k: _snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_snapshot(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_snapshot(v) for v in obj)
-    return obj
-
-
 class Checkpointer:
     def __init__(self, repo: CheckpointRepo, parts: dict[str, Stateful], attempt: int,
                  keep_last: int = 3, keep_best: bool = True, async_save: bool = False):
@@ -82,6 +77,13 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.async_save = async_save
+        self._optimizers = [p for p in parts.values() if isinstance(p, torch.optim.Optimizer)]
+        self._buffers = HostBuffers() if async_save else None
+        self._hooks = [h for o in self._optimizers for h in (
+            o.register_step_pre_hook(self._fence), o.register_step_post_hook(self._prepare))] \
+            if async_save else []
+        self._prepared = False
+        self._snapshot: Snapshot | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_saved_step: int | None = None
@@ -89,30 +91,57 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------
     def save(self, step: int, meta: dict[str, Any]) -> None:
-        """Snapshot the parts at `step` and commit them (in the background if async)."""
+        """Snapshot the parts at `step` and commit them (in the background if async).
+
+        At most one save is in flight: this first waits for the previous one (and raises
+        its error). The training thread's time in here, plus its wait at the optimizers'
+        fence, is the save's stall (`blocking_seconds`)."""
+        t0 = time.perf_counter()
         self.wait()
         if self.last_saved_step == step:
             return  # two triggers fired on one step: one checkpoint
         log.debug("saving step %d", step)
-        t0 = time.perf_counter()
         state = {name: part.state_dict() for name, part in self.parts.items()}
         if self.async_save:
-            state = _snapshot(state)
-            snap_s = time.perf_counter() - t0
+            snap = self._snapshot = take(state, owned_storages(self._optimizers))
+            del state  # the snapshot holds copies or the fenced originals, nothing else
             self._thread = threading.Thread(
-                target=self._persist_bg, args=(step, state, meta, t0, snap_s), daemon=False)
+                target=self._persist_bg, args=(step, snap, meta, t0, time.perf_counter() - t0),
+                name=f"checkpoint-step-{step}", daemon=False)
             self._thread.start()
         else:
-            self._persist(step, state, meta, t0, 0.0)
+            self._persist(step, state, meta, t0, None)
         self.last_saved_step = step
 
-    def _persist_bg(self, *args) -> None:
+    def _fence(self, _optimizer, _args, _kwargs) -> None:
+        snap = self._snapshot
+        if snap is not None:
+            snap.fence()
+
+    def _prepare(self, _optimizer, _args, _kwargs) -> None:
+        """After the optimizers' first step (their state exists now): the host buffers are
+        allocated and touched in the background, not by the first save's copy."""
+        if self._prepared:
+            return
+        self._prepared = True
+        threading.Thread(target=self._buffers.prepare, args=(owned_tensors(self._optimizers),),
+                         name="checkpoint-buffers", daemon=True).start()
+
+    def _persist_bg(self, step: int, snap: Snapshot, meta: dict, t0: float,
+                    call_s: float) -> None:
         try:
-            self._persist(*args)
-        except BaseException as e:  # surfaced by the next wait()
+            state = snap.copy(self._buffers)
+            stall = call_s + snap.settled_fence_wait()
+            _yield_to_training()
+            self._persist(step, state, meta, t0, stall)
+        except BaseException as e:  # surfaced by the next step(), save() or wait()
             self._error = e
 
-    def _persist(self, step: int, state: dict, meta: dict, t0: float, snap_s: float) -> Manifest:
+    def _persist(self, step: int, state: dict, meta: dict, t0: float,
+                 stall: float | None) -> Manifest:
+        """Write and commit `state`; `stall`: the training thread's wait for a background
+        save (None: this save is synchronous, the training thread waits for all of it)."""
+        w0 = time.perf_counter()
         pending = self.repo.begin(step, self.attempt)
         if self.repo.store.native_files:
             with self.repo.write_path(pending, STATE_FILE) as path:
@@ -120,27 +149,48 @@ class Checkpointer:
         else:  # S3: serialize straight into the multipart upload
             with self.repo.write_file(pending, STATE_FILE) as w:
                 _save(state, w)
-        manifest = self.repo.commit(pending, meta)
-        stats = {"save_seconds": round(time.perf_counter() - t0, 4),
-                 "blocking_seconds": round(snap_s, 4) if self.async_save else None}
+        # Synchronous: the stall up to the manifest (the pointer's move is left out).
+        known = stall if stall is not None else time.perf_counter() - t0
+        manifest = self.repo.commit(pending, {**meta, "blocking_seconds": round(known, 4)})
+        now = time.perf_counter()
         deleted = self.repo.apply_retention(self.keep_last, self.keep_best, self.attempt)
         if deleted:
             log.info("retention removed %s", ", ".join(deleted))
+        stats = {"save_seconds": round(now - t0, 4), "write_seconds": round(now - w0, 4),
+                 "blocking_seconds": round(stall if stall is not None
+                                           else time.perf_counter() - t0, 4)}
         if self.on_commit:
             self.on_commit(manifest, stats)
         return manifest
+
+    @property
+    def in_flight(self) -> bool:
+        """A background save is still being copied or written."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def raise_if_failed(self) -> None:
+        """Raise the error of a background save that has ended (it fails the attempt with
+        the error's own class: a store error is a storage failure). Never waits."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
 
     def wait(self) -> None:
         """Block until a background save has finished; re-raise its error here."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            self._snapshot = None
         if self._error is not None:
             err, self._error = self._error, None
             raise err
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
 
     # -- load ---------------------------------------------------------------------------
     def load(self, manifest: Manifest) -> None:
@@ -160,6 +210,18 @@ class Checkpointer:
                     f"checkpoint {self.repo.uri(manifest.name)} does not fit part {name!r}: {e}. "
                     "Resume with the config the run was started with, or --resume never."
                 ) from e
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's CPU priority (and so that of the threads it starts to hash and
+    fsync): training waits for nothing here, so where cores are short the write gives way
+    to it. Linux threads have their own nice value; elsewhere this does nothing."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid)
+                                                 + WRITER_NICENESS))
+    except (OSError, AttributeError):
+        pass
 
 
 def _save(state: dict[str, Any], dest) -> None:

@@ -13,6 +13,7 @@ loop) or a `command` (the user's own script, which owns its loop and checkpoints
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainer.contract import RESERVED_PREFIXES, Env, reserved
 from trainer.errors import ConfigError
+from trainer.interval import AUTO
 from trainer.manifest import MAX_STEP
 from trainer.storage import validate_name
 from trainer.strict_json import non_finite_path
@@ -65,19 +67,34 @@ class OptimConfig(Section):
 
 class CheckpointConfig(Section):
     every_steps: int | None = Field(50, ge=1, description="commit every N steps (null: off)")
-    every_seconds: float | None = Field(None, gt=0,
-                                        description="commit every T seconds (null: off)")
+    every_seconds: float | Literal[AUTO] | None = Field(
+        None, description="commit every T seconds (> 0); auto: T = sqrt(2 * stall * MTBF), "
+        "from the measured stall of a save and the experiment's failure history (null: off)")
+    mtbf_seconds: float = Field(
+        6 * 3600.0, gt=0, description="every_seconds auto: the mean time between failures "
+        "assumed until the experiment has a failure history (and when run standalone)")
     on_epoch_end: bool = Field(True, description="commit at the end of each epoch")
     on_best: bool = Field(True, description="commit when evaluation gives a new best loss")
     keep_last: int = Field(3, ge=1, description="retention: the last K checkpoints")
     keep_best: bool = Field(True, description="retention: also keep the best one")
-    async_save: bool = Field(False, description="persist on a background thread")
+    async_save: bool = Field(False, description="snapshot into reused host buffers while "
+                             "training goes on, and write on a background thread (needs host "
+                             "memory for one copy of the optimizers' tensors)")
     # Liveness: the reconciler declares a run dead when its heartbeat is older than
     # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional. It is written by a
     # thread of its own (trainer.liveness), whatever a step costs.
     heartbeat_seconds: float = Field(5.0, description="liveness heartbeat interval, 0 to "
                                      f"{MAX_HEARTBEAT_S:.0f} s, beaten on its own thread "
                                      "whatever a step costs (0: after every step)")
+
+    @field_validator("every_seconds", mode="before")
+    @classmethod
+    def _seconds_or_auto(cls, v: Any) -> Any:
+        number = isinstance(v, int | float) and not isinstance(v, bool)
+        if v is None or v == AUTO or (number and math.isfinite(v) and v > 0):
+            return v
+        raise ValueError(f"config key 'checkpoint.every_seconds' must be a number of seconds "
+                         f"above 0, {AUTO!r} (the interval sets itself) or null (off); got {v!r}")
 
     @field_validator("heartbeat_seconds")
     @classmethod

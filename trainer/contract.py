@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
+from trainer.errors import ConfigError
+from trainer.interval import Mtbf
 from trainer.records import CheckpointRecord, from_known_fields
 
 
@@ -38,6 +40,7 @@ class Env(StrEnum):
     DATA_VERSION = "CKPT_DATA_VERSION"
     RESUME_FROM = "CKPT_RESUME_FROM"  # also read standalone: the checkpoint to resume from
     EXIT_WITH_PARENT = "CKPT_EXIT_WITH_PARENT"
+    MTBF = "CKPT_MTBF"  # the experiment's mean time between failures (JSON of `Mtbf`)
 
 
 CONTRACT_NAMES = frozenset(e.value for e in Env)
@@ -68,6 +71,7 @@ class LaunchEnv:
     data_version: str | None = None
     resume_from: str | None = None
     exit_with_parent: bool = True
+    mtbf: Mtbf | None = None  # for `checkpoint.every_seconds: auto`
 
     _NAMES: ClassVar[dict[str, Env]] = {
         "run": Env.RUN, "experiment": Env.EXPERIMENT, "store_uri": Env.STORE_URI,
@@ -75,7 +79,7 @@ class LaunchEnv:
         "root_run_id": Env.ROOT_RUN_ID, "code_version": Env.CODE_VERSION,
         "heartbeat_seconds": Env.HEARTBEAT_SECONDS, "dataset_uri": Env.DATASET_URI,
         "data_version": Env.DATA_VERSION, "resume_from": Env.RESUME_FROM,
-        "exit_with_parent": Env.EXIT_WITH_PARENT}
+        "exit_with_parent": Env.EXIT_WITH_PARENT, "mtbf": Env.MTBF}
 
     def to_env(self) -> dict[str, str]:
         out = {}
@@ -83,6 +87,8 @@ class LaunchEnv:
             value = getattr(self, name)
             if isinstance(value, bool):
                 value = "1" if value else None
+            elif isinstance(value, Mtbf):
+                value = value.to_json()
             if value is not None:
                 out[var.value] = str(value)
         return out
@@ -99,13 +105,25 @@ class LaunchEnv:
                       "attempt": int(raw["attempt"] or 1),
                       "heartbeat_seconds": float(raw["heartbeat_seconds"])
                       if raw["heartbeat_seconds"] else None,
-                      "exit_with_parent": raw["exit_with_parent"] == "1"})
+                      "exit_with_parent": raw["exit_with_parent"] == "1",
+                      "mtbf": _mtbf(raw["mtbf"])})
 
     @staticmethod
     def scrubbed(environ: Mapping[str, str]) -> dict[str, str]:
         """`environ` without any variable of the contract: only this launch's values count."""
         return {k: v for k, v in environ.items()
                 if k not in CONTRACT_NAMES and k != RESUME_FROM_ALIAS}
+
+
+def _mtbf(text: str | None) -> Mtbf | None:
+    if not text:
+        return None
+    try:
+        return Mtbf.from_json(text)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{Env.MTBF.value}={text!r} is not the orchestrator's MTBF record "
+                          f"({e}); the orchestrator and the trainer are of different "
+                          "versions: launch with matching ones") from None
 
 
 # -- Pipes messages ------------------------------------------------------------------------

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trainer.interval import IntervalChoice
+
 if TYPE_CHECKING:
     from trainer.manifest import Manifest
 
@@ -59,13 +61,14 @@ class CheckpointRecord:
     eval: dict[str, float] = field(default_factory=dict)
     reason: str | None = None
     save_seconds: float | None = None
-    blocking_seconds: float | None = None
+    blocking_seconds: float | None = None  # the training thread's stall for this save
     lineage: Lineage | None = None
     # Bytes of tensor data per part (model, optimizer, ..., the session's loop and rng).
     part_bytes: dict[str, int] = field(default_factory=dict)
     # The run's end: the step reached max_steps, or the script's session ended normally
     # there. Only a final checkpoint finishes a run (and becomes final_model).
     final: bool = False
+    interval: IntervalChoice | None = None  # `every_seconds: auto`: the interval and its inputs
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -78,7 +81,8 @@ class CheckpointRecord:
         lin = raw.get("lineage")
         return dataclasses.replace(rec, lineage=Lineage.from_dict(lin) if lin else None,
                                    eval=dict(raw.get("eval") or {}),
-                                   part_bytes=dict(raw.get("part_bytes") or {}))
+                                   part_bytes=dict(raw.get("part_bytes") or {}),
+                                   interval=IntervalChoice.from_dict(raw.get("interval")))
 
     @classmethod
     def from_manifest(cls, m: Manifest, uri: str,
@@ -90,7 +94,9 @@ class CheckpointRecord:
                    size=m.total_size, parent=m.parent, loss=m.meta.get("loss"),
                    eval=dict(m.meta.get("metrics") or {}), reason=m.meta.get("reason"),
                    save_seconds=stats.get("save_seconds"),
-                   blocking_seconds=stats.get("blocking_seconds"),
+                   blocking_seconds=stats.get("blocking_seconds",
+                                              m.meta.get("blocking_seconds")),
                    lineage=Lineage.from_dict(lin) if lin else None,
                    part_bytes=dict(m.meta.get("part_bytes") or {}),
-                   final=m.meta.get("final") is True)
+                   final=m.meta.get("final") is True,
+                   interval=IntervalChoice.from_dict(m.meta.get("interval")))

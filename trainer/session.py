@@ -89,6 +89,7 @@ from trainer.errors import (
     PointerConflictError,
 )
 from trainer.exit_hooks import at_interpreter_exit, ends_like_the_block, logging_configured
+from trainer.interval import SaveInterval
 from trainer.liveness import Heartbeat
 from trainer.manifest import MAX_STEP, Manifest
 from trainer.outcomes import Outcome
@@ -127,27 +128,11 @@ class CheckpointSession:
                  seed: int | None = None, install_signals: bool = True, **triggers: Any):
         if seed is not None:
             seed_all(seed)
-        # Launched by the orchestrator: its run, experiment, store, dataset and attempt win
-        # over the arguments (which serve standalone runs), so a script cannot write into
-        # another run than the one it was launched for.
         self.launch = launched = LaunchEnv.from_env()
-        if launched is not None:
-            self.run, self.experiment = launched.run, launched.experiment
-            self.store_uri = launched.store_uri or store or os.path.abspath("checkpoints")
-            self.dataset = launched.dataset_uri or dataset
-            self._data_version = launched.data_version or data_version
-            if launched.heartbeat_seconds:
-                # The orchestrator judges liveness by heartbeats: its interval holds.
-                triggers["heartbeat_seconds"] = launched.heartbeat_seconds
-            self.resume = resume or launched.resume_from or "auto"
-        else:
-            self.run, self.experiment = run or "run", experiment or "default"
-            self.store_uri = (store or os.environ.get(Env.STORE_URI)
-                              or os.path.abspath("checkpoints"))
-            self.dataset, self._data_version = dataset, data_version
-            self.resume = (resume or os.environ.get(Env.RESUME_FROM)
-                           or os.environ.get(RESUME_FROM_ALIAS) or "auto")
+        self._place(launched, run, experiment, store, dataset, data_version, resume, triggers)
         self.triggers: CheckpointConfig = parse(CheckpointConfig, triggers, "checkpoint")
+        self._interval = SaveInterval(self.triggers.every_seconds, self.triggers.mtbf_seconds,
+                                      launched.mtbf if launched else None)
         self.max_steps = max_steps
         self.best_metric = best_metric
         self.config = config
@@ -178,6 +163,27 @@ class CheckpointSession:
         # attempt or the one it resumed from (close() re-commits a resumed, unfinished end).
         self._last_final = False
         self._last_ours = False
+
+    def _place(self, launched: LaunchEnv | None, run, experiment, store, dataset, data_version,
+               resume, triggers: dict[str, Any]) -> None:
+        """Which run this session writes, where, from what. Launched by the orchestrator,
+        its run, experiment, store, dataset and attempt win over the arguments (which serve
+        standalone runs), so a script cannot write into another run than its own."""
+        if launched is not None:
+            self.run, self.experiment = launched.run, launched.experiment
+            self.store_uri = launched.store_uri or store or os.path.abspath("checkpoints")
+            self.dataset = launched.dataset_uri or dataset
+            self._data_version = launched.data_version or data_version
+            if launched.heartbeat_seconds:
+                # The orchestrator judges liveness by heartbeats: its interval holds.
+                triggers["heartbeat_seconds"] = launched.heartbeat_seconds
+            self.resume = resume or launched.resume_from or "auto"
+            return
+        self.run, self.experiment = run or "run", experiment or "default"
+        self.store_uri = store or os.environ.get(Env.STORE_URI) or os.path.abspath("checkpoints")
+        self.dataset, self._data_version = dataset, data_version
+        self.resume = (resume or os.environ.get(Env.RESUME_FROM)
+                       or os.environ.get(RESUME_FROM_ALIAS) or "auto")
 
     # -- resume -------------------------------------------------------------------------
     @ends_like_the_block
@@ -306,6 +312,7 @@ class CheckpointSession:
                 f"attempt {self.lineage.attempt} of run {self.experiment}/{self.run} was "
                 "superseded (a newer attempt claimed the run, or the orchestrator declared "
                 f"this one failed); it stops at step {step} without writing")
+        self._ck.raise_if_failed()  # a background save's error fails the attempt here
         if loss is not None:
             loss = as_number(loss, "loss")
             if not math.isfinite(loss):
@@ -346,7 +353,7 @@ class CheckpointSession:
                     reasons.append("best")
         if c.every_steps and step % c.every_steps == 0:
             reasons.append("interval")
-        if c.every_seconds and time.monotonic() - self._last_save_t >= c.every_seconds:
+        if self._interval.due(time.monotonic() - self._last_save_t):
             reasons.append("time")
         if c.on_epoch_end and (epoch_end or (self._walk is not None and self._walk.last_batch)):
             reasons.append("epoch_end")
@@ -385,7 +392,8 @@ class CheckpointSession:
         meta = {"reason": reason, "loss": loop.losses[-1] if loop.losses else None,
                 "metrics": loop.metrics, "best_score": loop.best,
                 "is_best": is_best, "lineage": self.lineage.to_dict(),
-                "config": self._config_ref, "part_bytes": self._sizes, "final": final}
+                "config": self._config_ref, "part_bytes": self._sizes, "final": final,
+                **self._interval.meta()}
         if self._ck.last_saved_step != loop.step:
             self._last_final, self._last_ours = final, True
         self._ck.save(loop.step, meta)
@@ -393,10 +401,13 @@ class CheckpointSession:
         self._warn_if_the_optimizer_dwarfs_the_model(self._sizes)
 
     def _on_commit(self, m: Manifest, stats: dict[str, Any]) -> None:
+        self._interval.observe(stats)  # on the save's worker: the next interval uses it
         rec = CheckpointRecord.from_manifest(m, self.repo.uri(m.name), stats)
         loss = f", loss {rec.loss:.4g}" if isinstance(rec.loss, float) else ""
-        self._say(f"checkpoint committed: step {m.step}{loss} -> {rec.uri} "
-                  f"({rec.size} bytes, {rec.save_seconds:.2f}s)")
+        stalled = (f"; stalled {rec.blocking_seconds:.4f}s"
+                   if rec.blocking_seconds is not None else "")
+        self._say(f"checkpoint committed: step {m.step}{loss} -> {rec.uri} ({rec.size} "
+                  f"bytes, {rec.save_seconds:.2f}s){stalled}")
         self.reporter.send(rec)
 
     # -- the end --------------------------------------------------------------------------

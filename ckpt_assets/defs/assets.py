@@ -44,7 +44,14 @@ from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerR
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY
 from ckpt_assets.history import history_metadata
 from ckpt_assets.in_run import consider_relaunch, record_relaunch, serve_backoff
-from ckpt_assets.launch import AttemptIds, base_env, command_launch, contract, task_launch
+from ckpt_assets.launch import (
+    AttemptIds,
+    attempt_mtbf,
+    base_env,
+    command_launch,
+    contract,
+    task_launch,
+)
 from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.pipes_transport import pipes_channels
@@ -182,7 +189,8 @@ def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
                  after_start):
     """Start the attempt's process (the task's trainer or the run's command) under Pipes,
     told the contract of the run it trains, and wait for it; bad launches are bad input."""
-    told = contract(reg, checkpoint_store.open().uri, ids, dataset)
+    store = checkpoint_store.open()
+    told = contract(reg, store.uri, ids, dataset, attempt_mtbf(context, store, reg))
     env = base_env(trainer, checkpoint_store.aws_env())
     with tempfile.TemporaryDirectory(prefix=f"ckpt-{reg.run}-a{ids.attempt}-") as workdir:
         try:
