@@ -19,7 +19,7 @@ as `torch.save` of the live state would have it.
 
 What the fence cannot see: a parameter an optimizer part owns that something other than
 that optimizer changes in place between a save and the optimizer's next step (in forward,
-say). Such a loop should save with `async_save: false`.
+say). Such a loop keeps `async_save` off (the default).
 """
 
 from __future__ import annotations
