@@ -23,7 +23,8 @@ import pytest
 from tests.polling import WaitTimeout, wait_for
 
 # `from tests.dagster_fixtures import *` brings in the fixtures only; import helpers by name.
-__all__ = ["dagster_home", "instance", "mlflow_uri", "shared_mlflow_db", "store_uri"]
+__all__ = ["blank_dagster_home", "dagster_home", "instance", "mlflow_uri", "shared_mlflow_db",
+           "store_uri"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -50,12 +51,25 @@ def training_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-@pytest.fixture
-def dagster_home(tmp_path, monkeypatch) -> Path:
-    """A fresh DAGSTER_HOME holding a copy of the project's dagster_home/dagster.yaml."""
-    home = tmp_path / "dagster_home"
+@pytest.fixture(scope="session")
+def blank_dagster_home(tmp_path_factory) -> Path:
+    """A DAGSTER_HOME with a copy of the project's dagster_home/dagster.yaml and its SQLite
+    storage created: creating it runs schema migrations (seconds), copying it takes
+    milliseconds. Never used directly: `dagster_home` gives each test its own copy."""
+    home = tmp_path_factory.mktemp("blank") / "dagster_home"
     home.mkdir()
     shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        instance.get_runs(limit=1)
+        instance.all_instigator_state()
+    return home
+
+
+@pytest.fixture
+def dagster_home(blank_dagster_home, tmp_path, monkeypatch) -> Path:
+    """A fresh DAGSTER_HOME holding a copy of the project's dagster_home/dagster.yaml."""
+    home = tmp_path / "dagster_home"
+    shutil.copytree(blank_dagster_home, home)
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     return home
 
