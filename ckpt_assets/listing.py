@@ -92,14 +92,18 @@ def _from_store(repo: CheckpointRepo, out: dict[str, Any]) -> dict[str, Any]:
         if ptr.checkpoint:
             out["latest_step"] = ptr.step
             out["latest_checkpoint"] = repo.uri(ptr.checkpoint)
-            out.update(_sizes(repo, ptr.checkpoint))
+            out.update(_latest(repo, ptr.checkpoint))
     return out
 
 
-def _sizes(repo: CheckpointRepo, name: str) -> dict[str, Any]:
+def _latest(repo: CheckpointRepo, name: str) -> dict[str, Any]:
+    """The latest checkpoint's size, and the step count its session trains to: a command's
+    script says it (its own `max_steps`), so the config need not repeat it."""
     try:
         m = repo.read_manifest(name)
     except CheckpointError as e:  # the row still says what the pointer names
         return {"error": str(e)}
     rec = CheckpointRecord.from_manifest(m, repo.uri(name))
-    return {"latest_checkpoint_bytes": rec.size, "latest_part_bytes": rec.part_bytes or None}
+    told = m.meta.get("max_steps")
+    return {"latest_checkpoint_bytes": rec.size, "latest_part_bytes": rec.part_bytes or None,
+            **({"max_steps": told} if isinstance(told, int) and told > 0 else {})}

@@ -82,3 +82,34 @@ def test_mlflow_records_checkpoint_bytes_once_per_committed_checkpoint(mlflow_re
         t.run_id, CHECKPOINT_BYTES)
     assert sorted((m.step, m.value) for m in hist) == [(10, 1000.0), (20, 1500.0),
                                                        (30, 2100.0)]
+
+
+def test_list_shows_the_step_count_the_script_trains_to_when_the_config_omits_it(tmp_path):
+    """One step count: a command's script says its own `max_steps` (the session writes it
+    into every manifest), and `list` shows that, not the config's default."""
+    store = open_store(str(tmp_path / "store"))
+    register_training_run(store, KEY, {"command": ["python", "train.py"]})
+    repo = CheckpointRepo(store, "default", KEY)
+    repo.claim(None, at_least=1)
+    pending = repo.begin(20, 1)
+    with repo.write_file(pending, "state.pt") as f:
+        f.write(b"state")
+    repo.commit(pending, {"max_steps": 150})
+    with dg.DagsterInstance.ephemeral() as instance:
+        assert run_summary(instance, store, KEY)["max_steps"] == 150
+
+
+def test_the_session_records_the_scripts_own_step_count_in_each_manifest(tmp_path):
+    import torch
+
+    from trainer.session import CheckpointSession
+
+    model = torch.nn.Linear(2, 1)
+    ckpt = CheckpointSession(run="counted", store=str(tmp_path / "s"), max_steps=3,
+                             every_steps=1, install_signals=False)
+    with ckpt:
+        start = ckpt.restore(model=model)
+        for step in range(start + 1, 4):
+            ckpt.step(step, loss=1.0 / step)
+    repo = CheckpointRepo(open_store(str(tmp_path / "s")), "default", "counted")
+    assert {repo.read_manifest(n).meta["max_steps"] for n in repo.committed()} == {3}

@@ -393,6 +393,7 @@ class CheckpointSession:
                 "metrics": loop.metrics, "best_score": loop.best,
                 "is_best": is_best, "lineage": self.lineage.to_dict(),
                 "config": self._config_ref, "part_bytes": self._sizes, "final": final,
+                "max_steps": self.max_steps,
                 **self._interval.meta()}
         if self._ck.last_saved_step != loop.step:
             self._last_final, self._last_ours = final, True
