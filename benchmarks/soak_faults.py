@@ -336,6 +336,20 @@ def one_trial(kind: str, rng: random.Random, work: Path, base_env: dict, referen
         named = f"'{fifo.relative_to(data).as_posix()}' is a FIFO" in log
         expected, got = 2, (rc if named else f"{rc} (FIFO not named)")
         fifo.unlink()
+    elif kind == "long-step":
+        # The same training (tests.liveness_tasks is the toy task), its first step long.
+        long = write_config(work / "long.json", max_steps=MAX_STEPS,
+                            task="tests.liveness_tasks:build",
+                            checkpoint={"every_steps": EVERY, "keep_last": 50,
+                                        "on_epoch_end": False, "heartbeat_seconds": LONG_BEAT_S},
+                            task_args={"long_step_s": 3 * LONG_TIMEOUT_S})
+        proc = start_trainer(long, store, env)
+        watch = LivenessWatch(store, proc)
+        watch.start()
+        rc, _ = follow(proc)
+        note = watch.stop()
+        expected, got = (0, "never dead or stalled"), (rc, ", ".join(watch.verdicts)
+                                                      or "never dead or stalled")
 
     newest_before = max((int(n.split("-")[1]) for n in before), default=0)
     resumed_ok = True
