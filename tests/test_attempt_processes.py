@@ -324,7 +324,8 @@ def test_a_printing_command_whose_dagster_process_is_sigkilled_commits_and_exits
     listed = cli("list", "--json")
     assert listed.returncode == 0, listed.stderr
     (row,) = json.loads(listed.stdout)
-    assert row["state"] == State.DECIDING.value and "run worker" in row["detail"], row
+    # Ended, not training; with no daemon here, list says what to run to resume.
+    assert row["state"] == State.DECIDING.value and "failed" in row["detail"], row
     assert row["latest_step"] == m.step
     (run,) = dg.DagsterInstance.get().get_runs()
     assert run.status == dg.DagsterRunStatus.FAILURE

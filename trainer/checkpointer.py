@@ -27,6 +27,7 @@ import torch
 from trainer.errors import CheckpointError
 from trainer.manifest import Manifest
 from trainer.repo import CheckpointRepo
+from trainer.signals import on_a_helper_thread
 from trainer.snapshot import HostBuffers, Snapshot, owned_storages, owned_tensors, take
 
 log = logging.getLogger("trainer.checkpoint")
@@ -124,11 +125,16 @@ class Checkpointer:
         if self._prepared:
             return
         self._prepared = True
-        threading.Thread(target=self._buffers.prepare, args=(owned_tensors(self._optimizers),),
-                         name="checkpoint-buffers", daemon=True).start()
+        threading.Thread(target=self._prepare_buffers, name="checkpoint-buffers",
+                         daemon=True).start()
+
+    def _prepare_buffers(self) -> None:
+        on_a_helper_thread()
+        self._buffers.prepare(owned_tensors(self._optimizers))
 
     def _persist_bg(self, step: int, snap: Snapshot, meta: dict, t0: float,
                     call_s: float) -> None:
+        on_a_helper_thread()
         try:
             state = snap.copy(self._buffers)
             stall = call_s + snap.settled_fence_wait()

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainer.records import from_known_fields
+from trainer.signals import on_a_helper_thread
 
 if TYPE_CHECKING:
     from trainer.repo import CheckpointRepo
@@ -221,6 +222,7 @@ class Heartbeat:
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        on_a_helper_thread()
         while not self._ended.is_set():
             try:
                 if not self._beat_once():

@@ -63,6 +63,15 @@ class StopRequest:
         return self.signal_name is not None
 
 
+def on_a_helper_thread() -> None:
+    """Called first by every background thread of the trainer (heartbeat, background saves):
+    it blocks SIGTERM and SIGINT there, so the kernel delivers a stop to the main thread.
+    Seen with the heartbeat thread: with the stop signals deliverable to it, a SIGTERM from
+    PR_SET_PDEATHSIG killed the trainer with the default action, before the session could
+    commit and exit 143."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
 def shield_output() -> None:
     """Point stdout and stderr at /dev/null where they are pipes (or sockets) that nobody
     reads any more; anything else (a file, a terminal, a live pipe) is left as it is."""
