@@ -4,8 +4,10 @@ S3: a real `moto_server` process on a loopback port, talked to over HTTP exactly
 MinIO or AWS endpoint would be (no in-process mocking).
 
 A test that starts a process or a server (moto_server, a dagster-daemon, a trainer, the
-dagster CLI, PostgreSQL, Chromium) is marked `slow`; any other test that tries fails, naming
-what it tried to start. That keeps the fast suite in-process and quick.
+dagster CLI, PostgreSQL, Chromium) is marked `slow`; any other test that tries, in its set-up
+or its body, fails, naming what it tried to start. That keeps the fast suite in-process and
+quick. (Tear-down is left alone: it is where a session's servers are stopped, after
+whichever test ran last.)
 """
 
 from __future__ import annotations
@@ -54,16 +56,17 @@ def _no_processes(item: pytest.Item) -> Iterator[list]:
 
     def refuse(self, args, *a, **kw):
         program = args if isinstance(args, str | bytes | os.PathLike) else args[0]
-        if os.path.basename(os.fsdecode(program)).split()[0] in FAST_TOOLS:
+        words = os.path.basename(os.fsdecode(program)).split()
+        if words and words[0] in FAST_TOOLS:
             return _POPEN_INIT(self, args, *a, **kw)
         tried.append(args)
         raise ProcessInFastTest(f"{_fast_rule(item)}; it started {args!r}")
 
-    _POPEN.__init__ = refuse
+    previous, _POPEN.__init__ = _POPEN.__init__, refuse
     try:
         yield tried
     finally:
-        _POPEN.__init__ = _POPEN_INIT
+        _POPEN.__init__ = previous
 
 
 def _guarded_phase(item: pytest.Item):
@@ -88,10 +91,6 @@ def pytest_runtest_setup(item):
 def pytest_runtest_call(item):
     return (yield from _guarded_phase(item))
 
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    return (yield from _guarded_phase(item))
 
 
 def _free_port() -> int:

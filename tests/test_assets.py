@@ -29,8 +29,6 @@ from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
 from trainer.tasks.toy import MLP, make_dataset
 
-pytestmark = pytest.mark.slow
-
 CORE_FAILURE_KEYS = ("exit_code", "failure_class", "last_committed_step", "checkpoint_uri",
                      "attempt", "training_run")
 
@@ -85,6 +83,7 @@ def _assert_exported_model_reproduces_eval(store_uri, key, experiment, fm_meta, 
     assert value["step"] == config["max_steps"] and value["eval"]["loss"] == fm_meta["eval_loss"]
 
 
+@pytest.mark.slow
 def test_a_new_partition_trains_end_to_end_on_the_local_store_with_lineage_metadata(
         instance, tmp_path, mlflow_uri):
     store = str(tmp_path / "store")
@@ -104,6 +103,7 @@ def test_a_new_partition_trains_end_to_end_on_the_local_store_with_lineage_metad
     assert len(instance.fetch_materializations(flt, limit=100).records) == 1
 
 
+@pytest.mark.slow
 def test_a_new_partition_trains_end_to_end_on_s3_served_by_moto(instance, s3_env, tmp_path, mlflow_uri):
     store = s3_env["uri"]
     cfg = training_config()
@@ -124,6 +124,7 @@ def test_a_new_partition_trains_end_to_end_on_s3_served_by_moto(instance, s3_env
     assert "ckpts/default/s3-run/models/v-000001/MANIFEST.json" in keys
 
 
+@pytest.mark.slow
 def test_later_attempts_read_the_registered_config_and_continue_from_the_latest_checkpoint(
         instance, tmp_path, mlflow_uri):
     store = str(tmp_path / "store")
@@ -156,6 +157,7 @@ def test_a_run_without_a_registered_config_fails_with_what_to_do(instance, tmp_p
     assert md["failure_class"] == "bad_input" and md["training_run"] == "never-registered"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault,exit_code,failure_class", [
     ({"fail_at_step": 15}, 1, "user_code_error"),
     ({"nan_at_step": 15}, 4, "diverged"),
@@ -189,6 +191,7 @@ def test_a_failed_trainer_raises_failure_with_the_metadata_contract_the_resume_s
     assert not instance.fetch_materializations(flt, limit=1).records
 
 
+@pytest.mark.slow
 def test_the_final_model_falls_back_to_the_newest_checkpoint_that_verifies(instance, tmp_path, mlflow_uri):
     store = str(tmp_path / "store")
     res = make_resources(store, tracking_uri=mlflow_uri)
