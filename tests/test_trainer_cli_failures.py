@@ -16,13 +16,16 @@ import pytest
 
 from tests.polling import wait_for
 from tests.trainer_proc import ROOT, run_trainer, write_config
+from trainer.layout import HEARTBEAT
 
 pytestmark = pytest.mark.slow
 
 
 def tree_digest(root: Path) -> dict[str, str]:
+    """What a run has committed: every file but the heartbeat (liveness, not state)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.startswith(".") and p.name != HEARTBEAT}
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
