@@ -174,7 +174,7 @@ class CheckpointSession:
             self.store_uri = launched.store_uri or store or os.path.abspath("checkpoints")
             self.dataset = launched.dataset_uri or dataset
             self._data_version = launched.data_version or data_version
-            if launched.heartbeat_seconds:
+            if launched.heartbeat_seconds is not None:
                 # The orchestrator judges liveness by heartbeats: its interval holds.
                 triggers["heartbeat_seconds"] = launched.heartbeat_seconds
             self.resume = resume or launched.resume_from or "auto"
