@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import dagster as dg
 from pydantic import Field
 
-from trainer.contract import PipesTransport
+from trainer.contract import Env, PipesTransport
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore, open_store
 
@@ -24,7 +24,7 @@ S3_MAX_ATTEMPTS = 5  # the trainer's too (trainer.storage.s3.default_client)
 
 def default_store_uri() -> str:
     """$CKPT_STORE_URI, else `checkpoints/` under the repository root (the embedded default)."""
-    return os.environ.get("CKPT_STORE_URI") or str(REPO_ROOT / "checkpoints")
+    return os.environ.get(Env.STORE_URI) or str(REPO_ROOT / "checkpoints")
 
 
 def git_commit() -> str | None:
