@@ -19,6 +19,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 
 import dagster as dg
 
@@ -55,6 +56,23 @@ from trainer.repo import CheckpointRepo
 RESUME_KEY_PREFIX = "resume-"
 
 
+class Setting(StrEnum):
+    """The orchestrator's own settings (the daemon's environment), read by `from_env`."""
+
+    MAX_PREEMPTIONS = "CKPT_MAX_PREEMPTIONS"
+    MAX_TRANSIENT = "CKPT_MAX_TRANSIENT_FAILURES"
+    CRASH_LOOP_BUDGET = "CKPT_CRASH_LOOP_BUDGET"
+    BACKOFF_BASE_S = "CKPT_BACKOFF_BASE_S"
+    BACKOFF_MAX_S = "CKPT_BACKOFF_MAX_S"
+    RECONCILE_GRACE_S = "CKPT_RECONCILE_GRACE_S"
+    HEARTBEAT_TIMEOUT_S = "CKPT_HEARTBEAT_TIMEOUT_S"
+    WORKER_GRACE_S = "CKPT_WORKER_GRACE_S"
+    STALL_TIMEOUT_S = "CKPT_STALL_TIMEOUT_S"
+    STOP_GRACE_S = "CKPT_STOP_GRACE_S"
+    IN_RUN_RELAUNCH = "CKPT_IN_RUN_RELAUNCH"
+    IN_RUN_MAX_DELAY_S = "CKPT_IN_RUN_MAX_DELAY_S"
+
+
 @dataclass(frozen=True)
 class ResumeSettings:
     """The orchestrator's resume settings, read from its environment when a sensor runs
@@ -89,19 +107,19 @@ class ResumeSettings:
         env, p = os.environ.get, PolicyConfig()
         return cls(
             policy=PolicyConfig(
-                max_preemptions=int(env("CKPT_MAX_PREEMPTIONS", p.max_preemptions)),
-                max_transient=int(env("CKPT_MAX_TRANSIENT_FAILURES", p.max_transient)),
-                crash_loop_budget=int(env("CKPT_CRASH_LOOP_BUDGET", p.crash_loop_budget)),
-                backoff_base_s=float(env("CKPT_BACKOFF_BASE_S", p.backoff_base_s)),
-                backoff_max_s=float(env("CKPT_BACKOFF_MAX_S", p.backoff_max_s))),
-            launch_grace_s=float(env("CKPT_RECONCILE_GRACE_S", cls.launch_grace_s)),
-            heartbeat_timeout_s=float(env("CKPT_HEARTBEAT_TIMEOUT_S", cls.heartbeat_timeout_s)),
-            worker_grace_s=float(env("CKPT_WORKER_GRACE_S", cls.worker_grace_s)),
-            stall_timeout_s=float(env("CKPT_STALL_TIMEOUT_S", cls.stall_timeout_s)),
-            stop_grace_s=float(env("CKPT_STOP_GRACE_S", cls.stop_grace_s)),
-            in_run_relaunch=env("CKPT_IN_RUN_RELAUNCH", "0").strip().lower()
+                max_preemptions=int(env(Setting.MAX_PREEMPTIONS, p.max_preemptions)),
+                max_transient=int(env(Setting.MAX_TRANSIENT, p.max_transient)),
+                crash_loop_budget=int(env(Setting.CRASH_LOOP_BUDGET, p.crash_loop_budget)),
+                backoff_base_s=float(env(Setting.BACKOFF_BASE_S, p.backoff_base_s)),
+                backoff_max_s=float(env(Setting.BACKOFF_MAX_S, p.backoff_max_s))),
+            launch_grace_s=float(env(Setting.RECONCILE_GRACE_S, cls.launch_grace_s)),
+            heartbeat_timeout_s=float(env(Setting.HEARTBEAT_TIMEOUT_S, cls.heartbeat_timeout_s)),
+            worker_grace_s=float(env(Setting.WORKER_GRACE_S, cls.worker_grace_s)),
+            stall_timeout_s=float(env(Setting.STALL_TIMEOUT_S, cls.stall_timeout_s)),
+            stop_grace_s=float(env(Setting.STOP_GRACE_S, cls.stop_grace_s)),
+            in_run_relaunch=env(Setting.IN_RUN_RELAUNCH, "0").strip().lower()
             in ("1", "true", "yes", "on"),
-            in_run_max_delay_s=float(env("CKPT_IN_RUN_MAX_DELAY_S", cls.in_run_max_delay_s)))
+            in_run_max_delay_s=float(env(Setting.IN_RUN_MAX_DELAY_S, cls.in_run_max_delay_s)))
 
 
 # The reconciler's verdict on a STARTED run's trainer, tagged on the run before it acts

@@ -34,7 +34,7 @@ from ckpt_assets.defs.sensors import (
     resume_terminated_training,
 )
 from ckpt_assets.policy import Budget
-from ckpt_assets.resume_decision import ResumeSettings
+from ckpt_assets.resume_decision import ResumeSettings, Setting
 from ckpt_assets.run_queries import is_training_run
 from ckpt_assets.tags import (
     PARTITION_TAG,
@@ -64,11 +64,7 @@ KEY = "run-a"
 @pytest.fixture(autouse=True)
 def timeouts(monkeypatch):
     """The shipped defaults, whatever the environment of the test process says."""
-    for name in ("CKPT_RECONCILE_GRACE_S", "CKPT_HEARTBEAT_TIMEOUT_S", "CKPT_WORKER_GRACE_S",
-                 "CKPT_STALL_TIMEOUT_S",
-                 "CKPT_STOP_GRACE_S", "CKPT_MAX_PREEMPTIONS",
-                 "CKPT_MAX_TRANSIENT_FAILURES", "CKPT_CRASH_LOOP_BUDGET",
-                 "CKPT_BACKOFF_BASE_S", "CKPT_BACKOFF_MAX_S"):
+    for name in Setting:
         monkeypatch.delenv(name, raising=False)
 
 
