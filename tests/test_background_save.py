@@ -19,6 +19,7 @@ import trainer.checkpointer as checkpointer_mod
 from tests.trainer_proc import assert_bitwise_equal
 from trainer import CheckpointSession
 from trainer.checkpointer import Checkpointer, RNGState, load_verified_state
+from trainer.outcomes import Outcome
 from trainer.repo import CheckpointRepo
 from trainer.snapshot import HostBuffers
 from trainer.storage import open_store
@@ -206,13 +207,22 @@ def test_a_stop_request_and_the_final_save_wait_for_the_save_in_flight(tmp_path,
     assert write_gate.arrived.wait(DEADLINE_S)
     train(model, opt, [2])
     ckpt.stop.signal_name = "SIGTERM"  # what the handler sets
-    stopping = threading.Thread(target=ckpt.step, args=(2,))
+    exits: list[int] = []
+
+    def step_to_the_stop():
+        try:
+            ckpt.step(2)
+        except SystemExit as e:  # a stopped step exits, as the process would
+            exits.append(e.code)
+
+    stopping = threading.Thread(target=step_to_the_stop)
     stopping.start()
     stopping.join(0.5)
     assert stopping.is_alive(), "the stop did not wait for the save in flight"
     assert ckpt.repo.read_pointer().checkpoint is None
     write_gate.opened.set()
     stopping.join(DEADLINE_S)
+    assert exits == [Outcome.PREEMPTED.exit_code]
     assert ckpt.stopped and ckpt.repo.read_pointer().step == 2
     assert [ckpt.repo.read_manifest(n).step for n in ckpt.repo.committed()] == [1, 2]
     ckpt.close()

@@ -176,24 +176,33 @@ def test_eight_concurrent_cli_launches_of_one_name_queue_exactly_one_run(
 
 
 @pytest.mark.slow
-def test_the_in_process_launch_creates_the_run_dagster_job_launch_creates(queue_instance):
-    """`dagster job launch -w workspace.yaml`, the way launch used to submit, and the
-    in-process submission: the same job, plan, tags, config and code location origin."""
+def test_ckpt_assets_launch_creates_the_run_dagster_job_launch_creates(queue_instance, tmp_path):
+    """`dagster job launch -w workspace.yaml`, the way launch used to submit, and
+    `ckpt-assets launch`, which submits in-process: the same job, plan, tags, config and
+    code location origin. Both are real processes: a fresh interpreter is what a user
+    runs, and in this test process the definitions were already resolved by other tests
+    (Dagster caches the repository on the Definitions object, load data and all)."""
     add_partition(queue_instance, "via-cli")
     old_id = launch_run_id("via-cli", None)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([DAGSTER, "job", "launch", "-w", str(ROOT / "workspace.yaml"), "-j",
                            "train_job", "--tags", json.dumps({PARTITION_TAG: "via-cli"}),
                            "--run-id", old_id], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps(training_config()))
+    proc = subprocess.run([PYTHON, "-m", "ckpt_assets", "launch", "same", "--config",
+                           str(config)], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     old = queue_instance.get_run_by_id(old_id)
-    new = launch_training_run(queue_instance, "same").run
+    (new,) = _runs(queue_instance, "same")
     for field in ("job_name", "run_config", "status", "step_keys_to_execute", "op_selection",
                   "job_snapshot_id", "execution_plan_snapshot_id", "remote_job_origin",
                   "has_repository_load_data", "asset_selection"):
         assert getattr(new, field) == getattr(old, field), field
     assert {**new.tags, PARTITION_TAG: "via-cli"} == old.tags
-    # The interpreter is this process's, not the code server's; the rest is the same.
     new_repo, old_repo = (r.job_code_origin.repository_origin for r in (new, old))
     assert new.job_code_origin.job_name == old.job_code_origin.job_name
     assert (new_repo.code_pointer, new_repo.entry_point) == (old_repo.code_pointer,
