@@ -11,6 +11,7 @@ place whichever way in was taken.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,22 @@ def task_launch(reg: Registration, launch: LaunchEnv, env: dict[str, str],
         Path(config_path).write_text(strict_json.dumps(reg.config.to_dict(), indent=1))
     argv = [trainer.python, "-m", "trainer", "--config", config_path, "--store",
             launch.store_uri, "--resume", "auto", "--log-level", trainer.log_level]
-    return Launch(argv, {**env, **launch.to_env()}, trainer.cwd)
+    return Launch(under_ranks(reg, trainer, argv), {**env, **launch.to_env()}, trainer.cwd)
+
+
+def under_ranks(reg: Registration, trainer: TrainerResource, argv: list[str]) -> list[str]:
+    """`argv` once per rank through `python -m trainer.ranks` (torchrun, its restarts off,
+    one exit status for the attempt) when the config asks for several; else `argv`."""
+    d = reg.config.distributed
+    if d.world_size == 1:
+        return argv
+    wrapper = [trainer.python, "-m", "trainer.ranks", "--nproc-per-node",
+               str(d.nproc_per_node), "--nnodes", str(d.nnodes),
+               # Every rank gets the grace to commit before torchrun kills it.
+               "--grace-seconds", str(math.ceil(trainer.grace_period_seconds))]
+    if d.nnodes > 1:
+        wrapper += ["--rdzv-endpoint", d.rdzv_endpoint, "--rdzv-id", reg.run]
+    return [*wrapper, "--", *argv]
 
 
 def command_launch(reg: Registration, repo: CheckpointRepo, launch: LaunchEnv,
@@ -117,4 +133,4 @@ def command_launch(reg: Registration, repo: CheckpointRepo, launch: LaunchEnv,
         env[cfg.resume_env] = resume
     env.update(dataclasses.replace(launch, resume_from=resume).to_env())
     cwd = cfg.cwd or "."
-    return Launch(argv, env, str(Path(trainer.cwd, cwd)), resume)
+    return Launch(under_ranks(reg, trainer, argv), env, str(Path(trainer.cwd, cwd)), resume)

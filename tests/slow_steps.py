@@ -2,6 +2,7 @@
 seconds, so that a test can signal it in the middle of a run; nothing else changes.
 
     python tests/slow_steps.py SCRIPT [ARGS...]
+    python tests/slow_steps.py -m MODULE [ARGS...]
 """
 
 import os
@@ -21,5 +22,9 @@ def _slow_step(self, *args, **kwargs):
 
 
 CheckpointSession.step = _slow_step
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+if sys.argv[1] == "-m":
+    sys.argv = sys.argv[2:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -19,20 +19,23 @@ import pickle
 import random
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from trainer.distributed import RNG_PART, Ranks, rank_file, rederive_rngs
 from trainer.errors import CheckpointError
 from trainer.manifest import Manifest
-from trainer.repo import CheckpointRepo
+from trainer.repo import CheckpointRepo, Pending
 from trainer.signals import on_a_helper_thread
 from trainer.snapshot import HostBuffers, Snapshot, owned_storages, owned_tensors, take
 
 log = logging.getLogger("trainer.checkpoint")
 
-STATE_FILE = "state.pt"  # rank r of a multi-rank save writes state-rank{r}.pt beside it
+STATE_FILE = "state.pt"  # a multi-rank save writes state-rank{r}.pt per rank instead
+WORLD_SIZE = "world_size"  # the manifest's meta key: how many ranks wrote the checkpoint
 # How far a background write's threads step back from training (CPU weight about a third):
 # enough for training to win a contended core, not so far that a busy host starves the write.
 WRITER_NICENESS = 5
@@ -71,9 +74,11 @@ class RNGState:
 
 class Checkpointer:
     def __init__(self, repo: CheckpointRepo, parts: dict[str, Stateful], attempt: int,
-                 keep_last: int = 3, keep_best: bool = True, async_save: bool = False):
+                 keep_last: int = 3, keep_best: bool = True, async_save: bool = False,
+                 ranks: Ranks | None = None):
         self.repo = repo
         self.parts = parts
+        self.ranks = ranks
         self.attempt = attempt
         self.keep_last = keep_last
         self.keep_best = keep_best
@@ -102,7 +107,7 @@ class Checkpointer:
         if self.last_saved_step == step:
             return  # two triggers fired on one step: one checkpoint
         log.debug("saving step %d", step)
-        state = {name: part.state_dict() for name, part in self.parts.items()}
+        state = {name: part.state_dict() for name, part in self._mine()}
         if self.async_save:
             snap = self._snapshot = take(state, owned_storages(self._optimizers))
             del state  # the snapshot holds copies or the fenced originals, nothing else
@@ -113,6 +118,16 @@ class Checkpointer:
         else:
             self._persist(step, state, meta, t0, None)
         self.last_saved_step = step
+
+    def _mine(self) -> Iterator[tuple[str, Stateful]]:
+        """The parts this rank writes (all of them on a single rank): its RNG states, and
+        its turn of the replicated parts (`trainer.distributed`)."""
+        shared = (n for n in self.parts if n != RNG_PART)
+        for i, name in enumerate(shared):
+            if self.ranks is None or self.ranks.owns(i):
+                yield name, self.parts[name]
+        if RNG_PART in self.parts:
+            yield RNG_PART, self.parts[RNG_PART]
 
     def _fence(self, _optimizer, _args, _kwargs) -> None:
         snap = self._snapshot
@@ -144,17 +159,20 @@ class Checkpointer:
             self._error = e
 
     def _persist(self, step: int, state: dict, meta: dict, t0: float,
-                 stall: float | None) -> Manifest:
+                 stall: float | None) -> Manifest | None:
         """Write and commit `state`; `stall`: the training thread's wait for a background
         save (None: this save is synchronous, the training thread waits for all of it)."""
         w0 = time.perf_counter()
         pending = self.repo.begin(step, self.attempt)
+        filename = STATE_FILE if self.ranks is None else rank_file(self.ranks.rank)
         if self.repo.store.native_files:
-            with self.repo.write_path(pending, STATE_FILE) as path:
+            with self.repo.write_path(pending, filename) as path:
                 _save(state, path)
         else:  # S3: serialize straight into the multipart upload
-            with self.repo.write_file(pending, STATE_FILE) as w:
+            with self.repo.write_file(pending, filename) as w:
                 _save(state, w)
+        if self.ranks is not None and not self._gathered(pending, meta):
+            return None  # rank 0 commits what every rank wrote
         # Synchronous: the stall up to the manifest (the pointer's move is left out).
         known = stall if stall is not None else time.perf_counter() - t0
         manifest = self.repo.commit(pending, {**meta, "blocking_seconds": round(known, 4)})
@@ -168,6 +186,19 @@ class Checkpointer:
         if self.on_commit:
             self.on_commit(manifest, stats)
         return manifest
+
+    def _gathered(self, pending: Pending, meta: dict[str, Any]) -> bool:
+        """Wait until every rank's file of `pending` is durable; on rank 0 (True) add their
+        entries and part sizes to the checkpoint it alone commits."""
+        mine = (pending.written, meta.get("part_bytes") or {})
+        everyone = self.ranks.to_leader(mine)
+        if everyone is None:
+            return False
+        for written, sizes in everyone:
+            pending.written.update(written)
+            meta.get("part_bytes", {}).update(sizes)
+        meta[WORLD_SIZE] = self.ranks.world
+        return True
 
     @property
     def in_flight(self) -> bool:
@@ -200,8 +231,13 @@ class Checkpointer:
 
     # -- load ---------------------------------------------------------------------------
     def load(self, manifest: Manifest) -> None:
-        """Verify `manifest`'s files, then restore every part from them."""
-        state = load_verified_state(self.repo, manifest)
+        """Verify `manifest`'s files, then restore every part from them. A checkpoint of
+        another world size restores all but the RNG states, which are re-derived."""
+        rank, world = (self.ranks.rank, self.ranks.world) if self.ranks else (0, 1)
+        state = load_rank_state(self.repo, manifest, rank, world)
+        if RNG_PART in self.parts and RNG_PART not in state:
+            rederive_rngs(self.repo.run, manifest.step, rank)
+            state[RNG_PART] = self.parts[RNG_PART].state_dict()
         missing = set(self.parts) - set(state)
         if missing:
             raise CheckpointError(
@@ -241,18 +277,40 @@ def _save(state: dict[str, Any], dest) -> None:
         torch.serialization.set_crc32_options(crc)
 
 
-def load_verified_state(repo: CheckpointRepo, manifest: Manifest) -> dict[str, Any]:
-    """The state dict in `manifest`'s checkpoint, deserialized only after its SHA-256 verified."""
-    key = repo.key(manifest.name, STATE_FILE)
+def load_rank_state(repo: CheckpointRepo, manifest: Manifest, rank: int,
+                    world: int) -> dict[str, Any]:
+    """The parts `rank` of `world` restores from `manifest`: every replicated part, and the
+    RNG states this rank saved, if the checkpoint was written by as many ranks."""
+    saved_world = manifest.meta.get(WORLD_SIZE, 1)
+    if saved_world == 1:
+        state = load_verified_state(repo, manifest)
+        if world > 1:
+            state.pop(RNG_PART, None)
+        return state
+    state: dict[str, Any] = {}
+    for r in range(saved_world):
+        part = load_verified_state(repo, manifest, rank_file(r))
+        rng = part.pop(RNG_PART, None)
+        state.update(part)
+        if r == rank and saved_world == world and rng is not None:
+            state[RNG_PART] = rng
+    return state
+
+
+def load_verified_state(repo: CheckpointRepo, manifest: Manifest,
+                        filename: str = STATE_FILE) -> dict[str, Any]:
+    """The state dict in `filename` of `manifest`'s checkpoint, deserialized only after its
+    SHA-256 verified."""
+    key = repo.key(manifest.name, filename)
     uri = repo.store.uri_for(key)
-    if STATE_FILE not in manifest.files:
-        raise CheckpointError(f"checkpoint {repo.uri(manifest.name)} lists no {STATE_FILE}")
+    if filename not in manifest.files:
+        raise CheckpointError(f"checkpoint {repo.uri(manifest.name)} lists no {filename}")
     try:
         f = repo.store.open_read(key)
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint file {uri} is missing") from e
     with f:
-        repo.verify_file(manifest, STATE_FILE, f)
+        repo.verify_file(manifest, filename, f)
         path = repo.store.local_path(key)
         if path is not None:
             # Committed files are never rewritten, so mapping the verified file is safe and

@@ -28,6 +28,8 @@ from trainer.storage import validate_name
 from trainer.strict_json import non_finite_path
 
 MAX_HEARTBEAT_S = 60.0
+# The longest a collective may wait for a peer (a day): a bound, never a hang.
+MAX_COLLECTIVE_S = 86400.0
 # NumPy's seeds are 32-bit: the widest range that seeds Python, NumPy and torch alike.
 MAX_SEED = 2**32 - 1
 # More threads or DataLoader workers than any machine runs: a typo, and torch would try to
@@ -86,6 +88,10 @@ class CheckpointConfig(Section):
     heartbeat_seconds: float = Field(5.0, description="liveness heartbeat interval, 0 to "
                                      f"{MAX_HEARTBEAT_S:.0f} s, beaten on its own thread "
                                      "whatever a step costs (0: after every step)")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, le=MAX_COLLECTIVE_S, description="several ranks: the longest the "
+        "session waits for the other ranks (each step's agreement, a save's barrier); past "
+        "it the attempt fails as rank_lost and is resumed")
 
     @field_validator("every_seconds", mode="before")
     @classmethod
@@ -104,6 +110,29 @@ class CheckpointConfig(Section):
                              "orchestrator declares a run dead when its heartbeat stops, so "
                              "it cannot be turned off")
         return v
+
+
+class DistributedConfig(Section):
+    nproc_per_node: int = Field(1, ge=1, le=MAX_PARALLEL, description="ranks on this node "
+                                "(above 1: the attempt runs under torchrun, one process per "
+                                "rank, and the global batch is split over the ranks)")
+    nnodes: int = Field(1, ge=1, le=MAX_PARALLEL, description="nodes; above 1, every node "
+                        "runs the same `python -m trainer.ranks` command (README)")
+    rdzv_endpoint: str | None = Field(None, description="several nodes: host:port of node 0 "
+                                      "that every node reaches")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="task mode's process group: auto is nccl on CUDA, else gloo")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _rendezvous(self) -> DistributedConfig:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("distributed.nnodes above 1 needs distributed.rdzv_endpoint "
+                             "(host:port of node 0, reachable from every node)")
+        return self
 
 
 class DataConfig(Section):
@@ -139,6 +168,7 @@ class TrainConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     command: list[str] | None = Field(None, description="command mode: the script to run "
                                       "instead of a task, e.g. [python, train.py]")
     cwd: str | None = Field(None, description="command mode: working directory")

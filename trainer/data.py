@@ -27,14 +27,18 @@ from torch.utils.data import DataLoader, default_collate
 
 
 class _Positions(torch.utils.data.Sampler[list[int]]):
-    """The index batches of one epoch, from batch `start` on."""
+    """The index batches of one epoch, from batch `start` on: of each global batch, the
+    `rank`-th of `world` equal slices."""
 
-    def __init__(self, order: torch.Tensor, batch_size: int, start: int, batches: int):
+    def __init__(self, order: torch.Tensor, batch_size: int, start: int, batches: int,
+                 rank: int = 0, world: int = 1):
         self.order, self.batch_size, self.start, self.batches = order, batch_size, start, batches
+        self.rank, self.per_rank = rank, batch_size // world
 
     def __iter__(self) -> Iterator[list[int]]:
         for b in range(self.start, self.batches):
-            yield self.order[b * self.batch_size:(b + 1) * self.batch_size].tolist()
+            first = b * self.batch_size + self.rank * self.per_rank
+            yield self.order[first:first + self.per_rank].tolist()
 
     def __len__(self) -> int:
         return self.batches - self.start
@@ -46,18 +50,26 @@ class ResumableLoader:
     `iter(loader)` yields the rest of the current epoch, then moves to the next one; save it
     as a checkpoint part (it has `state_dict`/`load_state_dict`). Incomplete final batches
     are dropped, so every epoch has `batches_per_epoch` batches of `batch_size`.
+
+    With several ranks `batch_size` is the global batch: rank `rank` of `world` takes its
+    slice of each one. The state counts global batches, so it is the same on every rank
+    and a resume at another world size continues at the same sample.
     """
 
     def __init__(self, dataset: Any, batch_size: int, *, seed: int = 0, shuffle: bool = True,
                  num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, rank: int = 0, world: int = 1):
         if not isinstance(dataset, Sized):
             raise TypeError("the dataset must have a length (a map-style dataset)")
         if len(dataset) < batch_size:
             raise ValueError(f"dataset of {len(dataset)} samples is smaller than one batch "
                              f"({batch_size})")
+        if batch_size % world:
+            raise ValueError(f"the batch of {batch_size} samples does not split evenly over "
+                             f"{world} ranks; make it a multiple of {world}")
         self.dataset = dataset
         self.batch_size = batch_size
+        self.rank, self.world = rank, world
         self.seed = seed
         self.shuffle = shuffle
         self.num_workers = num_workers
@@ -86,7 +98,7 @@ class ResumableLoader:
 
     def _loader(self) -> DataLoader:
         positions = _Positions(self._order(), self.batch_size, self.position,
-                               self.batches_per_epoch)
+                               self.batches_per_epoch, self.rank, self.world)
         return DataLoader(
             self.dataset, batch_sampler=positions, num_workers=self.num_workers,
             collate_fn=self.collate_fn, pin_memory=self.pin_memory,

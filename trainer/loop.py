@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from trainer import ddp
 from trainer.config import OptimConfig, TrainConfig
 from trainer.data import ResumableLoader
 from trainer.device import autocast, grad_scaler, resolve_device
@@ -133,9 +134,10 @@ def evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
 
 
 def train_step(cfg: TrainConfig, task: Task, batches: Iterator[Any], optimizer, scaler,
-               device: torch.device) -> torch.Tensor:
-    """One optimizer step over `grad_accum_steps` batches; returns the mean loss."""
-    model, accum = task.model, cfg.grad_accum_steps
+               device: torch.device, model: torch.nn.Module | None = None) -> torch.Tensor:
+    """One optimizer step over `grad_accum_steps` batches; returns the mean loss. `model`:
+    what runs forward, when not the task's own module (its DDP wrapper)."""
+    model, accum = model or task.model, cfg.grad_accum_steps
     model.train()
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -154,11 +156,11 @@ def train_step(cfg: TrainConfig, task: Task, batches: Iterator[Any], optimizer, 
 
 
 def closure_step(cfg: TrainConfig, task: Task, batches: Iterator[Any], optimizer,
-                 device: torch.device) -> torch.Tensor:
+                 device: torch.device, model: torch.nn.Module | None = None) -> torch.Tensor:
     """One step of an optimizer that re-evaluates the loss itself (LBFGS): the closure runs
     forward and backward over this step's batches, as often as the optimizer asks; the loss
     reported is its first evaluation, taken before the parameters moved."""
-    model, accum = task.model, cfg.grad_accum_steps
+    model, accum = model or task.model, cfg.grad_accum_steps
     model.train()
     micro = [to_device(next(batches), device) for _ in range(accum)]
 
@@ -206,7 +208,7 @@ def train(cfg: TrainConfig, store_uri: str | None = None, resume: str | None = N
 
 def _run(cfg: TrainConfig, session: CheckpointSession) -> None:
     session.code_path = getattr(inspect.getmodule(resolve_task(cfg.task)), "__file__", None)
-    device = resolve_device(cfg.device)
+    rank, world, device = ddp.join(cfg, resolve_device(cfg.device))
     # Versioned before the task opens it: a dataset that cannot be read safely (a FIFO, a
     # device, a link out of it) is refused before any code of the task reads from it.
     data_version = session.data_version
@@ -214,13 +216,15 @@ def _run(cfg: TrainConfig, session: CheckpointSession) -> None:
     if data_version is None:
         session.data_version = task.data_version
     task.model.to(device)
+    net = ddp.wrap(task.model, device, world)
     optimizer, scheduler = optimizer_and_scheduler(cfg, task)
     scaler = grad_scaler(device, cfg.amp.dtype)
     closure = check_closure_fits(cfg, optimizer, scaler)
     try:
         loader = ResumableLoader(task.train_data, cfg.batch_size, seed=cfg.seed,
                                  shuffle=cfg.data.shuffle, num_workers=cfg.data.num_workers,
-                                 collate_fn=task.collate, pin_memory=device.type == "cuda")
+                                 collate_fn=task.collate, pin_memory=device.type == "cuda",
+                                 rank=rank, world=world)
     except ValueError as e:
         raise ConfigError(f"config key 'batch_size': {e}") from None
     start = session.restore(model=task.model, optimizer=optimizer, scheduler=scheduler,
@@ -231,13 +235,15 @@ def _run(cfg: TrainConfig, session: CheckpointSession) -> None:
         if task.before_step:
             task.before_step(step)
         if closure:
-            loss = closure_step(cfg, task, batches, optimizer, device).item()
+            loss = closure_step(cfg, task, batches, optimizer, device, net)
         else:
-            loss = train_step(cfg, task, batches, optimizer, scaler, device).item()
+            loss = train_step(cfg, task, batches, optimizer, scaler, device, net)
+        loss = ddp.mean_over_ranks(loss, world).item()
         scheduler.step()
         metrics = None
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             metrics = evaluate(task, task.model)
-        progress.update(step, loss, scheduler.get_last_lr()[0])
+        if rank == 0:  # one progress line for the attempt
+            progress.update(step, loss, scheduler.get_last_lr()[0])
         if session.step(step, loss=loss, metrics=metrics, epoch_end=loader.epoch_finished):
             return

@@ -91,6 +91,9 @@ class Outcome(Enum):
                            "store unavailable after retries (S3 endpoint, timeouts, 5xx)")
     SUPERSEDED = ("superseded", 6, Kind.SUPERSEDED,
                   "superseded: a newer attempt of the same run took it over (fenced)")
+    RANK_LOST = ("rank_lost", 7, Kind.KILLED,
+                 "a multi-rank attempt lost a rank: a collective among the ranks failed "
+                 "(a peer died) or passed `checkpoint.collective_timeout_s` (a peer hung)")
     PREEMPTED = ("preempted", 143, Kind.PREEMPTED,
                  "stopped by SIGTERM/SIGINT after committing a checkpoint (or killed by one)")
     TERMINATED = ("terminated", None, Kind.PREEMPTED,
@@ -131,11 +134,16 @@ class Outcome(Enum):
     @classmethod
     def of_exit(cls, rc: int, reported: str | None = None) -> Outcome:
         """The outcome of a process that exited `rc` (Popen's -N for a signal, or a shell's
-        128+N); the trainer's own report wins when it made one."""
+        128+N); the trainer's own report wins when it made one, except a lost rank's echo."""
         if rc == 0:
             return cls.SUCCESS
         if (known := cls.parse(reported)) is not None:
-            return known
+            if known is not cls.RANK_LOST or rc == known.exit_code:
+                return known
+            # Rank 0 reported losing a peer; the launcher's exit status names why the peer
+            # went (`trainer.ranks.attempt_exit`): a bug there is a bug, not a lost rank.
+        if rc in BY_EXIT_CODE:
+            return BY_EXIT_CODE[rc]
         if rc in BY_EXIT_CODE:
             return BY_EXIT_CODE[rc]
         sig = signal_of(rc)

@@ -23,6 +23,7 @@ from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR
 from trainer.contract import Failed, Message, PipesS3Params, to_message
 from trainer.errors import TrainerError
 from trainer.outcomes import Outcome
+from trainer.ranks import env_rank
 
 log = logging.getLogger("trainer")
 
@@ -34,7 +35,9 @@ class Reporter:
         self._pipes = None
         self._pipes_cm = None
         self._closed = False
-        if os.environ.get(DAGSTER_PIPES_CONTEXT_ENV_VAR):
+        # Several ranks: rank 0 alone speaks to the orchestrator (a Pipes session is one
+        # writer's), and its reports stand for the attempt.
+        if os.environ.get(DAGSTER_PIPES_CONTEXT_ENV_VAR) and env_rank()[0] == 0:
             from dagster_pipes import open_dagster_pipes
 
             self._pipes_cm = open_dagster_pipes(**pipes_channels())

@@ -81,6 +81,8 @@ from trainer.contract import (
     Stopped,
 )
 from trainer.dataset import check_same_data, dataset_manifest
+from trainer.distributed import Ranks
+from trainer.ranks import env_rank
 from trainer.epochs import EpochWalk, Position, position_of, walk_batches, walk_epochs
 from trainer.errors import (
     AlreadyExistsError,
@@ -141,7 +143,10 @@ class CheckpointSession:
         self.reporter = Reporter.shared()
         self.stop = StopRequest()
         if install_signals:
-            self.stop.install(exit_with_parent=bool(launched and launched.exit_with_parent))
+            # A rank outlives its launcher only as an orphan nobody stops: it commits and
+            # exits with it, as a trainer does with the orchestrator.
+            self.stop.install(exit_with_parent=bool(launched and launched.exit_with_parent)
+                              or env_rank()[1] > 1)
         self.loop = LoopState()
         self.stopped = False
         self.lineage: Lineage | None = None
@@ -150,6 +155,7 @@ class CheckpointSession:
         self._last_save_t = time.monotonic()
         self._last_beat = 0.0
         self._beat: Heartbeat | None = None
+        self.ranks: Ranks | None = None
         self._closed = False
         self._in_block = False  # inside `with`: leaving the block ends the session
         self._exit_hooks = False  # no block: atexit and sys.excepthook end it
@@ -202,15 +208,51 @@ class CheckpointSession:
         wrapped = {name: Measured(part, name, self._sizes_of_save)
                    for name, part in wrapped.items()}
 
+        self.ranks = Ranks.detect(self.triggers.collective_timeout_s)
+        if self.ranks is not None and self.triggers.async_save:
+            raise ConfigError("checkpoint.async_save is for a single rank: several ranks save "
+                              "synchronously (each writes its share in parallel); set it false")
         store = open_store(self.store_uri)
         store.check_reachable()
-        repo = self.repo = CheckpointRepo(store, self.experiment, self.run)
+        self.repo = CheckpointRepo(store, self.experiment, self.run)
+        data_version = self.data_version
+        manifest, skipped, attempt = self._resume_point(data_version)
+        ck = self._ck = Checkpointer(self.repo, wrapped, attempt, self.triggers.keep_last,
+                                     self.triggers.keep_best, self.triggers.async_save,
+                                     self.ranks)
+        ck.on_commit = self._on_commit
+        if manifest is not None:
+            t0 = time.perf_counter()
+            ck.load(manifest)
+            ck.last_saved_step = manifest.step
+            self._last_final = manifest.meta.get("final") is True
+            self._say(f"resumed from {self.repo.uri(manifest.name)} at step {manifest.step} "
+                      f"(restore {time.perf_counter() - t0:.2f}s)")
+        else:
+            self._say(f"starting {self.experiment}/{self.run} from scratch (attempt {attempt})")
+        self.lineage = self._lineage(attempt, manifest, data_version)
+        self._config_ref = self._store_config()
+        self.reporter.send(Started(
+            attempt, self.lineage.resumed_from_step,
+            self.repo.uri(manifest.name) if manifest else None,
+            [Skipped(n, r) for n, r in skipped], self.max_steps, self.lineage.to_dict()))
+        self._last_save_t = time.monotonic()
+        return self.loop.step
+
+    def _resume_point(self, data_version: str | None
+                      ) -> tuple[Manifest | None, list[tuple[str, str]], int]:
+        """The checkpoint to continue from, the ones skipped, and this attempt's number.
+        One process decides (rank 0 of several): it beats, verifies and claims the run;
+        the other ranks learn its decision and read the same manifest."""
+        repo = self.repo
+        if self.ranks is not None and not self.ranks.leader:
+            name, skipped, attempt = self.ranks.from_leader(None)
+            return (repo.read_manifest(name) if name else None), skipped, attempt
         # Beats from here on, whatever the restore and each step cost: liveness is not
         # progress (trainer.liveness).
         self._beat = Heartbeat(repo, self.triggers.heartbeat_seconds,
                                self.launch.dagster_run_id if self.launch else None)
         self._beat.start()
-        data_version = self.data_version
         manifest, skipped = resolve_resume(repo, self.resume)
         if manifest is not None:
             lineage = Lineage.from_dict(manifest.meta.get("lineage"))
@@ -219,26 +261,9 @@ class CheckpointSession:
                              at_least=self.launch.attempt if self.launch else 1,
                              launched=self.launch is not None)
         self._beat.claimed(attempt, manifest.step if manifest else 0)
-        ck = self._ck = Checkpointer(repo, wrapped, attempt, self.triggers.keep_last,
-                                     self.triggers.keep_best, self.triggers.async_save)
-        ck.on_commit = self._on_commit
-        if manifest is not None:
-            t0 = time.perf_counter()
-            ck.load(manifest)
-            ck.last_saved_step = manifest.step
-            self._last_final = manifest.meta.get("final") is True
-            self._say(f"resumed from {repo.uri(manifest.name)} at step {manifest.step} "
-                      f"(restore {time.perf_counter() - t0:.2f}s)")
-        else:
-            self._say(f"starting {self.experiment}/{self.run} from scratch (attempt {attempt})")
-        self.lineage = self._lineage(attempt, manifest, data_version)
-        self._config_ref = self._store_config()
-        self.reporter.send(Started(
-            attempt, self.lineage.resumed_from_step,
-            repo.uri(manifest.name) if manifest else None,
-            [Skipped(n, r) for n, r in skipped], self.max_steps, self.lineage.to_dict()))
-        self._last_save_t = time.monotonic()
-        return self.loop.step
+        if self.ranks is not None:
+            self.ranks.from_leader((manifest.name if manifest else None, skipped, attempt))
+        return manifest, skipped, attempt
 
     def _lineage(self, attempt: int, resumed: Manifest | None,
                  data_version: str | None) -> Lineage:
@@ -265,7 +290,7 @@ class CheckpointSession:
     def _store_config(self) -> dict[str, str] | None:
         """The config once per distinct content, referenced from every manifest by hash
         (a manifest stays small however large the config)."""
-        if self.config is None:
+        if self.config is None or not self.leads:
             return None
         body = strict_json.dumps(self.config, sort_keys=True, indent=1).encode()
         sha = hashlib.sha256(body).hexdigest()
@@ -306,27 +331,29 @@ class CheckpointSession:
             raise ConfigError(f"step {step} is above {MAX_STEP}, the highest step a "
                               "checkpoint name holds")
         step = int(step)
-        self._beat.advance(step)
-        if self._beat.fenced:
+        if self._beat is not None:
+            self._beat.advance(step)
+        self._ck.raise_if_failed()  # a background save's error fails the attempt here
+        loss = self._checked_loss(step, loss)
+        reasons = self._triggered(step, metrics, epoch_end)
+        stop, fenced = self.stop.requested, self._beat is not None and self._beat.fenced
+        if self.ranks is not None:
+            # One decision for all ranks: a save or a stop on any rank is a save or a stop
+            # on every rank, so they commit the same step.
+            stop, save_due, fenced = self.ranks.agree(stop, bool(reasons), fenced)
+            reasons = reasons or (["interval"] if save_due else [])
+        if fenced:
             raise PointerConflictError(
                 f"attempt {self.lineage.attempt} of run {self.experiment}/{self.run} was "
                 "superseded (a newer attempt claimed the run, or the orchestrator declared "
                 f"this one failed); it stops at step {step} without writing")
-        self._ck.raise_if_failed()  # a background save's error fails the attempt here
         if loss is not None:
-            loss = as_number(loss, "loss")
-            if not math.isfinite(loss):
-                raise DivergedError(
-                    f"loss is {loss} at step {step}; the last good checkpoint is step "
-                    f"{self._ck.last_saved_step}. Lower the learning rate or check the data, "
-                    "then start a new run.")
             self.loop.losses.append(loss)
         self.loop.step = step
         log.debug("step %d done loss %r", step, loss)
-        reasons = self._triggered(step, metrics, epoch_end)
-        if self.stop.requested:
-            self._say(f"{self.stop.signal_name}: stop requested, committing a checkpoint at "
-                      f"step {step}")
+        if stop:
+            self._say(f"{self.stop.signal_name or 'another rank'}: stop requested, "
+                      f"committing a checkpoint at step {step}")
             self.save("preempted")
             self._ck.close()
             self.stopped = True
@@ -336,6 +363,17 @@ class CheckpointSession:
             self.save("best" if "best" in reasons else reasons[0])
         self._heartbeat(step)
         return False
+
+    def _checked_loss(self, step: int, loss: float | torch.Tensor | None) -> float | None:
+        if loss is None:
+            return None
+        loss = as_number(loss, "loss")
+        if not math.isfinite(loss):
+            raise DivergedError(
+                f"loss is {loss} at step {step}; the last good checkpoint is step "
+                f"{self._ck.last_saved_step}. Lower the learning rate or check the data, "
+                "then start a new run.")
+        return loss
 
     def _triggered(self, step: int, metrics: dict[str, float] | None,
                    epoch_end: bool) -> list[str]:
@@ -510,9 +548,18 @@ class CheckpointSession:
         raise SystemExit(self._finish(exc))  # the traceback is logged once, by the report
 
     # -- what the session says, and how big its checkpoints are --------------------------------
+    @property
+    def leads(self) -> bool:
+        """This process speaks for the attempt: the only rank, or rank 0 of several."""
+        return self.ranks is None or self.ranks.leader
+
     def _say(self, msg: str) -> None:
         """One of the session's own lines: to the log and Pipes, and to stderr when the
-        script configured no logging (where logging itself would drop an INFO line)."""
+        script configured no logging (where logging itself would drop an INFO line).
+        Of several ranks, rank 0 speaks for all."""
+        if not self.leads:
+            log.debug(msg)
+            return
         self.reporter.log(msg)
         if not logging_configured():
             print(f"trainer: {msg}", file=sys.stderr, flush=True)

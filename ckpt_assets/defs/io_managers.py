@@ -107,9 +107,10 @@ def load_checkpoint_state(store: ObjectStore, experiment: str, run: str,
             f"training run {experiment}/{run} has no valid checkpoint in {store.uri}"
             + (f" ({len(skipped)} failed verification)" if skipped else "")
             + "; materialize model_checkpoint first")
-    from trainer.checkpointer import load_verified_state  # imports torch: only when loading
+    from trainer.checkpointer import load_rank_state  # imports torch: only when loading
 
-    state = load_verified_state(repo, manifest)
+    # As one rank reads it: every part, whichever rank of a multi-rank save wrote it.
+    state = load_rank_state(repo, manifest, rank=0, world=1)
     rec = CheckpointRecord.from_manifest(manifest, repo.uri(manifest.name))
     state[CHECKPOINT_KEY] = LoadedCheckpoint(rec, [Skipped(n, r) for n, r in skipped])
     return state

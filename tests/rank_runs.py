@@ -1,0 +1,118 @@
+"""Several real ranks of the trainer, for tests/test_ranks.py and tests/test_ranks_dagster.py.
+
+`start_torchrun` starts `python -m trainer.ranks` (torchrun underneath) the way the
+orchestrator does; `start_direct` starts the rank processes itself with torchrun's
+variables (quicker: no agent), for tests that are about the commit protocol, not torchrun.
+`rank_pids` finds a launcher's ranks by their RANK variable, and `wait_for_step` watches the
+store's pointer, so a test kills a rank at a checkpoint it chose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.polling import wait_for
+from tests.trainer_proc import ROOT
+from trainer.ranks import LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV
+
+SLOW_STEPS = str(ROOT / "tests" / "slow_steps.py")
+
+
+def env(step_delay: float, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "STEP_DELAY": str(step_delay), **extra}
+
+
+def trainer_argv(config: Path, store: str) -> list[str]:
+    """`python -m trainer` with each step slowed by $STEP_DELAY (a kill lands mid-run)."""
+    return [sys.executable, SLOW_STEPS, "-m", "trainer", "--config", str(config),
+            "--store", store]
+
+
+def start_torchrun(argv: list[str], nproc: int, environ: dict[str, str],
+                   log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer.ranks", "--nproc-per-node", str(nproc),
+         "--grace-seconds", "60", "--", *argv],
+        cwd=ROOT, env=environ, stdout=log.open("a"), stderr=subprocess.STDOUT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_direct(argv: list[str], nproc: int, environ: dict[str, str],
+                 log: Path) -> list[subprocess.Popen]:
+    port = str(free_port())
+    return [subprocess.Popen(
+        argv, cwd=ROOT, stdout=log.open("a"), stderr=subprocess.STDOUT,
+        env={**environ, RANK_ENV: str(r), LOCAL_RANK_ENV: str(r), WORLD_SIZE_ENV: str(nproc),
+             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+        for r in range(nproc)]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        key, _, value = item.partition(b"=")
+        if key == RANK_ENV.encode():
+            return int(value)
+    return None
+
+
+def rank_pids(launcher: subprocess.Popen, nproc: int, timeout: float = 180) -> dict[int, int]:
+    """rank -> pid of the launcher's rank processes, once all of them run."""
+    def found() -> dict[int, int] | None:
+        ranks = {r: pid for pid in _children(launcher.pid)
+                 if (r := _rank_of(pid)) is not None}
+        return ranks if len(ranks) == nproc else None
+    return wait_for(found, timeout, what=f"{nproc} ranks under the launcher")
+
+
+def pointer_step(store: Path, experiment: str, run: str) -> int:
+    latest = store / experiment / run / "checkpoints" / "latest.json"
+    try:
+        return json.loads(latest.read_text()).get("step") or 0
+    except (OSError, ValueError):
+        return 0
+
+
+def wait_for_step(store: Path, experiment: str, run: str, step: int,
+                  alive: subprocess.Popen, timeout: float = 240) -> int:
+    """The pointer's step once it reaches `step` (the run must still be going)."""
+    def reached() -> int | None:
+        assert alive.poll() is None, f"the run ended (exit {alive.returncode}) before step {step}"
+        now = pointer_step(store, experiment, run)
+        return now if now >= step else None
+    return wait_for(reached, timeout, what=f"a checkpoint at step {step} or later")
+
+
+def gone(pids: list[int], timeout: float = 120) -> None:
+    """Wait until none of `pids` runs (orphaned ranks are reaped by init, not by us)."""
+    def all_gone() -> bool:
+        return not any(Path(f"/proc/{p}").exists()
+                       and "Z" not in _state(p) for p in pids)
+    wait_for(all_gone, timeout, what=f"processes {pids} to exit")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
