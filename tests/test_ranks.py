@@ -13,24 +13,29 @@ sample position; a rank killed inside a save's barrier never leaves a checkpoint
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.polling import wait_for
 from tests.rank_runs import (
     env,
     gone,
     pointer_step,
     rank_pids,
+    start_direct,
     start_torchrun,
     trainer_argv,
     wait_for_step,
 )
-from tests.trainer_proc import assert_bitwise_equal, write_config
+from tests.trainer_proc import ROOT, assert_bitwise_equal, write_config
 from trainer.data import ResumableLoader
 from trainer.distributed import rank_file
 from trainer.outcomes import Outcome
@@ -159,3 +164,123 @@ def test_two_ranks_killed_three_ways_end_bitwise_equal_to_an_uninterrupted_two_r
     assert text.count("resumed from") >= 3
     for r, (got, want) in enumerate(zip(_rank_states(store), _rank_states(ref), strict=True)):
         assert_bitwise_equal(got, want, f"rank {r}")
+
+
+def _committed_states(store: Path) -> dict[int, dict]:
+    """step -> the replicated state of every committed checkpoint (whoever wrote it)."""
+    ckdir = store / EXPERIMENT / RUN / "checkpoints"
+    out = {}
+    for d in sorted(ckdir.glob("step-*")):
+        manifest = json.loads((d / "MANIFEST.json").read_text())
+        state: dict = {}
+        for f in sorted(manifest["files"]):
+            state.update(torch.load(d / f, weights_only=True))
+        out[manifest["step"]] = state
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_then_one_then_two_continue_at_the_global_sample_position(tmp_path):
+    two, one = _config(tmp_path, "two", 2), _config(tmp_path, "one", 1)
+    for c in (two, one):  # every checkpoint kept, to read each one's data position
+        cfg = json.loads(c.read_text())
+        cfg["checkpoint"]["keep_last"] = 100
+        c.write_text(json.dumps(cfg))
+    ref, store, log = tmp_path / "ref", tmp_path / "store", tmp_path / "ranks.log"
+    assert _run(two, ref, log, step_delay=0) == 0, log.read_text()[-3000:]
+
+    def sigterm_at(step: int):
+        def kill(launcher, ranks):
+            wait_for_step(store, EXPERIMENT, RUN, step, launcher)
+            launcher.send_signal(signal.SIGTERM)
+        return kill
+
+    assert _run(two, store, log, sigterm_at(16)) == PREEMPTED, log.read_text()[-3000:]
+    single = subprocess.Popen(trainer_argv(one, str(store)), cwd=ROOT, env=env(0.05),
+                              stdout=log.open("a"), stderr=subprocess.STDOUT)
+    wait_for_step(store, EXPERIMENT, RUN, 36, single)
+    single.send_signal(signal.SIGTERM)
+    assert single.wait(timeout=300) == PREEMPTED, log.read_text()[-3000:]
+    assert _run(two, store, log) == 0, log.read_text()[-3000:]
+
+    states = _committed_states(store)
+    worlds = {json.loads((d / "MANIFEST.json").read_text())["meta"].get("world_size", 1)
+              for d in (store / EXPERIMENT / RUN / "checkpoints").glob("step-*")}
+    assert worlds == {1, 2}
+    batches_per_epoch = 1024 // 32
+    for step, state in states.items():
+        data = state["data"]  # global batches taken: one per step, whatever the world size
+        assert data["epoch"] * batches_per_epoch + data["position"] == step, step
+    final = states[60]["loop"]
+    assert len(final["losses"]) == 60 and all(map(math.isfinite, final["losses"]))
+    # The curve continues: the last evaluation is the uninterrupted run's, up to the order
+    # of floating-point sums (and the re-derived RNG streams, which this task never draws).
+    want = _committed_states(ref)[60]["loop"]["metrics"]["loss"]
+    got = final["metrics"]["loss"]
+    print(f"2 -> 1 -> 2 ranks: final evaluation loss {got:.6f}; uninterrupted two ranks "
+          f"{want:.6f}")
+    assert abs(got - want) <= 0.02 * abs(want), (got, want)
+
+
+BARRIER_TRIALS = 30
+
+
+def _wait_inside_the_barrier(store: Path, ranks: list, marker: Path, step: int,
+                             log: Path) -> None:
+    def blocked() -> bool:
+        assert all(p.poll() is None for p in ranks), log.read_text()[-3000:]
+        return marker.exists()
+
+    wait_for(blocked, 240, what=f"rank 0 inside the save of step {step}")
+    pending = store / EXPERIMENT / "barrier" / "checkpoints"
+    wait_for(lambda: list(pending.glob(f"step-{step:09d}-*/{rank_file(1)}")), 120,
+             what=f"rank 1's file of step {step}")
+
+
+def _checkpoint_dirs(store: Path, run: str) -> dict[str, bool]:
+    """name -> committed (has a manifest), for every checkpoint directory of `run`."""
+    ckdir = store / EXPERIMENT / run / "checkpoints"
+    return {d.name: (d / "MANIFEST.json").exists() for d in ckdir.glob("step-*")}
+
+
+@pytest.mark.slow
+def test_a_rank_killed_inside_a_saves_barrier_never_leaves_a_checkpoint(tmp_path):
+    """30 trials, each an attempt that resumes, commits one checkpoint and reaches the save
+    of the next, step K: rank 1 has written its file of step K and waits in the barrier
+    while rank 0 takes its state; one of the two is SIGKILLed. Step K never becomes a
+    checkpoint, the next attempt resumes from the one before it, and retention removes the
+    leftovers."""
+    store, log = tmp_path / "store", tmp_path / "barrier.log"
+    script = [sys.executable, str(ROOT / "tests" / "barrier_user.py"), str(store)]
+    max_steps = 2 * BARRIER_TRIALS + 4
+    for trial in range(BARRIER_TRIALS):
+        before = pointer_step(store, EXPERIMENT, "barrier")
+        block_at, marker = before + 4, tmp_path / f"blocked-{trial}"
+        ranks = start_direct(script, 2, env(0, BLOCK_AT_STEP=str(block_at),
+                                            BLOCK_MARKER=str(marker),
+                                            MAX_STEPS=str(max_steps)), log)
+        try:
+            _wait_inside_the_barrier(store, ranks, marker, block_at, log)
+            ranks[trial % 2].send_signal(signal.SIGKILL)
+            if trial % 2 == 1:  # rank 1 killed: rank 0 would sleep on inside its part
+                ranks[0].send_signal(signal.SIGKILL)
+            else:  # rank 0 killed: rank 1 loses its peer in the barrier
+                assert ranks[1].wait(timeout=120) == LOST, log.read_text()[-3000:]
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        dirs = _checkpoint_dirs(store, "barrier")
+        blocked = [n for n in dirs if n.startswith(f"step-{block_at:09d}-")]
+        assert blocked and not any(dirs[n] for n in blocked), dirs
+        assert pointer_step(store, EXPERIMENT, "barrier") == before + 2
+    ranks = start_direct(script, 2, env(0, MAX_STEPS=str(max_steps)), log)
+    assert [p.wait(timeout=300) for p in ranks] == [0, 0], log.read_text()[-3000:]
+    text = log.read_text()
+    # Every attempt after the first resumed from the checkpoint before its blocked step.
+    for trial in range(1, BARRIER_TRIALS + 1):
+        assert f"at step {2 * trial} " in text, trial
+    dirs = _checkpoint_dirs(store, "barrier")
+    assert all(dirs.values()), f"partial checkpoints left behind: {dirs}"
+    assert pointer_step(store, EXPERIMENT, "barrier") == max_steps

@@ -409,3 +409,17 @@ def test_a_pointer_that_is_a_link_reads_as_damaged_and_a_conditional_write_repla
     local.store.write_if("run1/latest.json", b"mine", token)
     assert local.store.read_bytes("run1/latest.json") == b"mine"
     assert target.read_bytes() == b'{"generation": 1}'
+
+
+def test_deleting_an_object_removes_the_temp_file_a_killed_writer_left_beside_it(tmp_path):
+    """A writer killed between link() and the unlink of its temp file leaves both; deleting
+    the object (retention of a dead attempt's partial checkpoint) leaves no directory."""
+    store = LocalStore(tmp_path)
+    store.put_new("ck/step-1/state.pt", b"x")
+    (tmp_path / "ck" / "step-1" / ".state.pt.tmp-0123456789ab").write_bytes(b"x")
+    (tmp_path / "ck" / "step-1" / ".other.pt.tmp-0123456789ab").write_bytes(b"in flight")
+    store.delete("ck/step-1/state.pt")
+    assert sorted(p.name for p in (tmp_path / "ck" / "step-1").iterdir()) == [
+        ".other.pt.tmp-0123456789ab"]  # another object's write is not this delete's business
+    store.delete("ck/step-1/other.pt")
+    assert not (tmp_path / "ck" / "step-1").exists()

@@ -82,7 +82,6 @@ from trainer.contract import (
 )
 from trainer.dataset import check_same_data, dataset_manifest
 from trainer.distributed import Ranks
-from trainer.ranks import env_rank
 from trainer.epochs import EpochWalk, Position, position_of, walk_batches, walk_epochs
 from trainer.errors import (
     AlreadyExistsError,
@@ -107,6 +106,7 @@ from trainer.parts import (
     kind_of,
     seed_all,
 )
+from trainer.ranks import env_rank
 from trainer.records import CheckpointRecord, Lineage
 from trainer.repo import CheckpointRepo
 from trainer.report import Reporter, report_failure

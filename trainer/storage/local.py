@@ -37,6 +37,7 @@ from trainer.storage.local_files import (
     STORAGE_ERRNOS,
     catching,
     disk_refuses_bytes,
+    is_temp_of,
     unlink_quiet,
     write_all,
 )
@@ -298,6 +299,11 @@ class LocalStore(ObjectStore):
             try:
                 with self._dir(parts) as dfd:
                     unlink_quiet(name, dfd)  # a link is removed itself, never its target
+                    # A writer killed between link() and the unlink of its temp file leaves
+                    # the temp behind; what is deleted is no live writer's any more.
+                    for leftover in os.listdir(dfd):
+                        if is_temp_of(leftover, name):
+                            unlink_quiet(leftover, dfd)
             except FileNotFoundError:
                 return
             for i in range(len(parts), 0, -1):

@@ -21,6 +21,11 @@ def temp_name(name: str) -> str:
     return f".{name}.tmp-{uuid.uuid4().hex[:12]}"
 
 
+def is_temp_of(candidate: str, name: str) -> bool:
+    """Is `candidate` a temp file that a write of `name` went through?"""
+    return candidate.startswith(f".{name}.tmp-")
+
+
 def write_all(fd: int, data) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:
