@@ -197,9 +197,17 @@ def failure_description(ended: AttemptEnd) -> str:
                 f"{ended.attempt} before the run's final checkpoint (last committed step "
                 f"{ended.last_committed_step}){left}. Not finished, so final_model was not "
                 f"made: {Outcome.UNFINISHED.kind.advice}")
-    sig = f", {ended.signal}" if ended.signal else ""
     where = f" ({ended.checkpoint_uri})" if ended.checkpoint_uri else ""
     msg = f": {ended.message}" if ended.message else ""
+    if ended.kind.resumable:
+        # Read first on the run page: what happened and what comes next, not a crash.
+        sig = f" ({ended.signal})" if ended.signal else ""
+        return (f"{ended.outcome.value}, not a bug: the training process exited "
+                f"{ended.exit_code}{sig} in attempt {ended.attempt} of training run "
+                f"{ended.training_run}: {ended.outcome.seen_as}; last committed step "
+                f"{ended.last_committed_step}{where}. To be resumed {ended.kind.resume} "
+                f"by the resume sensors{msg}")
+    sig = f", {ended.signal}" if ended.signal else ""
     return (f"training process exited {ended.exit_code} ({ended.outcome.value}{sig}) in "
             f"attempt {ended.attempt} of training run {ended.training_run}; last committed "
             f"step {ended.last_committed_step}{where}{msg}")
@@ -212,7 +220,9 @@ def attempt_failure(ended: AttemptEnd, report: AttemptReport) -> dg.Failure:
     tb = report.failed.traceback if report.failed else None
     if tb:
         md["traceback"] = dg.MetadataValue.md(f"```\n{tb[-TRACEBACK_MAX_CHARS:]}\n```")
-    return dg.Failure(description=failure_description(ended), metadata=md)
+    md["resumed"] = str(ended.kind.resume)  # in the failure's table, next to its class
+    # Resuming is the sensors' decision, made once: never a Dagster step retry.
+    return dg.Failure(description=failure_description(ended), metadata=md, allow_retries=False)
 
 
 def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log) -> str | None:

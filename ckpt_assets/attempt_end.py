@@ -55,7 +55,8 @@ class AttemptEnd:
         return {"failure_class": self.failure_class, **values}
 
     def to_dagster(self, description: str) -> dg.Failure:
-        return dg.Failure(description=description, metadata=to_metadata(self.to_dict()))
+        return dg.Failure(description=description, metadata=to_metadata(self.to_dict()),
+                          allow_retries=False)
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> AttemptEnd | None:

@@ -1,6 +1,6 @@
 """A training run's checkpoint history across attempts, as a table and a loss plot.
 
-Shown on the final `model_checkpoint` output: one row per committed checkpoint of the
+Shown on the final `model_checkpoint` output and on `final_model`: one row per committed checkpoint of the
 training run (step, loss, eval metrics, attempt, checkpoint, and where an attempt resumed),
 from the partition's checkpoint observations in the instance plus what this attempt
 reported (its own observations may not be stored yet when this is built). The instance,
@@ -16,6 +16,7 @@ import base64
 import io
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -143,25 +144,43 @@ def loss_plot_png(df) -> bytes:
     return buf.getvalue()
 
 
-def plot_metadata(df) -> dg.MetadataValue:
-    png = base64.b64encode(loss_plot_png(df)).decode("ascii")
-    resumes = ", ".join(f"attempt {r['attempt']} from step {r['resumed_from_step']}"
-                        for _, r in df[df["resumed"]].iterrows()) or "none"
+def resumes_words(df) -> str:
+    """Where the run resumed, in words ("none" for a run never interrupted)."""
+    return ", ".join(f"attempt {r['attempt']} from step {r['resumed_from_step']}"
+                     for _, r in df[df["resumed"]].iterrows()) or "none"
+
+
+def plot_metadata(df, png: bytes | None = None) -> dg.MetadataValue:
+    png64 = base64.b64encode(png or loss_plot_png(df)).decode("ascii")
     return dg.MetadataValue.md(
-        f"![loss versus step](data:image/png;base64,{png})\n\n"
-        f"{len(df)} checkpoints; resumes (dashed): {resumes}")
+        f"![loss versus step](data:image/png;base64,{png64})\n\n"
+        f"{len(df)} checkpoints; resumes (dashed): {resumes_words(df)}")
+
+
+@dataclass(frozen=True)
+class LossHistory:
+    metadata: dict[str, Any]  # `metrics_history` (table), `loss_plot` (Markdown), `resumes`
+    png: bytes | None  # the plot itself, for MLflow
+
+
+def loss_history(instance: dg.DagsterInstance, run: str,
+                 reported: Iterable[CheckpointRecord] = (), log=None) -> LossHistory:
+    """The run's checkpoint history as metadata, and its plot; best-effort: a failure to
+    build them is a warning, never a failed training run."""
+    try:
+        df = history_frame(instance, run, reported)
+        png = loss_plot_png(df)
+        return LossHistory({"metrics_history": table_metadata(df),
+                            "loss_plot": plot_metadata(df, png),
+                            "resumes": resumes_words(df)}, png)
+    except Exception as e:
+        if log:
+            log.warning(f"checkpoint history table/plot not built ({type(e).__name__}: {e})")
+        return LossHistory({}, None)
 
 
 def history_metadata(instance: dg.DagsterInstance, run: str,
                      reported: Iterable[CheckpointRecord] = (), log=None) -> dict[str, Any]:
-    """`metrics_history` (table) and `loss_plot` (Markdown with the PNG); best-effort: a
-    failure to build either is a warning, never a failed training run."""
-    out: dict[str, Any] = {}
-    try:
-        df = history_frame(instance, run, reported)
-        out["metrics_history"] = table_metadata(df)
-        out["loss_plot"] = plot_metadata(df)
-    except Exception as e:
-        if log:
-            log.warning(f"checkpoint history table/plot not built ({type(e).__name__}: {e})")
-    return out
+    """`metrics_history` (table), `loss_plot` (Markdown with the PNG) and `resumes` (where
+    the run resumed, "none" if it never was interrupted)."""
+    return loss_history(instance, run, reported, log).metadata

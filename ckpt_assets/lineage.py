@@ -15,7 +15,14 @@ from ckpt_assets.events import ATTEMPT_ENDED, CHECKPOINT, decisions, partition_e
 from ckpt_assets.registration import read_registration
 from ckpt_assets.run_queries import training_runs_of
 from ckpt_assets.run_state import record_lost_worker
-from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
+from ckpt_assets.stop import stop_reason_text
+from ckpt_assets.tags import (
+    TAG_ATTEMPT,
+    TAG_NO_RESUME,
+    TAG_PARENT_RUN_ID,
+    TAG_ROOT_RUN_ID,
+    TAG_STOP_REASON,
+)
 from trainer.errors import CheckpointError
 from trainer.outcomes import Outcome
 from trainer.repo import CheckpointRepo
@@ -106,13 +113,14 @@ def _attempts_ended(attempts: list[dict[str, Any]], ends: dict[str, list[dict[st
             for es in [ends.get(a["dagster_run_id"]) or [{}]] for i, e in enumerate(es)]
     attempts = [a for a, _, _ in rows]
     for position, (a, e, relaunched) in enumerate(rows, start=1):
+        stopped = a.pop("stopped", None)
         own = [c for c in by_run.get(a["dagster_run_id"], [])
                if len(ends.get(a["dagster_run_id"], [])) < 2 or c.get("attempt") == e.get("attempt")]
         a.update(exit_code=e.get("exit_code"), failure_class=e.get("failure_class"),
                  last_committed_step=e.get("last_committed_step"),
                  resumed_from_step=e.get("resumed_from_step"), relaunched_in_run=relaunched,
                  decision=("relaunched in the same Dagster run" if relaunched
-                           else reasons.get(a["dagster_run_id"])))
+                           else stopped or reasons.get(a["dagster_run_id"])))
         # The attempt number the trainer claimed (on its checkpoints) is the truth; the tag
         # is what the orchestrator asked for; a run launched by hand and lost before it
         # reported anything is numbered by its place among the partition's runs.
@@ -162,7 +170,10 @@ def _attempt_rows(instance: dg.DagsterInstance, run_key: str) -> list[dict[str, 
                          "attempt": r.tags.get(TAG_ATTEMPT),
                          "root_run_id": r.tags.get(TAG_ROOT_RUN_ID, r.run_id),
                          "parent_run_id": r.tags.get(TAG_PARENT_RUN_ID),
-                         "job": r.job_name})
+                         "job": r.job_name,
+                         # A stop for good overrides whatever was decided before it.
+                         "stopped": stop_reason_text(r.tags.get(TAG_STOP_REASON))
+                         if r.tags.get(TAG_NO_RESUME) == "true" else None})
     return attempts
 
 

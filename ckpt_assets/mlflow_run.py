@@ -46,7 +46,8 @@ def _param_key(k: str) -> str:
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str | None, run_id: str | None) -> str | None:
-    """The MLflow UI page of a run, when the tracking server is one (http/https)."""
+    """The MLflow UI page of a run, when `tracking_uri` (or the UI's base URL) is an
+    http(s) server."""
     if not run_id or not experiment_id or not tracking_uri.startswith(("http://", "https://")):
         return None
     return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
@@ -85,8 +86,7 @@ class MlflowRun:
     @property
     def run_url(self) -> str | None:
         """The MLflow UI page of the run (only for an http(s) tracking server)."""
-        return mlflow_run_url(self.resource.resolved_tracking_uri, self.experiment_id,
-                              self.run_id)
+        return mlflow_run_url(self.resource.resolved_ui_url, self.experiment_id, self.run_id)
 
     def finish(self, status: str) -> None:
         """FINISHED / FAILED / KILLED; a later attempt sets it back to RUNNING."""
@@ -106,6 +106,24 @@ class MlflowRun:
                     self.client.set_tag(self.run_id, k, str(v)[:TAG_VALUE_MAX])
         except Exception as e:
             self.warn("setting tags", e)
+
+    def log_artifact_bytes(self, data: bytes, artifact_file: str) -> None:
+        """`data` as the run's artifact `artifact_file` (the loss plot: MLflow's charts have
+        no API for marks on a metric's curve, so the resumes are drawn in the image)."""
+        if self.run_id is None:
+            return
+        try:
+            import tempfile
+            from pathlib import Path
+
+            where = Path(artifact_file)
+            with tempfile.TemporaryDirectory() as d:
+                path = Path(d) / where.name
+                path.write_bytes(data)
+                self.client.log_artifact(self.run_id, str(path), where.parent.as_posix()
+                                         if where.parent != Path(".") else None)
+        except Exception as e:
+            self.warn(f"logging the artifact {artifact_file}", e)
 
     def log_config(self, config: dict[str, Any]) -> int:
         """The training config as params, once per MLflow run. Returns how many were new.

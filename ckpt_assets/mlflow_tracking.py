@@ -39,7 +39,10 @@ from trainer.contract import Eval, Started
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 
-__all__ = ["TRAINING_RUN_TAG", "MlflowTracker", "find_or_create_run", "flatten_params",
+# The loss plot's artifact path (`log_loss_plot`).
+LOSS_PLOT = "plots/loss.png"
+
+__all__ = ["LOSS_PLOT", "TRAINING_RUN_TAG", "MlflowTracker", "find_or_create_run", "flatten_params",
            "mlflow_run_url"]
 
 
@@ -119,6 +122,11 @@ class MlflowTracker:
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.mlflow_run.set_tags(tags)
+
+    def log_loss_plot(self, png: bytes | None) -> None:
+        """The loss plot with each resume marked (dashed), as the artifact LOSS_PLOT."""
+        if png:
+            self.mlflow_run.log_artifact_bytes(png, LOSS_PLOT)
 
     # -- checkpoint metrics -------------------------------------------------------------------
     @property

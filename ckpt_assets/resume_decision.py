@@ -33,6 +33,7 @@ from ckpt_assets.policy import Budget, Decision, PolicyConfig, decide
 from ckpt_assets.registration import read_registration
 from ckpt_assets.run_queries import is_training_run, newest_training_run
 from ckpt_assets.run_state import report_state
+from ckpt_assets.stop import stop_reason_text
 from ckpt_assets.tags import (
     PARTITION_TAG,
     TAG_ATTEMPT,
@@ -49,6 +50,7 @@ from ckpt_assets.tags import (
     TAG_RESUME_FROM,
     TAG_ROOT_RUN_ID,
     TAG_STALLED,
+    TAG_STOP_REASON,
 )
 from trainer.outcomes import Kind, Outcome
 from trainer.repo import CheckpointRepo
@@ -270,7 +272,8 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: Checkpoint
     if TAG_DECISION not in run.tags:
         failure = failure_of(instance, run, store)
         if run.tags.get(TAG_NO_RESUME) == "true":
-            decision = Decision(False, Kind.STOPPED_BY_USER, "not resumed: stopped on request")
+            decision = Decision(False, Kind.STOPPED_BY_USER,
+                                stop_reason_text(run.tags.get(TAG_STOP_REASON)))
         else:
             decision = decide(failure, budget_of(run), settings.policy)
         record(instance, run, failure, decision)

@@ -22,7 +22,8 @@ def is_training_run(run: dg.DagsterRun) -> bool:
     if run.job_name in TRAINING_JOB_NAMES:
         return True
     if not run.asset_selection:
-        return run.job_name.startswith("__")
+        # ... but not a run of checks alone (the UI's "Execute" on a check).
+        return run.job_name.startswith("__") and not run.asset_check_selection
     return MODEL_CHECKPOINT_KEY in run.asset_selection
 
 

@@ -140,7 +140,11 @@ def state_of(run: dg.DagsterRun, now: float) -> RunState:
         return made(State.STOPPING, "stopping for good" if tags.get(TAG_NO_RESUME) == "true"
                     else "terminating; a termination is a preemption, resumed once it ends")
     if status == S.SUCCESS:
-        return made(State.FINISHED, f"attempt {attempt} finished the run")
+        # A resumed run reads apart from one never interrupted.
+        interrupted = (f", after {attempt - 1} interrupted attempt(s): it resumed from "
+                       f"{tags.get(TAG_RESUME_FROM) or 'the latest checkpoint'}"
+                       if tags.get(TAG_PARENT_RUN_ID) and attempt > 1 else "")
+        return made(State.FINISHED, f"attempt {attempt} finished the run{interrupted}")
     return _ended_unsuccessfully(run, now, made)
 
 
@@ -207,22 +211,56 @@ def state_observation(state: RunState, extra: dict[str, Any] | None = None
     return dg.AssetObservation(
         asset_key=MODEL_CHECKPOINT_KEY, partition=state.training_run,
         description=f"state: {state}",
-        metadata={"event": STATE, "state": state.state.value, "detail": state.detail,
-                  **({"attempt": state.attempt} if state.attempt else {}),
-                  # A link to the run the state is about.
-                  **({"dagster_run": dg.MetadataValue.dagster_run(state.dagster_run_id)}
-                     if state.dagster_run_id else {}),
+        metadata={"event": STATE, **_state_metadata(state),
                   **({"resume_at": state.resume_at} if state.resume_at else {}),
                   **(extra or {})})
+
+
+# The partition's asset check that reads the state (`ckpt_assets.defs.checks`): Dagster's
+# partitions view counts a run stopped for good as "Missing", like one never launched, and
+# its events list shows no text; a check's partitions show a status and a description.
+STATE_CHECK = "training_run_state"
+STOPPED = frozenset({State.STOPPED_BY_USER, State.STOPPED_BY_POLICY})
+
+
+def state_check_result(state: RunState) -> dg.AssetCheckResult:
+    """The state as the check's result: failed for a run stopped for good (a warning when a
+    user stopped it, an error when the policy did), passed otherwise; the state and its
+    reason are the description."""
+    return dg.AssetCheckResult(
+        check_name=STATE_CHECK, passed=state.state not in STOPPED,
+        severity=(dg.AssetCheckSeverity.WARN if state.state == State.STOPPED_BY_USER
+                  else dg.AssetCheckSeverity.ERROR),
+        description=str(state), metadata=_state_metadata(state))
+
+
+def state_check_evaluation(state: RunState) -> dg.AssetCheckEvaluation:
+    """`state_check_result` as an evaluation recorded outside any run (a sensor, a stop)."""
+    result = state_check_result(state)
+    return dg.AssetCheckEvaluation(
+        asset_key=MODEL_CHECKPOINT_KEY, check_name=STATE_CHECK, passed=result.passed,
+        severity=result.severity, description=result.description, metadata=result.metadata,
+        partition=state.training_run)
+
+
+def _state_metadata(state: RunState) -> dict[str, Any]:
+    return {"state": state.state.value, "detail": state.detail,
+            **({"attempt": state.attempt} if state.attempt else {}),
+            # A link to the run the state is about.
+            **({"dagster_run": dg.MetadataValue.dagster_run(state.dagster_run_id)}
+               if state.dagster_run_id else {})}
 
 
 def report_state(instance: dg.DagsterInstance, partition: str,
                  extra: dict[str, Any] | None = None) -> RunState | None:
     """Derive the partition's state now and record it as an observation (with `extra`
-    metadata). Best-effort: it is what people read, never what a decision rests on."""
+    metadata), and a state that ends the run as the partition's `training_run_state` check.
+    Best-effort: it is what people read, never what a decision rests on."""
     try:
         state = run_state(instance, partition)
         instance.report_runless_asset_event(state_observation(state, extra))
+        if state.state in STOPPED or state.state == State.FINISHED:
+            instance.report_runless_asset_event(state_check_evaluation(state))
         return state
     except Exception:  # an event-log hiccup must not fail a sensor tick or a stop
         return None

@@ -69,6 +69,15 @@ def stop_reason_text(reason: str | None) -> str:
         "not resumed: stopped on request"
 
 
+def stop_request(instance: dg.DagsterInstance, run_id: str) -> str | None:
+    """Why run `run_id` was stopped for good (`stop_reason_text`), read fresh: the stop tags
+    a run before ending it, after its step read its tags; None if it was not stopped."""
+    run = instance.get_run_by_id(run_id)
+    if run is None or run.tags.get(TAG_NO_RESUME) != "true":
+        return None
+    return stop_reason_text(run.tags.get(TAG_STOP_REASON))
+
+
 def stop_training_run(instance: dg.DagsterInstance, partition: str, reason: str | None = None,
                       *, force: bool = False) -> list[StopAction]:
     """Stop training run `partition` for good; one StopAction per run acted on (none: there

@@ -38,3 +38,4 @@ TAG_STOP_REASON = "ckpt/stop_reason"  # free text from the user
 # On other runs:
 TAG_CHECKED_RUN = "ckpt/checked_run_id"  # a check run: the training run it checks
 TAG_STOP_TARGET = "ckpt/stop_target"  # a stop_training_run run: the training run it stopped
+TAG_NEW_RUN_TARGET = "ckpt/new_run_target"  # a new_training_run run: the run it launched

@@ -67,13 +67,13 @@ class DagsterDev(Daemon):
     its process group; `stop` waits for all of them)."""
 
 
-def start_dagster_dev(workdir: Path, store: str, timeout: float = 240
-                      ) -> tuple[DagsterDev, str]:
+def start_dagster_dev(workdir: Path, store: str, timeout: float = 240,
+                      extra_env: dict | None = None) -> tuple[DagsterDev, str]:
     """`dagster dev` from the repository root on a fresh DAGSTER_HOME under `workdir`.
 
     Returns the harness object (the CLI, the instance, heartbeats, waiting, and a `stop()`
     that ends the whole process group and any trainer left over) and the webserver's URL."""
-    home, env, instance = fresh_instance(workdir, store)
+    home, env, instance = fresh_instance(workdir, store, extra_env)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = workdir / "dagster-dev.log"

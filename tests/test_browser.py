@@ -3,9 +3,11 @@
 `dagster dev` (webserver + daemon) runs on a temporary instance; two training runs are
 launched the way the README says (`python -m ckpt_assets launch`): `preempted`, whose
 trainer is sent SIGTERM mid-run and which the resume sensor resumes to the end, and
-`buggy`, whose task raises (exit 1: a bug, not resumed). A headless Chromium (Debian's
-`/usr/bin/chromium`, driven by Playwright) then reads the asset graph, the launchpad, both
-failed runs' pages, the checkpoint events and the partitions view.
+`buggy`, whose task raises (exit 1: a bug, not resumed); a third, `halted`, is started from
+the launchpad (`new_training_run`) and stopped for good with a reason. A headless Chromium
+(Debian's `/usr/bin/chromium`, driven by Playwright) then reads the asset graph, the
+launchpad, the runs' pages, the checkpoint events, the partitions view, the state check and
+the final model.
 
 Screenshots of every page checked (and of the page where a failing test stopped, named
 `...-FAILED.png`) are written to test-artifacts/browser/, with the `dagster dev` log.
@@ -20,8 +22,10 @@ import signal
 import subprocess
 import sys
 
+import dagster as dg
 import pytest
 
+from ckpt_assets.defs.resources import MLFLOW_UI_URL_ENV
 from tests.browser_harness import (
     ARTIFACTS,
     CHROMIUM,
@@ -38,6 +42,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 UI_TIMEOUT_MS = 60_000
 RUN_TIMEOUT_S = 360
 CHECKPOINT_RE = r"checkpoint step (\d+) committed \(loss ([0-9.eE+-]+|nan|inf)\)"
+MLFLOW_UI = "http://127.0.0.1:5000"  # where metadata links to MLflow (no server needed)
+HALTED = "halted"  # started from the launchpad, then stopped for good with a reason
+STOP_REASON = "wrong lr"
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +70,8 @@ def browser():
 def scenario(browser, tmp_path_factory):
     """`dagster dev` with two runs launched and `preempted` preempted; not waited for."""
     work = tmp_path_factory.mktemp("browser")
-    dev, url = start_dagster_dev(work, str(work / "store"))
+    dev, url = start_dagster_dev(work, str(work / "store"),
+                                 extra_env={MLFLOW_UI_URL_ENV: MLFLOW_UI})
     try:
         # The bug first: `preempted` must still be training when it is looked for.
         _launch(dev, "buggy", training_config("buggy", task_args={"fail_at_step": 12}), work)
@@ -176,9 +184,17 @@ def test_the_launchpad_refuses_an_unknown_key_in_the_training_config(scenario, p
     _, url = scenario
     page.goto(f"{url}/locations/ckpt_assets/jobs/train_job/playground")
     partition = page.get_by_placeholder("Partition")
-    partition.fill("buggy")
-    partition.press("Enter")
-    expect(page.get_by_text("partition: buggy", exact=True)).to_be_visible()
+    chosen = page.get_by_text("partition: buggy", exact=True)
+    # The picker takes Enter only once it has loaded the partitions (slow on a busy machine).
+    for _ in range(5):
+        partition.fill("buggy")
+        partition.press("Enter")
+        try:
+            expect(chosen).to_be_visible(timeout=10_000)
+            break
+        except AssertionError:
+            partition.fill("")
+    expect(chosen).to_be_visible()
     editor = page.locator(".CodeMirror").first
     launch = page.get_by_role("button", name="Launch Run")
 
@@ -313,3 +329,114 @@ def test_each_partition_reads_its_training_runs_state_and_why(settled, page):
     page.shots("buggy-state")
     _partition_event(page, url, "preempted", r"^state: finished: attempt 2 trained to step 60$")
     page.shots("preempted-state")
+
+
+# -- the state, the preemption, the final model, the launchpad, the stop ----------------------
+
+def _type_config(page, yaml_text: str) -> None:
+    page.locator(".CodeMirror").first.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.insert_text(yaml_text)
+
+
+@pytest.fixture(scope="module")
+def halted(scenario, browser):
+    """`halted` launched from new_training_run's launchpad, then stopped with a reason once
+    its train_job run exists: (the launcher run's id, the stopped train_job run's id)."""
+    from playwright.sync_api import expect
+
+    dev, url = scenario
+    context = browser.new_context(viewport={"width": 1440, "height": 1100})
+    context.set_default_timeout(UI_TIMEOUT_MS)
+    page = context.new_page()
+    try:
+        page.goto(f"{url}/locations/ckpt_assets/jobs/new_training_run/playground")
+        training = json.dumps(training_config(HALTED, max_steps=400))
+        _type_config(page, "ops:\n  new_training_run_op:\n    config:\n"
+                           f"      name: {HALTED}\n      training: {training}\n")
+        expect(page.get_by_text("No errors", exact=True)).to_be_visible()
+        Shots(page, "new_training_run")("launchpad")
+        page.get_by_role("button", name="Launch Run").click()
+        (queued,) = dev.wait_until(lambda: _training_runs(dev, HALTED) or None,
+                                   "the launchpad's run to queue train_job for it",
+                                   timeout=RUN_TIMEOUT_S)
+    finally:
+        context.close()
+    res = subprocess.run([sys.executable, "-m", "ckpt_assets", "stop", HALTED, "--reason",
+                          STOP_REASON], cwd=ROOT, env=dev.env, capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT_S)
+    assert res.returncode == 0, res.stdout + res.stderr
+    decided = dev.wait_until(lambda: next((r for r in _training_runs(dev, HALTED)
+                                           if "ckpt/decision" in r.tags), None),
+                             "a decision on the stopped run", timeout=RUN_TIMEOUT_S)
+    assert decided.run_id == queued.run_id and decided.tags["ckpt/decision"] == "stop"
+    (launcher,) = dev.instance.get_runs(filters=dg.RunsFilter(job_name="new_training_run"))
+    return {"launcher": launcher.run_id, "run": queued.run_id}
+
+
+def test_a_run_stopped_for_good_reads_stopped_with_its_reason_in_its_state_check(
+        settled, halted, page):
+    from playwright.sync_api import expect
+
+    page.goto(f"{settled['url']}/assets/model_checkpoint?view=checks"
+              "&checkDetail=training_run_state")
+    page.get_by_role("tab", name="Execution history").click()
+    expect(page.get_by_text(f"stopped by user: stopped on request ({STOP_REASON})",
+                            exact=True).first).to_be_visible()
+    # Apart from the bug the policy stopped, and from the run that resumed to the end.
+    expect(page.get_by_text(re.compile(r"^stopped by policy: not resumed: an exception in the "
+                                       "training code")).first).to_be_visible()
+    expect(page.get_by_text(re.compile(r"^finished: attempt 2 finished the run, after 1 "
+                                       r"interrupted attempt\(s\): it resumed from "))
+           .first).to_be_visible()
+    page.shots("halted-state-check")
+
+
+def test_the_preempted_step_failure_reads_as_a_preemption_with_its_resume(settled, page):
+    from playwright.sync_api import expect
+
+    # The text filter reads an event's message and metadata: the step failure's message is
+    # Dagster's; our description is its error, shown on the row.
+    _open_run(page, settled["url"], settled["preempted"],
+              'Execution of step "model_checkpoint" failed')
+    expect(page.get_by_text(re.compile(
+        r"preempted, not a bug: the training process exited 143 \(SIGTERM\) in attempt 1 "
+        r".*To be resumed at once")).first).to_be_visible()
+    page.shots("preempted-step-failure")
+
+
+def test_the_resumed_runs_final_model_shows_its_history_and_links_to_mlflow(settled, page):
+    from playwright.sync_api import expect
+
+    page.goto(f"{settled['url']}/assets/final_model?view=partitions")
+    page.get_by_text("preempted", exact=True).first.click()
+    expect(page.get_by_text("Latest materialization")).to_be_visible()
+    for key in ("metrics_history", "loss_plot", "mlflow_run_link"):
+        expect(page.get_by_text(key, exact=True).first).to_be_visible()
+    # A resumed run reads apart from an uninterrupted one.
+    expect(page.get_by_text(re.compile(r"^attempt 2 from step \d+$")).first).to_be_visible()
+    expect(page.locator(f"a[href^='{MLFLOW_UI}/#/experiments/']").first).to_be_visible()
+    page.shots("final-model-history")
+
+
+def test_the_launchpad_run_names_the_train_job_run_it_started(settled, halted, page):
+    from playwright.sync_api import expect
+
+    _open_run(page, settled["url"], halted["launcher"], HALTED)
+    expect(page.get_by_text(re.compile(f"training run '{HALTED}' .*launched: train_job run "
+                                       f"{halted['run']}")).first).to_be_visible()
+    # ... and its output links to it.
+    _open_run(page, settled["url"], halted["launcher"], "Yielded output")
+    expect(page.locator(f"a[href*='/runs/{halted['run']}']").first).to_be_visible()
+    page.shots("launcher-run")
+
+
+def test_the_stopped_runs_page_says_it_is_not_resumed_and_the_users_reason(
+        settled, halted, page):
+    from playwright.sync_api import expect
+
+    _open_run(page, settled["url"], halted["run"], "Not resumed")
+    expect(page.get_by_text(re.compile(r"^Not resumed \(stopped_by_user\): stopped on "
+                                       rf"request \({re.escape(STOP_REASON)}\)"))
+           .first).to_be_visible()
+    page.shots("halted-decision")

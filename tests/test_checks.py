@@ -150,7 +150,7 @@ def test_a_training_run_superseded_by_a_newer_training_run_of_its_partition_laun
 @pytest.mark.filterwarnings("ignore:.*partitions_def on an AssetCheckSpec:dagster.PreviewWarning")
 def test_a_training_run_that_evaluated_some_checks_itself_gets_only_the_others_run(instance):
     # A run of the assets together with model_checkpoint's checks (as the UI's Materialize
-    # may launch it): only final_model's check is left to run.
+    # may launch it): only final_model's check and the state check are left to run.
     @dg.asset(name="model_checkpoint", partitions_def=training_runs)
     def model_checkpoint() -> None: ...
 
@@ -171,7 +171,8 @@ def test_a_training_run_that_evaluated_some_checks_itself_gets_only_the_others_r
     instance.add_dynamic_partitions(PARTITIONS_NAME, [KEY])
     run = job.execute_in_process(instance=instance, partition_key=KEY).dagster_run
     req = on_success(instance, run)
-    assert [k.name for k in req.asset_check_keys] == ["final_model_meets_eval_loss_threshold"]
+    assert sorted(k.name for k in req.asset_check_keys) == [
+        "final_model_meets_eval_loss_threshold", "training_run_state"]
 
 
 # -- what the check run records ---------------------------------------------------------------
@@ -186,7 +187,8 @@ def test_a_check_run_evaluates_each_check_on_the_partition_of_the_training_run(i
         "latest_checkpoint_verifies": [("SUCCEEDED", KEY, checked.run_id)],
         "latest_checkpoint_loss_is_finite": [("SUCCEEDED", KEY, checked.run_id)],
         # No final model was stored: a failed check on this partition, saying so.
-        "final_model_meets_eval_loss_threshold": [("FAILED", KEY, checked.run_id)]}
+        "final_model_meets_eval_loss_threshold": [("FAILED", KEY, checked.run_id)],
+        "training_run_state": [("SUCCEEDED", KEY, checked.run_id)]}
     assert on_partition["final_model_meets_eval_loss_threshold"][0].evaluation.description
     assert all(r.partition == KEY for recs in check_history(instance).values() for r in recs)
     assert check_history(instance, "other-run") == {key.name: [] for key in CHECK_KEYS}

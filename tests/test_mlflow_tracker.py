@@ -143,3 +143,61 @@ def test_an_mlflow_run_link_exists_only_for_an_http_tracking_server():
     assert mlflow_run_url("http://mlflow:5000/", "3", "abc") == (
         "http://mlflow:5000/#/experiments/3/runs/abc")
     assert mlflow_run_url("sqlite:///x.db", "3", "abc") is None
+
+
+def test_an_attempt_stopped_for_good_is_stopped_by_user_with_its_reason_not_preempted(
+        resource, tmp_path):
+    """The step's own record of the end (`_record_end`), for a run a stop tagged before its
+    trainer exited 143 as on a preemption."""
+    from types import SimpleNamespace
+
+    import dagster as dg
+
+    from ckpt_assets.attempt import AttemptReport
+    from ckpt_assets.attempt_end import AttemptEnd
+    from ckpt_assets.defs.assets import _record_end
+    from ckpt_assets.stop import stop_training_run
+    from tests.dagster_runs import started_run
+    from trainer.outcomes import Outcome
+
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        run = started_run(instance, "halted")
+        stop_training_run(instance, "halted", "wrong lr", force=True)
+        context = SimpleNamespace(instance=instance, run=run, log=Log(),
+                                  log_event=lambda event: None)
+        t = tracker(resource, "halted")
+        proc = SimpleNamespace(interrupted=dg.DagsterExecutionInterruptedError(), returncode=143)
+        ended = AttemptEnd(Outcome.PREEMPTED, "halted", 143, attempt=1, signal="SIGTERM")
+        with pytest.raises(dg.DagsterExecutionInterruptedError):
+            _record_end(context, ended, proc, t, AttemptReport("halted", 1))
+    got = _run(resource, t)
+    assert got.info.status == "KILLED"
+    assert got.data.tags["last_failure_class"] == "stopped_by_user"
+    assert got.data.tags["attempt_1.failure_reason"] == \
+        "not resumed: stopped on request (wrong lr)"
+
+
+def test_the_mlflow_run_links_to_the_ui_named_for_a_tracking_store_that_is_a_file(
+        resource, monkeypatch):
+    from ckpt_assets.defs.resources import MLFLOW_UI_URL_ENV
+
+    t = tracker(resource, "linked")
+    assert t.run_url is None  # a sqlite store: nothing to link to
+    named = MLflowResource(tracking_uri=resource.tracking_uri, ui_url="http://127.0.0.1:5000")
+    linked = tracker(named, "linked")
+    assert linked.run_url == (f"http://127.0.0.1:5000/#/experiments/{linked.experiment_id}"
+                              f"/runs/{t.run_id}")
+    monkeypatch.setenv(MLFLOW_UI_URL_ENV, "http://mlflow.example:5000")
+    assert tracker(resource, "linked").run_url.startswith("http://mlflow.example:5000/#/")
+
+
+def test_the_loss_plot_with_its_resume_marks_is_an_artifact_of_the_mlflow_run(resource):
+    from ckpt_assets.mlflow_tracking import LOSS_PLOT
+
+    t = tracker(resource, "plotted")
+    t.log_loss_plot(b"\x89PNG not really")
+    t.log_loss_plot(None)  # no plot was built: nothing to log, no warning
+    client = MlflowClient(tracking_uri=resource.resolved_tracking_uri)
+    (artifact,) = client.list_artifacts(t.run_id, "plots")
+    assert artifact.path == LOSS_PLOT
+    assert t.mlflow_run.log.warnings == []

@@ -146,7 +146,8 @@ def test_the_training_job_names_the_state_knows_are_the_code_locations_training_
 
     assert TRAINING_JOB_NAMES == {train_job.name, train_demo.name}
     assert {j.name for j in JOBS} - TRAINING_JOB_NAMES == {"check_training_run",
-                                                           "stop_training_run"}
+                                                           "stop_training_run",
+                                                           "new_training_run"}
 
 
 # -- what `list` says when no dagster-daemon is running ------------------------------------

@@ -113,6 +113,12 @@ class Outcome(Enum):
                   "exited 0 before its final checkpoint (a command that forked and exited, or "
                   "left its loop early); what it left running was stopped")
     UNKNOWN = ("unknown", None, Kind.UNKNOWN, "an exit code nobody defines")
+    # A stop for good ends the trainer as a preemption does (SIGTERM, exit 143): the exit
+    # classifies the attempt; this names it where people read why it ended (MLflow).
+    STOPPED_BY_USER = ("stopped_by_user", None, Kind.STOPPED_BY_USER,
+                       "stopped for good on request (`ckpt-assets stop`, the "
+                       "`stop_training_run` job): its trainer exits as on a preemption, and "
+                       "the run is never resumed")
 
     def __new__(cls, value: str, *_: object):
         member = object.__new__(cls)

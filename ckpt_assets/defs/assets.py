@@ -42,7 +42,7 @@ from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, LoadedCheckpoint
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY
-from ckpt_assets.history import history_metadata
+from ckpt_assets.history import history_metadata, loss_history
 from ckpt_assets.in_run import consider_relaunch, record_relaunch, serve_backoff
 from ckpt_assets.launch import (
     AttemptIds,
@@ -57,9 +57,11 @@ from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.pipes_transport import pipes_channels
 from ckpt_assets.run_state import RunState, State, run_state, state_observation
 from ckpt_assets.runs import TrainingRunConfig, attempt_number, resolve_registration
+from ckpt_assets.stop import stop_request
 from ckpt_assets.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.trainer_process import LaunchError, run_under_pipes
 from trainer.errors import ConfigError, StorageError
+from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 
@@ -217,7 +219,11 @@ def _record_end(context, ended: AttemptEnd, proc, tracker: MlflowTracker,
                {"parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),
                 "mlflow_run_id": tracker.run_id,
                 **links({"checkpoint_uri": ended.checkpoint_uri, "mlflow_run": tracker.run_url})})
-    if ended.outcome.failed:
+    stopped = stop_request(context.instance, context.run.run_id) if ended.outcome.failed \
+        else None
+    if stopped:  # the trainer exits as on a preemption; MLflow says what it was
+        tracker.on_failure(ended.attempt, Outcome.STOPPED_BY_USER.value, stopped)
+    elif ended.outcome.failed:
         tracker.on_failure(ended.attempt, ended.outcome.value, failure_description(ended),
                            report.failed.traceback if report.failed else None)
     if proc.interrupted is not None:
@@ -261,6 +267,7 @@ def _final_output(repo: CheckpointRepo, ended: AttemptEnd, tracker: MlflowTracke
         "checkpoint_dagster_run_id": rec.lineage.dagster_run_id if rec.lineage else None,
         "checkpoint_attempt": rec.attempt,
         "checkpoints_this_attempt": ended.checkpoints_this_attempt,
+        "resumed_from_step": ended.resumed_from_step,
         "mlflow_run_id": tracker.run_id}) | links({"mlflow_run": tracker.run_url}) | extra)
     return dg.Output(rec.to_dict(), data_version=dg.DataVersion(rec.sha256), metadata=md)
 
@@ -293,6 +300,9 @@ def final_model(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     mlflow_run_id = tracker.start({"final_checkpoint": ck.uri})
     value, weights_sha, model_version = export_weights(reg, weights, ck, metrics, tracker)
+    # The run's history where people look for the model, in Dagster and in MLflow.
+    history = loss_history(context.instance, reg.run, log=context.log)
+    tracker.log_loss_plot(history.png)
     tracker.finish("FINISHED")
     return dg.Output(
         {**value, "data_version": data_version},
@@ -307,7 +317,8 @@ def final_model(context: dg.AssetExecutionContext, config: TrainingRunConfig,
             "training_run": reg.run, "data_version": data_version,
             "code_version": git_commit(), "fallback_skipped": [asdict(s) for s in loaded.skipped] or None,
             "mlflow_run_id": mlflow_run_id, "mlflow_model_version": model_version,
-        }) | links({"checkpoint_uri": ck.uri, "mlflow_run": tracker.run_url}),
+        }) | links({"checkpoint_uri": ck.uri, "mlflow_run": tracker.run_url})
+        | history.metadata,
     )
 
 

@@ -12,6 +12,8 @@ partition; the evaluations are recorded on that partition.
 * `latest_checkpoint_loss_is_finite`: that checkpoint's training loss is a finite number.
 * `final_model_meets_eval_loss_threshold`: the stored final model's held-out loss is at
   most `max_eval_loss` (check config; default: chance level, ln(number of classes)).
+* `training_run_state`: the run's state and its reason (`ckpt_assets.run_state`); fails for
+  a run stopped for good. The resume sensors and stops also record it when they end a run.
 """
 
 import math
@@ -25,6 +27,7 @@ from ckpt_assets.defs.assets import final_model, model_checkpoint
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.registration import read_registration, validate_partition_key
+from ckpt_assets.run_state import STATE_CHECK, run_state, state_check_result
 from trainer.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from trainer.repo import CheckpointRepo
 
@@ -137,5 +140,18 @@ def final_model_meets_eval_loss_threshold(context: dg.AssetCheckExecutionContext
         "step": int(value.get("step") or 0)})
 
 
+@dg.asset_check(asset=model_checkpoint, name=STATE_CHECK, partitions_def=training_runs,
+                description="The training run's state and why: fails for a run stopped for "
+                "good (a warning when stopped on request, an error when the failure policy "
+                "stopped it), so that it reads apart from a run never launched. Also recorded "
+                "by the resume sensors and by a stop when they end a run.")
+def training_run_state(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    try:
+        key = validate_partition_key(context.partition_key)
+    except Exception as e:  # not a partitioned run, or a bad key
+        return dg.AssetCheckResult(passed=False, description=f"no usable partition key: {e}")
+    return state_check_result(run_state(context.instance, key))
+
+
 TRAINING_CHECKS = [latest_checkpoint_verifies, latest_checkpoint_loss_is_finite,
-                   final_model_meets_eval_loss_threshold]
+                   final_model_meets_eval_loss_threshold, training_run_state]

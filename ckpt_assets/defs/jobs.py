@@ -28,6 +28,10 @@ partition the partitioned checks evaluate on. By hand: launch it with that tag.
 
 `stop_training_run` stops a training run for good from the UI (ckpt_assets.stop).
 
+`new_training_run` starts a new training run from the launchpad: a name and a typed training
+config (the same form as train_job's), registered as `ckpt-assets register` does, then
+train_job queued for it as `ckpt-assets launch` does (`ckpt_assets.submit`).
+
 No `from __future__ import annotations`: Dagster reads the op's config annotation as a
 class, not a string.
 """
@@ -39,13 +43,14 @@ from pydantic import Field, ValidationError
 
 from ckpt_assets.defs.assets import TRAINING_ASSETS
 from ckpt_assets.defs.checks import TRAINING_CHECKS
-from ckpt_assets.defs.names import CHECK_JOB, STOP_JOB, TRAIN_DEMO_JOB, TRAIN_JOB
-from ckpt_assets.defs.resources import REPO_ROOT
-from ckpt_assets.launch_form import TrainingForm
+from ckpt_assets.defs.names import CHECK_JOB, NEW_RUN_JOB, STOP_JOB, TRAIN_DEMO_JOB, TRAIN_JOB
+from ckpt_assets.defs.resources import REPO_ROOT, CheckpointStore
+from ckpt_assets.launch_form import TrainingForm, training_from_form
+from ckpt_assets.registration import register_training_run
 from ckpt_assets.stop import is_known, stop_training_run
-from ckpt_assets.tags import TAG_STOP_TARGET
+from ckpt_assets.tags import TAG_NEW_RUN_TARGET, TAG_STOP_TARGET
 from trainer.config import read_config_file
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, StorageError
 
 DEMO_CONFIG = REPO_ROOT / "scripts" / "demo_config.json"
 TRAINING_TAGS = {"dagster/max_retries": "0"}
@@ -134,5 +139,56 @@ def stop_training_run_job():
     stop_training_run_op()
 
 
-JOBS = [job for job in (train_job, train_demo, check_training_run, stop_training_run_job)
-        if job is not None]
+class NewTrainingRunConfig(dg.Config):
+    name: str = Field(description="the new training run's name, its partition key: lowercase "
+                      "letters, digits, '.', '_', '-', starting with a letter or digit, at most "
+                      "64 characters")
+    training: TrainingForm = Field(
+        default_factory=TrainingForm,
+        description="Training config (the trainer's JSON/YAML config), registered once for the "
+                    "run; keys left out take the trainer's defaults.")
+    experiment: str | None = Field(
+        default=None, description="Experiment of the run (default: the config's, else 'default').")
+
+
+@dg.op(description="Registers the training run (as `ckpt-assets register`), then queues a "
+                   "train_job run for it (as `ckpt-assets launch`).")
+def new_training_run_op(context: dg.OpExecutionContext, config: NewTrainingRunConfig,
+                        checkpoint_store: CheckpointStore) -> dg.Output:
+    from ckpt_assets.ci_run import rerun_tags
+    from ckpt_assets.submit import LaunchError, launch_training_run
+
+    name = config.name
+    try:
+        reg = register_training_run(checkpoint_store.open(), name,
+                                    training_from_form(config.training), config.experiment,
+                                    instance=context.instance, may_correct=True)
+        launch = launch_training_run(context.instance, name, rerun_tags(context.instance, name))
+    except ConfigError as e:  # a bad name or config, or one that contradicts the registered
+        raise dg.Failure(description=str(e), allow_retries=False) from None
+    except (StorageError, LaunchError) as e:
+        raise dg.Failure(description=f"training run {name!r} was not launched: {e}",
+                         allow_retries=False) from None
+    context.instance.add_run_tags(context.run_id, {TAG_NEW_RUN_TARGET: name})
+    run = launch.run
+    what = "launched" if launch.created else "already has an active run"
+    context.log.info(f"training run {name!r} (experiment {reg.experiment}) {what}: train_job "
+                     f"run {run.run_id} ({run.status.value})")
+    return dg.Output(None, metadata={
+        "training_run": name, "experiment": reg.experiment, "config_uri": reg.config_uri,
+        "train_job_run": dg.MetadataValue.dagster_run(run.run_id), "created": launch.created})
+
+
+@dg.job(
+    name=NEW_RUN_JOB,
+    executor_def=dg.in_process_executor,
+    tags={"dagster/max_retries": "0"},
+    description="Start a new training run by name: registers its config and launches "
+                "train_job for it (later attempts and resumes need no config).",
+)
+def new_training_run_job():
+    new_training_run_op()
+
+
+JOBS = [job for job in (train_job, train_demo, check_training_run, stop_training_run_job,
+                        new_training_run_job) if job is not None]

@@ -153,10 +153,17 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{Path(home).absolute() / 'mlflow.db'}"
 
 
+# The MLflow UI's base URL when the tracking URI is not one (a sqlite file read by
+# `mlflow ui --backend-store-uri ...`): Dagster's metadata then links to each MLflow run.
+MLFLOW_UI_URL_ENV = "CKPT_MLFLOW_UI_URL"
+
+
 class MLflowResource(dg.ConfigurableResource):
     """MLflow tracking: one MLflow run per training run, continued across attempts.
 
     `tracking_uri`: default $MLFLOW_TRACKING_URI, else `sqlite:///$DAGSTER_HOME/mlflow.db`.
+    `ui_url`: the MLflow UI's base URL, for links from Dagster's metadata; default
+    $CKPT_MLFLOW_UI_URL, else the tracking URI when it is an http(s) server.
     `experiment_name`: default the training config's experiment. Artifacts of a sqlite
     or file store go next to it (`mlartifacts/`) unless `artifact_location` is set.
     MLflow is a view: a tracking error is logged as a warning and never fails training.
@@ -167,10 +174,16 @@ class MLflowResource(dg.ConfigurableResource):
     artifact_location: str | None = None
     register_model: bool = True
     enabled: bool = True
+    ui_url: str | None = None
 
     @property
     def resolved_tracking_uri(self) -> str:
         return self.tracking_uri or default_tracking_uri()
+
+    @property
+    def resolved_ui_url(self) -> str:
+        """Where the MLflow UI is, or the tracking URI (links only for http(s) ones)."""
+        return self.ui_url or os.environ.get(MLFLOW_UI_URL_ENV) or self.resolved_tracking_uri
 
     def resolved_artifact_location(self) -> str | None:
         if self.artifact_location:
