@@ -76,11 +76,15 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
+def ranks_under(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the rank processes a launcher (torchrun) runs now."""
+    return {r: pid for pid in _children(launcher_pid) if (r := _rank_of(pid)) is not None}
+
+
 def rank_pids(launcher: subprocess.Popen, nproc: int, timeout: float = 180) -> dict[int, int]:
     """rank -> pid of the launcher's rank processes, once all of them run."""
     def found() -> dict[int, int] | None:
-        ranks = {r: pid for pid in _children(launcher.pid)
-                 if (r := _rank_of(pid)) is not None}
+        ranks = ranks_under(launcher.pid)
         return ranks if len(ranks) == nproc else None
     return wait_for(found, timeout, what=f"{nproc} ranks under the launcher")
 

@@ -284,3 +284,17 @@ def test_a_rank_killed_inside_a_saves_barrier_never_leaves_a_checkpoint(tmp_path
     dirs = _checkpoint_dirs(store, "barrier")
     assert all(dirs.values()), f"partial checkpoints left behind: {dirs}"
     assert pointer_step(store, EXPERIMENT, "barrier") == max_steps
+
+
+def test_a_ranks_collective_error_in_training_code_is_reported_as_a_lost_rank(monkeypatch):
+    """DDP's backward raises gloo's RuntimeError when a peer dies: on one of several ranks
+    that is a lost rank (resumed), not a bug; alone, a RuntimeError stays a bug."""
+    from trainer.report import Reporter, report_failure
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:56205. This is typically caused by a remote worker crashing")
+    assert report_failure(gloo, Reporter()) == Outcome.USER_CODE_ERROR.exit_code
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert report_failure(gloo, Reporter()) == LOST
+    assert report_failure(RuntimeError("shapes do not match"), Reporter()) == \
+        Outcome.USER_CODE_ERROR.exit_code

@@ -46,6 +46,19 @@ def env_rank(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
         return 0, 1
 
 
+# What the collective backends put in the RuntimeError they raise when a peer goes away
+# (gloo raises a plain RuntimeError; torch's own DistError subclasses are caught by type).
+PEER_LOST_WORDS = ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Did a collective fail under this rank (a peer died or hung), in our code or the
+    user's (DDP's backward)? Only ever asked of a process that is one of several ranks."""
+    if any(c.__name__ == "DistError" for c in type(error).__mro__):
+        return True
+    return isinstance(error, RuntimeError) and any(w in str(error) for w in PEER_LOST_WORDS)
+
+
 def attempt_exit(rank_codes: Mapping[int, int]) -> int:
     """The attempt's exit code from its failed ranks' exit statuses (rank -> Popen's code,
     -N for a signal): the cause, not the echoes (module docstring)."""

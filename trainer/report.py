@@ -23,7 +23,7 @@ from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR
 from trainer.contract import Failed, Message, PipesS3Params, to_message
 from trainer.errors import TrainerError
 from trainer.outcomes import Outcome
-from trainer.ranks import env_rank
+from trainer.ranks import env_rank, lost_a_peer
 
 log = logging.getLogger("trainer")
 
@@ -97,6 +97,9 @@ def report_failure(error: BaseException, reporter: Reporter) -> int:
     A foreseen error (TrainerError) is one line that says what to do; anything else is a
     bug in training code and keeps its traceback."""
     outcome = error.outcome if isinstance(error, TrainerError) else Outcome.USER_CODE_ERROR
+    if outcome is Outcome.USER_CODE_ERROR and env_rank()[1] > 1 and lost_a_peer(error):
+        # An echo of another rank's end: the launcher's exit status names the cause.
+        outcome = Outcome.RANK_LOST
     tb = None if isinstance(error, TrainerError) else "".join(traceback.format_exception(error))
     if tb is None:
         log.error("%s: %s", outcome.value, error)
