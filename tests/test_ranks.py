@@ -298,3 +298,16 @@ def test_a_ranks_collective_error_in_training_code_is_reported_as_a_lost_rank(mo
     assert report_failure(gloo, Reporter()) == LOST
     assert report_failure(RuntimeError("shapes do not match"), Reporter()) == \
         Outcome.USER_CODE_ERROR.exit_code
+
+
+def test_a_commands_own_options_reach_it_past_torchruns_parser():
+    """torchrun's argparse would read a command's `--run` as an abbreviation of its own
+    `--run-path`; the launcher hands the command over after `--`."""
+    from torch.distributed import run as torchrun
+
+    from trainer.ranks import torchrun_args
+
+    args, command = parse(["--nproc-per-node", "2", "--", "python", "train.py", "--run", "a"])
+    parsed = torchrun.parse_args(torchrun_args(args, command))
+    assert [parsed.training_script, *parsed.training_script_args] == command
+    assert parsed.max_restarts == 0 and parsed.standalone

@@ -106,7 +106,9 @@ def torchrun_args(args: argparse.Namespace, command: list[str]) -> list[str]:
     else:
         out += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
                 "--rdzv-id", args.rdzv_id]
-    return [*out, "--no-python", *command]
+    # `--` first: argparse would take a command argument like `--run` for an abbreviation of
+    # one of torchrun's own options.
+    return [*out, "--no-python", "--", *command]
 
 
 def main(argv: list[str] | None = None) -> int:
