@@ -35,7 +35,7 @@ def store_of(store_root: str, run_id: str) -> Path:
 
 
 @dg.op(config_schema={"config": str, "store_root": str})
-def train_from_scratch(context: dg.OpExecutionContext) -> None:
+def train_from_scratch(context) -> None:
     cfg = context.op_config
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_", "DAGSTER_"))}
     argv = [sys.executable, "-m", "trainer", "--config", cfg["config"],
