@@ -140,7 +140,7 @@ def pid_alive(pid: int) -> bool:
 
 # -- one job under one schedule -------------------------------------------------------------
 
-@dataclass
+@dataclass(eq=False)  # a thread: hashed by identity
 class Sampler(threading.Thread):
     """Samples the live trainer's heartbeat every POLL_S: per attempt (keyed by where the
     beat comes from), the step it resumed from, the steps it completed and when."""
@@ -466,6 +466,11 @@ def run_baseline(args, schedule, cfg, max_steps, work: Path):
         daemon.stop()
 
 
+def mean(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]  # not NaN
+    return statistics.mean(xs) if xs else float("nan")
+
+
 def median(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]  # not NaN
     return statistics.median(xs) if xs else float("nan")
@@ -476,8 +481,10 @@ def report(args, schedule, ours, base, max_steps) -> None:
     stalls = [m["blocking_seconds"] for m in ckpts if m.get("blocking_seconds") is not None]
     intervals = [m["interval_seconds"] for m in ckpts if m.get("interval_seconds")]
     c, t_used = median(stalls), median(intervals)
-    r = median(o.restarts)
-    t_opt = young_daly(c, args.mtbf)
+    # The mean: the formula charges each failure its expected cost, and the two kinds of
+    # failure cost very differently.
+    r = mean(o.restarts)
+    seen_mtbf = o.wall_s / len(o_kills) if o_kills else float("inf")
     step_s = o_sampler.step_seconds()
     by = {s: median([x for k, x in zip(o_kills, o.restarts, strict=True)
                      if k.failure.strike is s]) for s in Strike}
@@ -499,30 +506,34 @@ def report(args, schedule, ours, base, max_steps) -> None:
              str(base[0].lost_steps) if base else "-"),
             ("furthest step", f"{o.furthest}/{max_steps}",
              f"{base[0].furthest}/{max_steps}" if base else "-"),
-            ("restart cost per failure, median", f"{r:.2f}s",
-             f"{median(base[0].restarts):.2f}s" if base else "-")]
+            ("restart cost per failure, mean", f"{r:.2f}s",
+             f"{mean(base[0].restarts):.2f}s" if base else "-")]
     print(f"\n{'':<36}{'ckpt-assets':>22}{'Dagster run retries':>28}")
     for name, a, b in rows:
         print(f"{name:<36}{a:>22}{b:>28}")
-    print(f"  restart cost by kind (ckpt-assets): trainer killed {by[Strike.TRAINER]:.2f}s "
+    print(f"  restart cost by kind (ckpt-assets, medians): trainer killed {by[Strike.TRAINER]:.2f}s "
           f"(in-run relaunch), run worker killed {by[Strike.WORKER]:.2f}s (sensor, new run)")
     print(f"  launch -> run success (ckpt-assets, all orchestration included): {e2e:.1f}s for "
           f"{o.useful_s:.1f}s of useful step time: {o.useful_s / e2e:.3f}")
     print(f"  median step {step_s * 1000:.1f} ms; schedule: {len(schedule)} failures drawn in "
-          f"{args.baseline_cap:.0f}s (seed {args.seed}); failures due between attempts waited "
+          f"{max(args.baseline_cap, 20 * args.job_seconds):.0f}s (seed {args.seed}), those due "
+          f"before each job finished struck; failures due between attempts waited "
           f"for the next trainer: ckpt-assets "
           f"{sum(1 for k in o_kills if k.deferred_s > 0.5)}, baseline "
           f"{sum(1 for k in base[1] if k.deferred_s > 0.5) if base else '-'}")
 
     print(f"\nYoung/Daly: {FORMULA}")
     print(f"  C = {c * 1000:.2f} ms (median stall per checkpoint on the training thread, "
-          f"{len(stalls)} checkpoints), MTBF = {args.mtbf:.0f}s (the schedule's mean), "
-          f"R = {r:.2f}s (measured median restart cost)")
-    print(f"  at T_opt = {t_opt:.2f}s: predicted {predicted_goodput(c, t_opt, args.mtbf, r):.3f}"
-          f"   at the interval auto chose, T = {t_used:.2f}s (median): predicted "
-          f"{predicted_goodput(c, t_used, args.mtbf, r):.3f}   measured {o.goodput:.3f}")
+          f"{len(stalls)} checkpoints), R = {r:.2f}s (measured mean restart cost), T chosen by "
+          f"every_seconds auto = {t_used:.2f}s (median)")
+    for what, m in ((f"the schedule's MTBF = {args.mtbf:.0f}s", args.mtbf),
+                    (f"the MTBF this run saw = {seen_mtbf:.0f}s ({len(o_kills)} failures in "
+                     f"{o.wall_s:.0f}s)", seen_mtbf)):
+        print(f"  {what}: T_opt = {young_daly(c, m):.2f}s, predicted "
+              f"{predicted_goodput(c, young_daly(c, m), m, r):.3f} (at the T chosen: "
+              f"{predicted_goodput(c, t_used, m, r):.3f})   measured {o.goodput:.3f}")
     if base:
-        rb = median(base[0].restarts)
+        rb = mean(base[0].restarts)
         wall = restart_from_zero_wall(args.job_seconds, args.mtbf, rb)
         print(f"  baseline, restart from zero: {RESTART_FROM_ZERO} = {wall:.0f}s for "
               f"L = {args.job_seconds:.0f}s (R = {rb:.2f}s): predicted goodput "
