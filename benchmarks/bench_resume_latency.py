@@ -3,8 +3,9 @@
 A real dagster-daemon (tests.daemon_harness.Daemon, on a temporary DAGSTER_HOME made from
 the project's dagster_home/dagster.yaml) runs one long training run; the benchmark kills
 its trainer process with SIGKILL N times, each time a random (seeded) number of steps after
-the current attempt's first completed step, and waits for the failure sensor to resume it.
-Then, on a second daemon with CKPT_IN_RUN_RELAUNCH=1, it kills the trainer of another run
+the current attempt's first completed step, and waits for the failure sensor to resume it
+(that daemon runs with CKPT_IN_RUN_RELAUNCH=0: the sensor path).
+Then, on a second daemon with CKPT_IN_RUN_RELAUNCH=1 (the default), it kills the trainer of another run
 (its run worker alive) `--in-run-kills` times: the step relaunches it in the same Dagster
 run (`ckpt_assets.in_run`), and the two paths' kill -> first resumed step are printed side
 by side.
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_assets.clock import parse_time  # noqa: E402
 from ckpt_assets.events import STATE, partition_events  # noqa: E402
+from ckpt_assets.resume_decision import Setting  # noqa: E402
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
 from ckpt_assets.trainer_process import PROCESS_STARTED  # noqa: E402
 from tests.daemon_harness import Daemon, training_config  # noqa: E402
@@ -286,7 +288,7 @@ def in_run_path(args, rng: random.Random, env: dict, cfg: dict) -> list[dict]:
     store = str(work / "store")
     daemon, rows = None, []
     try:
-        daemon = Daemon.start(work, store, extra_env={**env, "CKPT_IN_RUN_RELAUNCH": "1"})
+        daemon = Daemon.start(work, store, extra_env={**env, Setting.IN_RUN_RELAUNCH.value: "1"})
         daemon.launch(RUN_IN, {**cfg, "run": RUN_IN}, work)
         repo = CheckpointRepo(open_store(store), "default", RUN_IN)
         hb = first_beat_of_new_attempt(daemon, 0, args.timeout, RUN_IN)
@@ -381,7 +383,8 @@ def main() -> int:
     rows: list[dict] = []
     t0 = time.monotonic()
     try:
-        daemon = Daemon.start(work, store, extra_env=env)
+        # The sensor path: a killed trainer's run fails and a sensor launches the resume.
+        daemon = Daemon.start(work, store, extra_env={**env, Setting.IN_RUN_RELAUNCH.value: "0"})
         daemon.launch(RUN, cfg, work)
         repo = CheckpointRepo(open_store(store), "default", RUN)
         hb = first_beat_of_new_attempt(daemon, 0, args.timeout)

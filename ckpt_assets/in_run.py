@@ -19,7 +19,14 @@ What is relaunched here is narrower than what the policy resumes:
   gone, within the preemption budget.
 * only back-offs up to `ResumeSettings.in_run_max_delay_s`, served by sleeping in the step;
   a longer one ends the step, and the reconciler launches the resume when it is due.
-* never when the run was interrupted or asked to stop (`ckpt/no_resume`).
+* never when the run was interrupted or asked to stop (`ckpt/no_resume`), nor when the
+  reconciler has judged its trainer dead or stalled (`LIVENESS_TAGS` on the run) or the run
+  is no longer STARTED: the reconciler tags its verdict before it stops the trainer and
+  then marks the run failed, so the trainer's death is its doing and the resume is the
+  sensors'; a relaunch here would race the resume it launches.
+
+On by default (`Setting.IN_RUN_RELAUNCH`); turned off, every failure goes through the
+sensors as a new run.
 
 The policy's answer is the same one a sensor would give: after the step fails with the
 last attempt's record, the sensor decides again over that record and the budget on the
@@ -30,6 +37,8 @@ from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
+
+from dagster import DagsterRunStatus
 
 from ckpt_assets.attempt_end import AttemptEnd
 from ckpt_assets.policy import Budget, Decision, decide
@@ -45,10 +54,12 @@ IN_RUN_OUTCOMES = frozenset({Outcome.KILLED_BY_SIGNAL, Outcome.STORAGE_UNAVAILAB
 
 
 def relaunch_decision(ended: AttemptEnd, used: Budget, settings: ResumeSettings, *,
-                      interrupted: bool, stop_requested: bool) -> Decision | None:
+                      interrupted: bool, stop_requested: bool,
+                      taken_over: bool = False) -> Decision | None:
     """The policy's decision to resume `ended` in this run, or None: the step ends and the
-    sensors decide (by the same policy) what follows."""
-    if not settings.in_run_relaunch or interrupted or stop_requested:
+    sensors decide (by the same policy) what follows. `taken_over`: the reconciler has
+    judged this run's trainer and owns what follows."""
+    if not settings.in_run_relaunch or interrupted or stop_requested or taken_over:
         return None
     if ended.outcome not in IN_RUN_OUTCOMES:
         return None
@@ -61,13 +72,15 @@ def relaunch_decision(ended: AttemptEnd, used: Budget, settings: ResumeSettings,
 def consider_relaunch(context, ended: AttemptEnd, interrupted: bool,
                       settings: ResumeSettings | None = None) -> Decision | None:
     """`relaunch_decision` for the step's own run, read from its tags as they are now."""
-    from ckpt_assets.resume_decision import ResumeSettings
+    from ckpt_assets.resume_decision import ResumeSettings, liveness_outcome
 
     settings = settings or ResumeSettings.from_env()
     run = context.instance.get_run_by_id(context.run.run_id) or context.run
     return relaunch_decision(ended, Budget.from_tag(run.tags.get(TAG_BUDGET, "")), settings,
                              interrupted=interrupted,
-                             stop_requested=run.tags.get(TAG_NO_RESUME) == "true")
+                             stop_requested=run.tags.get(TAG_NO_RESUME) == "true",
+                             taken_over=liveness_outcome(run) is not None
+                             or run.status != DagsterRunStatus.STARTED)
 
 
 def relaunch_words(ended: AttemptEnd, decision: Decision) -> str:

@@ -101,7 +101,10 @@ class ResumeSettings:
     stop_grace_s: float = 10.0
     # A trainer that died while its run worker lives is relaunched in the same run
     # (`ckpt_assets.in_run`), serving back-offs up to this long by sleeping in the step.
-    in_run_relaunch: bool = False
+    # On by default: a new run costs a failed-run detection, a sensor tick, the queue and a
+    # new run worker (seconds to tens of seconds) for nothing the policy would decide
+    # differently. Off (`CKPT_IN_RUN_RELAUNCH=0`), every failure goes through the sensors.
+    in_run_relaunch: bool = True
     in_run_max_delay_s: float = 60.0
 
     @classmethod
@@ -119,9 +122,24 @@ class ResumeSettings:
             worker_grace_s=float(env(Setting.WORKER_GRACE_S, cls.worker_grace_s)),
             stall_timeout_s=float(env(Setting.STALL_TIMEOUT_S, cls.stall_timeout_s)),
             stop_grace_s=float(env(Setting.STOP_GRACE_S, cls.stop_grace_s)),
-            in_run_relaunch=env(Setting.IN_RUN_RELAUNCH, "0").strip().lower()
-            in ("1", "true", "yes", "on"),
+            in_run_relaunch=switch(Setting.IN_RUN_RELAUNCH, cls.in_run_relaunch),
             in_run_max_delay_s=float(env(Setting.IN_RUN_MAX_DELAY_S, cls.in_run_max_delay_s)))
+
+
+SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+                "0": False, "false": False, "no": False, "off": False}
+
+
+def switch(setting: Setting, default: bool) -> bool:
+    """An on/off setting from the environment; unset or empty is `default`."""
+    raw = os.environ.get(setting, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in SWITCH_WORDS:
+        raise ValueError(f"{setting.value}={os.environ[setting]!r} is neither on nor off: set "
+                         f"it to one of {', '.join(SWITCH_WORDS)} (or unset it for "
+                         f"{'on' if default else 'off'})")
+    return SWITCH_WORDS[raw]
 
 
 # The reconciler's verdict on a STARTED run's trainer, tagged on the run before it acts

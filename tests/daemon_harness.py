@@ -1,6 +1,7 @@
 """A real dagster-daemon on a temporary instance, and the faults a cluster injects.
 
-Used by the end-to-end auto-resume tests and by benchmarks/bench_resume_latency.py.
+Used by the end-to-end auto-resume tests and by benchmarks/bench_resume_latency.py and
+benchmarks/bench_goodput.py.
 """
 
 from __future__ import annotations
@@ -96,10 +97,11 @@ class Daemon:
     # -- lifecycle ------------------------------------------------------------------------
     @classmethod
     def start(cls, workdir: Path, store: str, extra_env: dict | None = None,
-              instance_yaml: Path = EMBEDDED_INSTANCE_YAML) -> Daemon:
+              instance_yaml: Path = EMBEDDED_INSTANCE_YAML,
+              workspace: Path = ROOT / "workspace.yaml") -> Daemon:
         home, env, instance = fresh_instance(workdir, store, extra_env, instance_yaml)
         log_path = workdir / "daemon.log"
-        proc = subprocess.Popen([str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+        proc = subprocess.Popen([str(BIN / "dagster-daemon"), "run", "-w", str(workspace)],
                                 cwd=ROOT, env=env, start_new_session=True,
                                 stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
         d = cls(home, store, env, proc, log_path)

@@ -15,6 +15,7 @@ from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.io_managers import VersionedRepo
 from ckpt_assets.defs.resources import CheckpointStore, git_commit
 from ckpt_assets.metadata import CHECKPOINT_METADATA_KEYS
+from ckpt_assets.resume_decision import Setting
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     check_results,
@@ -164,7 +165,10 @@ def test_a_run_without_a_registered_config_fails_with_what_to_do(instance, tmp_p
     ({"crash_at_step": 15}, -signal.SIGKILL, "killed_by_signal"),
 ])
 def test_a_failed_trainer_raises_failure_with_the_metadata_contract_the_resume_sensor_reads(
-        instance, tmp_path, mlflow_uri, fault, exit_code, failure_class):
+        instance, tmp_path, mlflow_uri, fault, exit_code, failure_class, monkeypatch):
+    # What the sensors read is the point: a killed trainer's step must fail, not be
+    # relaunched in its run (the default, tests/test_in_run_relaunch.py).
+    monkeypatch.setenv(Setting.IN_RUN_RELAUNCH, "0")
     store = str(tmp_path / "store")
     cfg = training_config(task_args=fault)
     res = materialize_run(instance, "broken", make_resources(

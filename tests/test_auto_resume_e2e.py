@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_assets.resume_decision import Setting
 from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
 from tests.postgres_server import team_instance
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
@@ -43,6 +44,11 @@ def daemon(request, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"e2e-{request.param}")
     instance = team_instance(request.getfixturevalue("postgres_server"), work) \
         if request.param == "postgres" else {}
+    # This module proves the sensors' path: a killed trainer's run fails and is resumed as
+    # a new run, exactly once. A trainer killed while its run worker lives is relaunched
+    # in its own run by default, so that is turned off here; the default is proven by
+    # tests/test_in_run_relaunch.py, under a daemon too.
+    instance["extra_env"] = {**instance.get("extra_env", {}), Setting.IN_RUN_RELAUNCH.value: "0"}
     d = Daemon.start(work, str(work / "store"), **instance)
     yield d
     d.stop()

@@ -10,6 +10,7 @@ import uuid
 import boto3
 import pytest
 
+from ckpt_assets.resume_decision import Setting
 from tests.daemon_harness import Daemon, kill, training_config
 from tests.s3_state import final_state_s3
 from tests.trainer_proc import assert_bitwise_equal, run_trainer, training_state
@@ -40,7 +41,10 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
 
     uninterrupted = training_state(final_state(tmp_path / "base-store", run="s3run"))
 
-    daemon = Daemon.start(tmp_path / "d", store, extra_env=aws)
+    # The point is the sensors' and the reconciler's resumes, each a new run: a trainer
+    # killed while its run worker lives would otherwise be relaunched in its own run.
+    daemon = Daemon.start(tmp_path / "d", store,
+                          extra_env={**aws, Setting.IN_RUN_RELAUNCH.value: "0"})
     try:
         daemon.launch("s3run", cfg, tmp_path)
         hb = daemon.wait_for_step("s3run", 12, attempt=1)

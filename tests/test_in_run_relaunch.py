@@ -1,7 +1,12 @@
 """A trainer that dies while its run worker lives is relaunched in the same Dagster run, by
-the one failure policy and budget the sensors use (`ckpt_assets.in_run`)."""
+the one failure policy and budget the sensors use (`ckpt_assets.in_run`). On by default: the
+end-to-end tests here set nothing."""
 
 from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -13,15 +18,18 @@ from ckpt_assets.events import ATTEMPT_ENDED, partition_events
 from ckpt_assets.in_run import relaunch_decision, serve_backoff
 from ckpt_assets.lineage import format_lineage, lineage_report
 from ckpt_assets.policy import Budget, PolicyConfig, decide
-from ckpt_assets.resume_decision import ResumeSettings, consider
-from ckpt_assets.tags import TAG_BUDGET, TAG_DECISION, TAG_DECISION_REASON
+from ckpt_assets.resume_decision import ResumeSettings, Setting, consider
+from ckpt_assets.tags import TAG_ATTEMPT, TAG_BUDGET, TAG_DECISION, TAG_DECISION_REASON
+from tests.daemon_harness import Daemon, kill
+from tests.daemon_harness import training_config as training_config_e2e
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, step_failure_metadata, training_config
-from tests.trainer_proc import assert_bitwise_equal, final_state
+from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
 from trainer.outcomes import Outcome
 from trainer.storage import open_store
 
-ON = ResumeSettings(in_run_relaunch=True)
+ON = ResumeSettings()
+OFF = ResumeSettings(in_run_relaunch=False)
 FRESH = Budget()
 
 
@@ -57,7 +65,7 @@ def test_a_sigterm_of_the_trainer_is_left_to_the_sensors():
 
 
 def test_a_used_up_budget_is_not_relaunched_in_run_either():
-    cfg = ResumeSettings(policy=PolicyConfig(max_transient=1), in_run_relaunch=True)
+    cfg = ResumeSettings(policy=PolicyConfig(max_transient=1))
     first = _relaunch(_ended(Outcome.KILLED_BY_SIGNAL), settings=cfg)
     assert first is not None
     assert _relaunch(_ended(Outcome.KILLED_BY_SIGNAL, 20, 2), first.budget, cfg) is None
@@ -67,7 +75,7 @@ def test_a_back_off_longer_than_the_in_run_bound_is_left_to_the_reconciler():
     used = Budget(transient=1, resumed_from_step=10, high_step=10)
     ended = _ended(Outcome.STORAGE_UNAVAILABLE, 20, 2)
     assert decide(ended, used).delay_s == 10.0
-    short = ResumeSettings(in_run_relaunch=True, in_run_max_delay_s=5.0)
+    short = ResumeSettings(in_run_max_delay_s=5.0)
     assert _relaunch(ended, used, short) is None
     assert _relaunch(ended, used).delay_s == 10.0
 
@@ -76,14 +84,31 @@ def test_an_interrupted_or_stopped_run_or_a_disabled_setting_is_not_relaunched()
     ended = _ended(Outcome.KILLED_BY_SIGNAL)
     assert _relaunch(ended, interrupted=True) is None
     assert _relaunch(ended, stop_requested=True) is None
-    assert _relaunch(ended, settings=ResumeSettings()) is None
+    assert _relaunch(ended, settings=OFF) is None
 
 
-def test_the_setting_is_read_from_the_environment(monkeypatch):
-    monkeypatch.setenv("CKPT_IN_RUN_RELAUNCH", "1")
-    monkeypatch.setenv("CKPT_IN_RUN_MAX_DELAY_S", "7")
+def test_a_trainer_the_reconciler_judged_and_stopped_is_left_to_the_sensors():
+    ended = _ended(Outcome.KILLED_BY_SIGNAL)
+    assert relaunch_decision(ended, FRESH, ON, interrupted=False, stop_requested=False,
+                             taken_over=True) is None
+
+
+def test_in_run_relaunch_is_on_unless_the_environment_turns_it_off(monkeypatch):
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)
+    assert ResumeSettings.from_env().in_run_relaunch
+    monkeypatch.setenv(Setting.IN_RUN_RELAUNCH, "0")
+    monkeypatch.setenv(Setting.IN_RUN_MAX_DELAY_S, "7")
     s = ResumeSettings.from_env()
-    assert s.in_run_relaunch and s.in_run_max_delay_s == 7.0
+    assert not s.in_run_relaunch and s.in_run_max_delay_s == 7.0
+    monkeypatch.setenv(Setting.IN_RUN_RELAUNCH, " On ")
+    assert ResumeSettings.from_env().in_run_relaunch
+
+
+def test_a_setting_that_is_neither_on_nor_off_is_refused_with_the_words_that_work(monkeypatch):
+    monkeypatch.setenv(Setting.IN_RUN_RELAUNCH, "sometimes")
+    with pytest.raises(ValueError, match="CKPT_IN_RUN_RELAUNCH='sometimes' is neither on nor "
+                                         "off: set it to one of 1, true"):
+        ResumeSettings.from_env()
 
 
 def test_a_back_off_is_slept_out_and_an_immediate_relaunch_does_not_sleep():
@@ -103,7 +128,7 @@ def _ends(instance, key: str) -> list[dict]:
 @pytest.mark.slow
 def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_identical(
         instance, tmp_path, mlflow_uri, monkeypatch):
-    monkeypatch.setenv("CKPT_IN_RUN_RELAUNCH", "1")
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
     store = tmp_path / "store"
     res = make_resources(str(store), tracking_uri=mlflow_uri)
     killed = materialize_run(instance, "killed", res, training=training_config(
@@ -134,8 +159,8 @@ def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_ident
 @pytest.mark.slow
 def test_after_the_budget_is_used_up_in_run_the_next_failure_is_not_relaunched(
         instance, tmp_path, mlflow_uri, monkeypatch):
-    monkeypatch.setenv("CKPT_IN_RUN_RELAUNCH", "1")
-    monkeypatch.setenv("CKPT_MAX_TRANSIENT_FAILURES", "1")
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
+    monkeypatch.setenv(Setting.MAX_TRANSIENT, "1")
     store = CheckpointStore(uri=str(tmp_path / "store"))
     res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
     # Killed before step 15 in every attempt: attempt 1 is relaunched, attempt 2 is not.
@@ -156,7 +181,7 @@ def test_after_the_budget_is_used_up_in_run_the_next_failure_is_not_relaunched(
 @pytest.mark.slow
 def test_a_bug_in_the_training_code_is_never_relaunched(instance, tmp_path, mlflow_uri,
                                                         monkeypatch):
-    monkeypatch.setenv("CKPT_IN_RUN_RELAUNCH", "1")
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
     res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
     out = materialize_run(instance, "bug", res,
                           training=training_config(task_args={"fail_at_step": 15}))
@@ -164,3 +189,39 @@ def test_a_bug_in_the_training_code_is_never_relaunched(instance, tmp_path, mlfl
     _, md = step_failure_metadata(out)
     assert md["attempt"] == 1 and md["failure_class"] == "user_code_error"
     assert [e["attempt"] for e in _ends(instance, "bug")] == [1]
+
+
+# -- end to end under a real dagster-daemon, default settings ------------------------------
+
+@pytest.mark.slow
+def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
+        tmp_path, monkeypatch):
+    """The default path for the commonest failure: the trainer's process is SIGKILLed from
+    outside while its run worker lives. No failed run, no sensor decision, no second run:
+    one run, two attempts in its lineage, one transient failure on its budget, and the
+    state of a run that was never interrupted."""
+    base = training_config_e2e("base")
+    base["task_args"].pop("step_delay")
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    res = run_trainer(tmp_path / "base.json", str(tmp_path / "base-store"))
+    assert res.returncode == 0, res.log
+    uninterrupted = training_state(final_state(tmp_path / "base-store", run="base"))
+
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the daemon inherits this
+    daemon = Daemon.start(tmp_path / "d", str(tmp_path / "store"))
+    try:
+        daemon.launch("in-run", training_config_e2e("in-run"), tmp_path)
+        hb = daemon.wait_for_step("in-run", 15, attempt=1)
+        kill(hb["pid"], signal.SIGKILL)
+        final = daemon.wait_done("in-run")
+        assert [r.run_id for r in daemon.runs("in-run")] == [final.run_id]
+        assert TAG_DECISION not in final.tags and final.tags[TAG_ATTEMPT] == "2"
+        assert Budget.from_tag(final.tags[TAG_BUDGET]).transient == 1
+        rep = lineage_report(daemon.instance, open_store(daemon.store), "in-run")
+        assert [(a["attempt"], a["failure_class"]) for a in rep["attempts"]] == [
+            (1, "killed_by_signal"), (2, "success")]
+        assert daemon.max_active["in-run"] == 1
+        assert_bitwise_equal(uninterrupted, training_state(
+            final_state(Path(daemon.store), run="in-run")))
+    finally:
+        daemon.stop()

@@ -15,6 +15,7 @@ from ckpt_assets.cli import main as cli_main
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.events import CHECKPOINT, partition_events
 from ckpt_assets.mlflow_tracking import TRAINING_RUN_TAG
+from ckpt_assets.resume_decision import Setting
 from tests.dagster_fixtures import (
     ROOT,
     TrainerKiller,
@@ -43,7 +44,11 @@ def resumed_run(tmp_path_factory):
     cfg = training_config(max_steps=60, task_args={"step_delay": 0.03},
                           checkpoint={"keep_last": 20})  # keep every link of the chain
     resources = make_resources(str(store), tracking_uri=tracking)
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+    with dg.DagsterInstance.from_config(str(home)) as instance, \
+            pytest.MonkeyPatch.context() as mp:
+        # Two Dagster runs are the point (lineage and one MLflow run across them): the
+        # killed trainer's step must fail rather than relaunch it in its own run.
+        mp.setenv(Setting.IN_RUN_RELAUNCH, "0")
         killer = TrainerKiller(store, "default", KEY, at_step=20, sig=signal.SIGKILL)
         killer.start()
         first = materialize_run(instance, KEY, resources, training=cfg)

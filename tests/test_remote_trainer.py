@@ -26,6 +26,7 @@ import ckpt_assets.trainer_process as trainer_process
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
 from ckpt_assets.events import CHECKPOINT
+from ckpt_assets.resume_decision import Setting
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import checkpoints, materializations, materialize_run, training_config
 from tests.polling import WaitTimeout, wait_for
@@ -155,7 +156,10 @@ class _S3Killer(threading.Thread):
 
 
 def test_a_sigkilled_trainer_reached_only_through_s3_resumes_bitwise_identically(
-        remote, instance, mlflow_uri, tmp_path):
+        remote, instance, mlflow_uri, tmp_path, monkeypatch):
+    # The resume as a second run, handed nothing but S3, is the point: the killed trainer's
+    # step must fail rather than relaunch it in its own run (the default).
+    monkeypatch.setenv(Setting.IN_RUN_RELAUNCH, "0")
     cfg = training_config(dataset=remote["dataset"], max_steps=40)
     (tmp_path / "base.json").write_text(json.dumps({**cfg, "run": "remote"}))
     base = run_trainer(tmp_path / "base.json", str(tmp_path / "base-store"), env={
