@@ -41,15 +41,15 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)  # the same initial model on every rank
+    # seed: Python, NumPy and torch, the same on every rank (the same initial model).
+    ckpt = CheckpointSession(run=args.run, experiment="digits", store=args.store, seed=0,  # ckpt
+                             max_steps=args.steps, every_steps=20)  # ckpt
     train_set, test_set = digits()
     model = Net()
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = ResumableLoader(train_set, args.batch_size, seed=0, rank=rank, world=world)
 
-    ckpt = CheckpointSession(run=args.run, experiment="digits", store=args.store,  # ckpt
-                             max_steps=args.steps, every_steps=20)  # ckpt
     start = ckpt.restore(model=model, optimizer=opt, data=loader)  # ckpt
     batches = loader.batches()
     for step in range(start + 1, args.steps + 1):
