@@ -55,13 +55,19 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
         hb = daemon.wait_for_step("s3run", 30, attempt=2)
         kill(hb["pid"], signal.SIGKILL)  # 2: only the reconciler can see this one
         daemon.wait_until(lambda: len(daemon.runs("s3run")) == 3, "the reconciler's resume")
-        started = daemon.dagster("sensor", "start", "resume_failed_training", "-w", "workspace.yaml")
-        assert started.returncode == 0, started.stdout + started.stderr
-        # The re-enabled sensor's first tick only sets its cursor: failures before it are
-        # not its to see. Wait for that tick, not for a guess at its interval.
-        daemon.wait_for_ticks({"resume_failed_training": 1})
-        # The reconciler's resume is attempt 3; its trainer may still be starting.
+        # The reconciler's resume is attempt 3. It is held (SIGSTOP) while the sensor comes
+        # back, so that on a slow machine it cannot train to the end before the kill below.
         now = daemon.wait_for_step("s3run", 1, attempt=3)
+        kill(now["pid"], signal.SIGSTOP)
+        try:
+            started = daemon.dagster("sensor", "start", "resume_failed_training", "-w",
+                                     "workspace.yaml")
+            assert started.returncode == 0, started.stdout + started.stderr
+            # The re-enabled sensor's first tick only sets its cursor: failures before it
+            # are not its to see. Wait for that tick, not for a guess at its interval.
+            daemon.wait_for_ticks({"resume_failed_training": 1})
+        finally:
+            kill(now["pid"], signal.SIGCONT)
         assert now["step"] < 120, now
         hb = daemon.wait_for_step("s3run", now["step"] + 5, attempt=3)
         kill(hb["pid"], signal.SIGTERM)  # 3: failure sensor again (a preemption)
