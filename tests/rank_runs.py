@@ -24,7 +24,9 @@ SLOW_STEPS = str(ROOT / "tests" / "slow_steps.py")
 
 
 def env(step_delay: float, **extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "STEP_DELAY": str(step_delay), **extra}
+    # Unbuffered: the ranks' lines reach a shared log file in the order they happen.
+    return {**os.environ, "PYTHONPATH": str(ROOT), "STEP_DELAY": str(step_delay),
+            "PYTHONUNBUFFERED": "1", **extra}
 
 
 def trainer_argv(config: Path, store: str) -> list[str]:

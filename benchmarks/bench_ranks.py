@@ -1,0 +1,175 @@
+"""Two ranks against one: what a save costs, what its barrier costs, how fast a lost rank
+trains again. Printed side by side in one run.
+
+  save       the same total state (an MLP and its AdamW state, `--mib` MiB of parameters)
+             saved by one rank, and by two ranks that each write their share of it
+             (`trainer.distributed`: parts spread over the ranks' files), median of
+             `--saves` synchronous saves: the stall on the training thread as the
+             checkpoint's manifest records it (rank 0's, which waits for the barrier)
+  barrier    the save's barrier alone: rank 1's file entries to rank 0 (gather) on the
+             session's gloo group, when both ranks arrive together, median of 50
+  kill       SIGKILL of rank 1 of a two-rank job (`python -m trainer.ranks`, toy task,
+             uninterrupted by anything else) -> the relaunched job's first completed step,
+             the launcher started again at once (as the in-run relaunch does), median of
+             `--kills`; start-up (torchrun, interpreters, torch, rendezvous) included
+
+    python benchmarks/bench_ranks.py [--mib 256] [--saves 5] [--kills 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.polling import wait_for  # noqa: E402
+from tests.rank_runs import (  # noqa: E402
+    env,
+    free_port,
+    pointer_step,
+    rank_pids,
+    start_torchrun,
+    trainer_argv,
+    wait_for_step,
+)
+from tests.trainer_proc import write_config  # noqa: E402
+from trainer.ranks import LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_RE = re.compile(r"step (\d+) done")
+
+
+def worker(store: str, mib: int, saves: int, out: str) -> None:
+    """One rank (or the only one): build the state, save it `saves` times, time a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer import CheckpointSession
+
+    world = int(os.environ.get(WORLD_SIZE_ENV, 1))
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    width = 1024
+    layers = max(1, mib * 2**20 // (4 * width * width))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                  for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()  # the optimizer's state exists: two more copies of the parameters
+    ckpt = CheckpointSession(run=f"w{world}", store=store, every_steps=1,
+                             keep_last=saves + 1, install_signals=False)
+    ckpt.restore(model=model, optimizer=opt)
+    for step in range(1, saves + 1):
+        ckpt.step(step)
+    barrier = []
+    if ckpt.ranks is not None:
+        for _ in range(50):
+            t0 = time.perf_counter()
+            ckpt.ranks.to_leader(({"state-rank1.pt": None}, {}))
+            barrier.append(time.perf_counter() - t0)
+    ckpt.close()
+    if ckpt.leads:
+        Path(out).write_text(json.dumps({"barrier": barrier}))
+
+
+def stalls(store: Path, run: str) -> list[float]:
+    """Each committed save's stall, as its manifest records it (all of them are kept)."""
+    ckdir = store / "default" / run / "checkpoints"
+    return [json.loads((d / "MANIFEST.json").read_text())["meta"]["blocking_seconds"]
+            for d in ckdir.glob("step-*") if (d / "MANIFEST.json").exists()]
+
+
+def run_workers(world: int, store: Path, mib: int, saves: int, work: Path) -> None:
+    out = work / f"w{world}.json"
+    argv = [sys.executable, __file__, "--worker", "--store", str(store), "--mib", str(mib),
+            "--saves", str(saves), "--out", str(out)]
+    port = str(free_port())
+    procs = [subprocess.Popen(argv, cwd=ROOT, env={
+        **env(0), RANK_ENV: str(r), LOCAL_RANK_ENV: str(r), WORLD_SIZE_ENV: str(world),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(world)] \
+        if world > 1 else [subprocess.Popen(argv, cwd=ROOT, env=env(0))]
+    assert [p.wait() for p in procs] == [0] * world
+
+
+def kill_to_first_step(kills: int, work: Path) -> list[float]:
+    config = write_config(work / "kill.json", max_steps=100000, eval_every=0,
+                          checkpoint={"every_steps": 20}, distributed={"nproc_per_node": 2})
+    store, log = work / "kill-store", work / "kill.log"
+    out = []
+    argv = [*trainer_argv(config, str(store)), "--log-level", "DEBUG"]  # "step N done"
+    launcher = start_torchrun(argv, 2, env(0.02), log)
+    for _ in range(kills):
+        ranks = rank_pids(launcher, 2)
+        # Training, with a checkpoint to resume from, some steps after it.
+        wait_for_step(store, "default", "equiv", pointer_step(store, "default", "equiv") + 40,
+                      launcher)
+        mark = log.stat().st_size
+        t_kill = time.monotonic()
+        os.kill(ranks[1], signal.SIGKILL)
+        launcher.wait(timeout=120)
+        launcher = start_torchrun(argv, 2, env(0.02), log)
+        wait_for(partial(_first_step_after_resume, log, mark), 300, 0.02,
+                 "the relaunched job's first step")
+        out.append(time.monotonic() - t_kill)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=120)
+    return out
+
+
+def _first_step_after_resume(log: Path, mark: int) -> bool:
+    with log.open() as f:
+        f.seek(mark)
+        text = f.read()
+    at = text.find("resumed from")
+    return at >= 0 and STEP_RE.search(text, at) is not None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mib", type=int, default=256)
+    p.add_argument("--saves", type=int, default=5)
+    p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--store")
+    p.add_argument("--out")
+    a = p.parse_args()
+    if a.worker:
+        return worker(a.store, a.mib, a.saves, a.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        one = statistics.median(stalls_of(1, a, work))
+        two_runs = stalls_of(2, a, work)
+        two = statistics.median(two_runs)
+        barrier = json.loads((work / "w2.json").read_text())["barrier"]
+        kills = kill_to_first_step(a.kills, work)
+    state = a.mib * 3
+    print(f"state: {a.mib} MiB of parameters + AdamW's two moments = {state} MiB; "
+          f"{a.saves} saves each; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'':36}{'one rank':>12}{'two ranks':>12}{'ratio':>8}")
+    print(f"{'save stall (median, s)':36}{one:12.3f}{two:12.3f}{two / one:8.2f}")
+    print(f"{'barrier per save (median, ms)':36}{'-':>12}"
+          f"{statistics.median(barrier) * 1e3:12.2f}")
+    print(f"{'kill rank 1 -> first step (s)':36}{'-':>12}{statistics.median(kills):12.2f}"
+          f"   ({', '.join(f'{k:.2f}' for k in kills)})")
+
+
+def stalls_of(world: int, a, work: Path) -> list[float]:
+    store = work / f"store-{world}"
+    run_workers(world, store, a.mib, a.saves, work)
+    return stalls(store, f"w{world}")
+
+
+if __name__ == "__main__":
+    main()
