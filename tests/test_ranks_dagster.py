@@ -2,9 +2,9 @@
 
 Task mode (the trainer's DDP loop) and command mode (examples/ddp/ddp_digits.py calling
 `CheckpointSession` on every rank) run under `model_checkpoint` with
-`distributed.nproc_per_node: 2`: torchrun through `python -m trainer.ranks`. Task mode is
+`distributed.nproc_per_node: 2`: torchrun through `python -m trainer.ranks`. Each is
 interrupted three ways (SIGKILL of rank 1, SIGTERM of rank 0, SIGKILL of torchrun itself),
-command mode once (SIGKILL of rank 1), each at a seeded step; the sensors resume each
+each at a seeded step; the sensors resume each
 failure exactly once, and the final parameters of every rank are bitwise those of an
 uninterrupted two-rank run. The in-run relaunch is off here: these are the sensors' resumes.
 """
@@ -78,6 +78,21 @@ def _resumed_once_each(daemon: Daemon, run: str, failed_runs: int) -> None:
     assert daemon.max_active[run] == 1
 
 
+def _three_kills(daemon: Daemon, run: str, steps: list[int]) -> None:
+    """SIGKILL of rank 1, SIGTERM of rank 0, SIGKILL of torchrun itself, at the seeded
+    steps of attempts 1, 2 and 3; each failure resumed once by the sensors."""
+    _, ranks = _ranks_of_attempt(daemon, run, steps[0], attempt=1)
+    kill(ranks[1], signal.SIGKILL)
+    _, ranks = _ranks_of_attempt(daemon, run, steps[1], attempt=2)
+    kill(ranks[0], signal.SIGTERM)
+    launcher, ranks = _ranks_of_attempt(daemon, run, steps[2], attempt=3)
+    kill(launcher, signal.SIGKILL)
+    gone(list(ranks.values()))  # its ranks commit and exit with it
+    _resumed_once_each(daemon, run, failed_runs=3)
+    kinds = [r.tags.get("ckpt/failure_kind") for r in daemon.runs(run)[:-1]]
+    assert kinds == ["killed", "preempted", "killed"], kinds
+
+
 def _assert_same_ranks(got: list[dict], want: list[dict]) -> None:
     from tests.trainer_proc import assert_bitwise_equal
 
@@ -96,32 +111,21 @@ def test_two_rank_ddp_task_killed_three_ways_is_resumed_once_each_and_ends_bitwi
                  "--store", str(tmp_path / "base")], tmp_path / "base")
     want = _rank_states(tmp_path / "base", "default", "ddp-task")
 
-    k1, k2, k3 = sorted(RNG.sample(range(12, 52), 3))
     daemon.launch("ddp-task", config, tmp_path)
-    _, ranks = _ranks_of_attempt(daemon, "ddp-task", k1, attempt=1)
-    kill(ranks[1], signal.SIGKILL)
-    _, ranks = _ranks_of_attempt(daemon, "ddp-task", k2, attempt=2)
-    kill(ranks[0], signal.SIGTERM)
-    launcher, ranks = _ranks_of_attempt(daemon, "ddp-task", k3, attempt=3)
-    kill(launcher, signal.SIGKILL)
-    gone(list(ranks.values()))  # its ranks commit and exit with it
-    _resumed_once_each(daemon, "ddp-task", failed_runs=3)
-    kinds = [r.tags.get("ckpt/failure_kind") for r in daemon.runs("ddp-task")[:-1]]
-    assert kinds == ["killed", "preempted", "killed"], kinds
+    _three_kills(daemon, "ddp-task", sorted(RNG.sample(range(12, 52), 3)))
     _assert_same_ranks(_rank_states(Path(daemon.store), "default", "ddp-task"), want)
 
 
-def test_a_two_rank_command_whose_rank_1_is_sigkilled_is_resumed_once_bitwise_equal(
+def test_a_two_rank_command_killed_three_ways_is_resumed_once_each_and_ends_bitwise_equal(
         daemon, tmp_path):
-    argv = ["examples/ddp/ddp_digits.py", "--steps", "80", "--run", "ddp-cmd"]
+    argv = ["examples/ddp/ddp_digits.py", "--steps", "140", "--run", "ddp-cmd"]
     _standalone([sys.executable, *argv, "--store", str(tmp_path / "base")], tmp_path / "base")
     want = _rank_states(tmp_path / "base", "digits", "ddp-cmd")
-    config = {"command": ["python", "tests/slow_steps.py", *argv], "max_steps": 80,
+    config = {"command": ["python", "tests/slow_steps.py", *argv], "max_steps": 140,
               "env": {"STEP_DELAY": "0.05"}, "distributed": TWO_RANKS,
               "checkpoint": {"heartbeat_seconds": 0.05}}
     daemon.launch("ddp-cmd", config, tmp_path)
-    _, ranks = _ranks_of_attempt(daemon, "ddp-cmd", RNG.randint(25, 70), attempt=1)
-    kill(ranks[1], signal.SIGKILL)
-    _resumed_once_each(daemon, "ddp-cmd", failed_runs=1)
-    assert daemon.runs("ddp-cmd")[0].tags.get("ckpt/failure_kind") == "killed"
+    # Each after a commit (every 20 steps), so each resume is handed a checkpoint.
+    _three_kills(daemon, "ddp-cmd", [RNG.randint(25, 45), RNG.randint(65, 85),
+                                     RNG.randint(105, 125)])
     _assert_same_ranks(_rank_states(Path(daemon.store), "default", "ddp-cmd"), want)
