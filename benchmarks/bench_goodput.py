@@ -54,12 +54,13 @@ from ckpt_assets.events import CHECKPOINT, partition_events  # noqa: E402
 from ckpt_assets.policy import PolicyConfig  # noqa: E402
 from ckpt_assets.resume_decision import Setting  # noqa: E402
 from tests.daemon_harness import ROOT, Daemon, trainer_parent, training_config  # noqa: E402
-from tests.polling import WaitTimeout, wait_for  # noqa: E402
+from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
 from trainer.interval import young_daly  # noqa: E402
 from trainer.repo import CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_resume_latency import BenchError, poll  # noqa: E402
 from goodput_baseline import JOB, store_of, train_from_scratch  # noqa: E402
 
 RUN = "bench-goodput"
@@ -117,25 +118,6 @@ def backoff_delays(failures: int, cfg: PolicyConfig | None = None) -> float:
     cfg = cfg or PolicyConfig()
     return sum(min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (n - 2))
                for n in range(2, failures + 1))
-
-
-class BenchError(RuntimeError):
-    pass
-
-
-def poll(pred, what: str, timeout: float, every: float = POLL_S):
-    try:
-        return wait_for(pred, timeout, every, what)
-    except WaitTimeout as e:
-        raise BenchError(str(e)) from None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 # -- one job under one schedule -------------------------------------------------------------

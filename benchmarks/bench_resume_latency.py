@@ -50,7 +50,7 @@ from ckpt_assets.resume_decision import Setting  # noqa: E402
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
 from ckpt_assets.trainer_process import PROCESS_STARTED  # noqa: E402
 from tests.daemon_harness import Daemon, training_config  # noqa: E402
-from tests.polling import WaitTimeout, wait_for  # noqa: E402
+from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
 from trainer.repo import CheckpointRepo, parse_checkpoint_name  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
@@ -70,15 +70,6 @@ def poll(pred, what: str, timeout: float, every: float = POLL_S):
         return wait_for(pred, timeout, every, what)
     except WaitTimeout as e:
         raise BenchError(str(e)) from None
-
-
-def pid_alive(pid: int) -> bool:
-    """False once the process is gone or a zombie (it is the run worker's child, not ours)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def ts(dt) -> float:

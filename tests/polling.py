@@ -36,3 +36,13 @@ def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.1,
             raise WaitTimeout(f"timed out after {timeout:g}s waiting for {what}; "
                               f"last value seen: {last!r}" + (f"\n{extra}" if extra else ""))
         time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    """False once the process is gone or a zombie (a process that is not our child is
+    reaped by its own parent, or by init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.polling import wait_for
+from tests.polling import pid_alive, wait_for
 from tests.trainer_proc import ROOT
 from trainer.ranks import LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV
 
@@ -111,14 +111,4 @@ def wait_for_step(store: Path, experiment: str, run: str, step: int,
 
 def gone(pids: list[int], timeout: float = 120) -> None:
     """Wait until none of `pids` runs (orphaned ranks are reaped by init, not by us)."""
-    def all_gone() -> bool:
-        return not any(Path(f"/proc/{p}").exists()
-                       and "Z" not in _state(p) for p in pids)
-    wait_for(all_gone, timeout, what=f"processes {pids} to exit")
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
+    wait_for(lambda: not any(map(pid_alive, pids)), timeout, what=f"processes {pids} to exit")
