@@ -50,7 +50,9 @@ if TYPE_CHECKING:  # resume_decision imports the job, which imports the assets, 
     from ckpt_assets.resume_decision import ResumeSettings
 
 # The trainer died and nothing says its run worker is about to: a relaunch here is safe.
-IN_RUN_OUTCOMES = frozenset({Outcome.KILLED_BY_SIGNAL, Outcome.STORAGE_UNAVAILABLE})
+# (A rank that only lost its peers is such a death too: the peer's process died or hung.)
+IN_RUN_OUTCOMES = frozenset({Outcome.KILLED_BY_SIGNAL, Outcome.STORAGE_UNAVAILABLE,
+                             Outcome.RANK_LOST})
 
 
 def relaunch_decision(ended: AttemptEnd, used: Budget, settings: ResumeSettings, *,

@@ -44,8 +44,9 @@ def _relaunch(ended: AttemptEnd, used: Budget = FRESH, settings: ResumeSettings 
                              stop_requested=kw.get("stop_requested", False))
 
 
-def test_a_killed_trainer_is_relaunched_by_the_policys_own_decision_and_budget():
-    ended = _ended(Outcome.KILLED_BY_SIGNAL)
+@pytest.mark.parametrize("outcome", [Outcome.KILLED_BY_SIGNAL, Outcome.RANK_LOST])
+def test_a_killed_trainer_is_relaunched_by_the_policys_own_decision_and_budget(outcome):
+    ended = _ended(outcome)
     got = _relaunch(ended)
     assert got == decide(ended, Budget(), ON.policy)
     assert got.resume and got.delay_s == 0 and got.budget.transient == 1
