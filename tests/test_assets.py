@@ -64,6 +64,7 @@ def _assert_trained_run(result, store_uri: str, key: str, experiment: str, max_s
         "checkpoint_uri": final["uri"], "attempt": 1, "training_run": key}
     assert check_results(result) == {"latest_checkpoint_verifies": True,
                                      "latest_checkpoint_loss_is_finite": True,
+                                     "training_run_state": True,
                                      "final_model_meets_eval_loss_threshold": True}
     return final, materializations(result, "final_model")[0]
 
