@@ -11,8 +11,9 @@ process group is stopped. A pod deleted by anyone else (a preemption, a drain) e
 same way: a terminated container's status gives 143; a pod gone before its status was seen
 is 143 when its trainer reported stopping, else 137 (killed).
 
-Nothing here is exercised without a cluster: the spec it creates is (`k8s_pod`,
-tests/test_k8s_pod.py).
+tests/test_k8s_pod.py checks, without a cluster, the spec it creates (`k8s_pod`), how an
+ended or vanished pod's status reads, and the API's refusals as bad input (with fakes of
+the API); the pod's creation, watch, deletion and output against a real cluster are not.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import dagster as dg
 from dagster_k8s.client import DagsterKubernetesClient
 from dagster_k8s.pipes import PipesK8sClient, get_pod_name
 from kubernetes.client.rest import ApiException
+from urllib3.exceptions import HTTPError
 
 from ckpt_assets.k8s_pod import PodPlan, k8s_config, pod_plan, termination_grace
 from ckpt_assets.launch import Launch
@@ -45,6 +47,7 @@ from trainer.outcomes import Outcome
 
 KILLED = 128 + signal.SIGKILL  # a container's exit status after SIGKILL
 # A container that cannot start for a reason no retry fixes: the config is wrong.
+UNREAD = object()  # the API did not answer one poll
 NEVER_STARTS = frozenset({"CreateContainerConfigError", "InvalidImageName", "ErrImageNeverPull"})
 
 
@@ -77,7 +80,10 @@ class _Watch:
         on_messages(new)
 
     def exit_code(self, pod) -> int | None:
-        """The container's exit status; for a pod gone before it was seen (None: running)."""
+        """The container's exit status, or what a pod gone (None) before it was seen
+        stands for; None while it runs (or was not read this time)."""
+        if pod is UNREAD:
+            return None
         if pod is None:
             return Outcome.PREEMPTED.exit_code if self.stopping else KILLED
         for status in pod.status.container_statuses or []:
@@ -104,7 +110,7 @@ class AttemptPodClient(PipesK8sClient):
         with dg.open_pipes_session(context=context, extras=extras,
                                    context_injector=self.context_injector,
                                    message_reader=self.message_reader) as session:
-            core.create_namespaced_pod(plan.namespace, plan.body(session.get_bootstrap_env_vars()))
+            _create(core, plan, plan.body(session.get_bootstrap_env_vars()))
             context.log.info(f"{PROCESS_STARTED} (pod {plan.namespace}/{plan.name}, grace "
                              f"{plan.grace_seconds}s): {' '.join(plan.command)}")
             threading.Thread(target=after_start, name="mlflow-open", daemon=True).start()
@@ -122,11 +128,11 @@ class AttemptPodClient(PipesK8sClient):
     def _wait(self, context, core, plan: PodPlan, session, watch: _Watch,
               on_messages) -> tuple[int, BaseException | None]:
         try:
-            while (rc := watch.exit_code(_read(core, plan))) is None:
+            while (rc := watch.exit_code(_read(core, plan, context.log))) is None:
                 watch.feed(session.get_custom_messages(), on_messages)
                 time.sleep(self.poll_interval)
             return rc, None
-        except LaunchError:
+        except Exception:  # not an interrupt: the pod is deleted on the way out
             raise
         except BaseException as e:  # the step was interrupted: the pod stops as on preemption
             context.log.warning(f"interrupted: deleting pod {plan.name}, grace "
@@ -137,7 +143,7 @@ class AttemptPodClient(PipesK8sClient):
         _delete(core, plan, plan.grace_seconds)
         deadline = time.monotonic() + plan.grace_seconds + KILL_WAIT_S
         try:
-            while (rc := watch.exit_code(_read(core, plan))) is None:
+            while (rc := watch.exit_code(_read(core, plan, None))) is None:
                 if time.monotonic() >= deadline:
                     return KILLED
                 time.sleep(self.poll_interval)
@@ -147,13 +153,37 @@ class AttemptPodClient(PipesK8sClient):
             raise
 
 
-def _read(core, plan: PodPlan):
-    """The pod, or None once it is gone."""
+def _read(core, plan: PodPlan, log):
+    """The pod, None once it is gone, or UNREAD when the API did not answer this time (the
+    pod runs on; the next poll asks again)."""
     try:
         return core.read_namespaced_pod(plan.name, plan.namespace)
     except ApiException as e:
         if e.status == 404:
             return None
+        if e.status is not None and e.status < 500:
+            raise _refused(plan, "read", e) from None
+        failure = f"{e.status} {e.reason}"
+    except HTTPError as e:
+        failure = str(e)
+    if log is not None:
+        log.warning(f"pod {plan.name}: status not read this time ({failure}); asking again")
+    return UNREAD
+
+
+def _refused(plan: PodPlan, verb: str, e) -> LaunchError:
+    return LaunchError(f"the Kubernetes API refused to {verb} pod {plan.namespace}/{plan.name}: "
+                       f"{e.status} {e.reason} {(e.body or '')[:500]}; give the run worker's "
+                       "identity create/get/delete on pods (and get on pods/log) in that "
+                       "namespace, and check TrainerResource.k8s")
+
+
+def _create(core, plan: PodPlan, body) -> None:
+    try:
+        core.create_namespaced_pod(plan.namespace, body)
+    except ApiException as e:
+        if e.status is not None and e.status < 500:  # forbidden, invalid, no such namespace
+            raise _refused(plan, "create", e) from None
         raise
 
 
@@ -176,6 +206,8 @@ def _stream_logs(core, plan: PodPlan, context, done: threading.Event) -> None:
             if e.status == 400:  # the container is not running yet
                 done.wait(2.0)
                 continue
+            if e.status == 404:  # gone before it ran: its end is read from its status
+                return
             context.log.warning(f"pod {plan.name}: its output cannot be read ({e.reason})")
             return
         _pump((raw.decode("utf-8", "replace") for raw in stream), context)

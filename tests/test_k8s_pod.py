@@ -14,11 +14,12 @@ from types import SimpleNamespace
 import dagster as dg
 import pytest
 from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
 
 from ckpt_assets.datasets import DatasetRecord
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
 from ckpt_assets.events import CHECKPOINT, MODEL_CHECKPOINT_KEY
-from ckpt_assets.k8s_launch import KILLED, _Watch
+from ckpt_assets.k8s_launch import KILLED, _create, _read, _Watch
 from ckpt_assets.k8s_pod import (
     POD_WORKDIR,
     SHM_VOLUME,
@@ -228,3 +229,25 @@ def test_a_pod_gone_before_its_status_was_seen_is_preempted_only_if_its_trainer_
 def test_a_container_that_can_never_start_is_bad_input_naming_the_reason():
     with pytest.raises(LaunchError, match="CreateContainerConfigError: no such Secret"):
         _Watch().exit_code(_pod(waiting="CreateContainerConfigError"))
+
+
+class _Refusing:
+    """A Kubernetes API that answers every call with one HTTP status."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+    def _fail(self, *_a, **_kw):
+        raise ApiException(status=self.status, reason="as told")
+
+    read_namespaced_pod = create_namespaced_pod = _fail
+
+
+def test_a_refused_pod_is_bad_input_saying_what_to_grant_and_an_api_hiccup_is_waited_out():
+    plan = SimpleNamespace(name="p", namespace="training")
+    with pytest.raises(LaunchError, match="give the run worker's identity create/get/delete"):
+        _create(_Refusing(403), plan, body=None)
+    with pytest.raises(LaunchError, match="refused to read pod training/p: 403"):
+        _read(_Refusing(403), plan, None)
+    assert _Watch().exit_code(_read(_Refusing(503), plan, None)) is None  # still running
+    assert _read(_Refusing(404), plan, None) is None  # gone
