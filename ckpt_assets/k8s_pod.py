@@ -223,6 +223,11 @@ def pod_plan(launch: Launch, reg: Registration, trainer, cfg: K8sTrainerConfig, 
     """The pod of one attempt: `launch`'s argv as the container's command (already under
     `python -m trainer.ranks` when the run asks for several ranks), sized for
     `distributed.nproc_per_node` ranks, with `grace` before the kubelet's SIGKILL."""
+    if reg.config.distributed.nnodes > 1:
+        raise _bad(f"run {reg.run!r} asks for distributed.nnodes: "
+                   f"{reg.config.distributed.nnodes}, but launcher: k8s starts one pod per "
+                   "attempt; train on one node (nproc_per_node ranks) or use launcher: local "
+                   "with the README's several-node rendezvous")
     ranks = reg.config.distributed.nproc_per_node
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the sensors own resumes

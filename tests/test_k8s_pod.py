@@ -251,3 +251,13 @@ def test_a_refused_pod_is_bad_input_saying_what_to_grant_and_an_api_hiccup_is_wa
         _read(_Refusing(403), plan, None)
     assert _Watch().exit_code(_read(_Refusing(503), plan, None)) is None  # still running
     assert _read(_Refusing(404), plan, None) is None  # gone
+
+
+def test_a_run_on_several_nodes_is_refused_as_one_pod_cannot_hold_it(store, tmp_path):
+    reg = _reg("two-nodes", {"task": "trainer.tasks.toy:build",
+                             "distributed": {"nproc_per_node": 2, "nnodes": 2,
+                                             "rdzv_endpoint": "node0:29400"}})
+    trainer = _trainer()
+    launch = task_launch(reg, _told(reg), base_env(trainer, store.aws_env()), trainer, tmp_path)
+    with pytest.raises(LaunchError, match="launcher: k8s starts one pod per attempt"):
+        _plan(launch, reg, trainer)
