@@ -44,6 +44,7 @@ from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerR
 from ckpt_assets.events import MODEL_CHECKPOINT_KEY
 from ckpt_assets.history import history_metadata, loss_history
 from ckpt_assets.in_run import consider_relaunch, record_relaunch, serve_backoff
+from ckpt_assets.k8s_pod import attempt_trainer
 from ckpt_assets.launch import (
     AttemptIds,
     attempt_mtbf,
@@ -194,17 +195,23 @@ def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
     store = checkpoint_store.open()
     told = contract(reg, store.uri, ids, dataset, attempt_mtbf(context, store, reg))
     env = base_env(trainer, checkpoint_store.aws_env())
+    extras = {"training_run": reg.run, "experiment": reg.experiment, "attempt": ids.attempt}
     with tempfile.TemporaryDirectory(prefix=f"ckpt-{reg.run}-a{ids.attempt}-") as workdir:
         try:
+            trainer = attempt_trainer(context, reg, trainer, store.uri)
             launch = (command_launch(reg, repo, told, env, trainer, context.log)
                       if reg.config.command
                       else task_launch(reg, told, env, trainer, Path(workdir)))
+            channels = pipes_channels(trainer, checkpoint_store)
+            if trainer.in_pod:  # a Kubernetes pod (ckpt_assets.k8s_launch)
+                from ckpt_assets.k8s_launch import run_in_pod
+
+                return run_in_pod(context, launch, reg, trainer, store.uri, channels,
+                                  on_messages, after_start, extras)
             return run_under_pipes(
                 context, launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
-                on_messages=on_messages, after_start=after_start,
-                extras={"training_run": reg.run, "experiment": reg.experiment,
-                        "attempt": ids.attempt},
-                channels=pipes_channels(trainer, checkpoint_store))
+                on_messages=on_messages, after_start=after_start, extras=extras,
+                channels=channels)
         except LaunchError as e:
             raise bad_input(str(e), reg.run, attempt=ids.attempt) from e
         except StorageError as e:

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import dagster as dg
 from pydantic import Field
 
+from ckpt_assets.k8s_pod import POD_WORKDIR, K8sTrainerConfig, Launcher
 from trainer.contract import Env, PipesTransport
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore, open_store
@@ -130,14 +131,27 @@ class TrainerResource(dg.ConfigurableResource):
                                   "store's bucket, prefix 'pipes/')")
     pipes_s3_interval_seconds: float = Field(
         default=1.0, description="pipes: s3: how often messages are uploaded and read back")
+    launcher: str = Field(
+        default=Launcher.LOCAL.value,
+        description="where an attempt's process runs: 'local' (a process of the run worker) "
+                    "or 'k8s' (a Kubernetes pod, configured by `k8s`; needs pipes: s3)")
+    k8s: K8sTrainerConfig | None = Field(
+        default=None, description="launcher: k8s: the pod (image, namespace, resources per "
+                                  "rank, the AWS Secret, ...); python_executable, "
+                                  "working_directory and pythonpath then name paths in the image")
+
+    @property
+    def in_pod(self) -> bool:
+        return self.launcher == Launcher.K8S
 
     @property
     def python(self) -> str:
-        return self.python_executable or sys.executable
+        # In a pod, the image's interpreter, not the run worker's path to its own.
+        return self.python_executable or ("python" if self.in_pod else sys.executable)
 
     @property
     def cwd(self) -> str:
-        return self.working_directory or str(REPO_ROOT)
+        return self.working_directory or (POD_WORKDIR if self.in_pod else str(REPO_ROOT))
 
     @property
     def shares_filesystem(self) -> bool:
