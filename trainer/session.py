@@ -336,6 +336,8 @@ class CheckpointSession:
         self._ck.raise_if_failed()  # a background save's error fails the attempt here
         loss = self._checked_loss(step, loss)
         reasons = self._triggered(step, metrics, epoch_end)
+        log.debug("step %d done loss %r", step, loss)
+        # Read last: a stop requested while this step ran (its log line included) commits it.
         stop, fenced = self.stop.requested, self._beat is not None and self._beat.fenced
         if self.ranks is not None:
             # One decision for all ranks: a save or a stop on any rank is a save or a stop
@@ -350,7 +352,6 @@ class CheckpointSession:
         if loss is not None:
             self.loop.losses.append(loss)
         self.loop.step = step
-        log.debug("step %d done loss %r", step, loss)
         if stop:
             self._say(f"{self.stop.signal_name or 'another rank'}: stop requested, "
                       f"committing a checkpoint at step {step}")
