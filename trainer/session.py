@@ -312,25 +312,7 @@ class CheckpointSession:
         Steps must increase, from 1 (after a resume, from the step `restore` returned plus
         one). A repeated step is an error too, not a no-op: pass a step's loss and metrics
         in one call. Nothing committed is touched by a refused step."""
-        if self._ck is None:
-            raise ConfigError("call restore() with your parts before the first step()")
-        if self._walk is not None and self._walk.batches_due:
-            raise ConfigError("step() ran inside `for epoch in ckpt.epochs(...)` without "
-                              "`for batch in ckpt.batches()`: only batches() knows which "
-                              "batch a resumed epoch continues with; loop over it")
-        if step is None:
-            step = self.loop.step + 1
-        if isinstance(step, bool) or not isinstance(step, int | np.integer):
-            raise ConfigError(f"step {step!r} is not an integer: pass the step number")
-        if step <= self.loop.step:
-            raise ConfigError(
-                f"step {step} after {self.loop.step}: steps must increase, from 1. Pass each "
-                "step once, with its loss and metrics in one call; after a resume, continue "
-                "from the step restore() returned, plus one")
-        if step > MAX_STEP:
-            raise ConfigError(f"step {step} is above {MAX_STEP}, the highest step a "
-                              "checkpoint name holds")
-        step = int(step)
+        step = self._checked_step(step)
         if self._beat is not None:
             self._beat.advance(step)
         self._ck.raise_if_failed()  # a background save's error fails the attempt here
@@ -364,6 +346,27 @@ class CheckpointSession:
             self.save("best" if "best" in reasons else reasons[0])
         self._heartbeat(step)
         return False
+
+    def _checked_step(self, step: int | None) -> int:
+        if self._ck is None:
+            raise ConfigError("call restore() with your parts before the first step()")
+        if self._walk is not None and self._walk.batches_due:
+            raise ConfigError("step() ran inside `for epoch in ckpt.epochs(...)` without "
+                              "`for batch in ckpt.batches()`: only batches() knows which "
+                              "batch a resumed epoch continues with; loop over it")
+        if step is None:
+            step = self.loop.step + 1
+        if isinstance(step, bool) or not isinstance(step, int | np.integer):
+            raise ConfigError(f"step {step!r} is not an integer: pass the step number")
+        if step <= self.loop.step:
+            raise ConfigError(
+                f"step {step} after {self.loop.step}: steps must increase, from 1. Pass each "
+                "step once, with its loss and metrics in one call; after a resume, continue "
+                "from the step restore() returned, plus one")
+        if step > MAX_STEP:
+            raise ConfigError(f"step {step} is above {MAX_STEP}, the highest step a "
+                              "checkpoint name holds")
+        return int(step)
 
     def _checked_loss(self, step: int, loss: float | torch.Tensor | None) -> float | None:
         if loss is None:
