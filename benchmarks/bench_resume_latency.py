@@ -40,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -71,6 +72,34 @@ def poll(pred, what: str, timeout: float, every: float = POLL_S):
     except WaitTimeout as e:
         raise BenchError(str(e)) from None
 
+
+
+@dataclass(frozen=True)
+class Kill:
+    at: float  # time.time() of the SIGKILL
+    pre_step: int  # the heartbeat's step that triggered it
+    ptr_step: int  # the pointer's step once the trainer was gone
+    step: int  # the last step the trainer completed
+
+
+def kill_at_step(daemon, run: str, repo, attempt: int, target: int, timeout: float) -> Kill:
+    """SIGKILL `run`'s trainer once `attempt` reached step `target`."""
+    def reached():
+        hb = daemon.heartbeat(run)
+        return hb if hb and int(hb["attempt"]) == attempt and int(hb["step"]) >= target else None
+
+    pre = poll(reached, f"attempt {attempt} to reach step {target}", timeout)
+    pid = int(pre["pid"])
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    poll(lambda: not pid_alive(pid), f"trainer pid {pid} to die", 30)
+    # The trainer is dead now: its last heartbeat and the pointer are final for this attempt.
+    post = daemon.heartbeat(run)
+    post_step = int(post["step"]) if post and int(post["attempt"]) == attempt else int(pre["step"])
+    ptr = repo.read_pointer()
+    ptr_step = ptr.step if ptr and ptr.checkpoint else 0
+    # A kill between a checkpoint's commit and that step's heartbeat: the pointer is newer.
+    return Kill(t_kill, int(pre["step"]), ptr_step, max(post_step, ptr_step))
 
 def ts(dt) -> float:
     return dt.timestamp() if hasattr(dt, "timestamp") else float(dt)
@@ -133,25 +162,9 @@ def measure_one(daemon: Daemon, repo: CheckpointRepo, rng: random.Random, first_
     failed = runs[-1]
     if failed.status.value != "STARTED":
         raise BenchError(f"newest run {failed.run_id[:8]} is {failed.status.value}, not STARTED")
-    offset = rng.randint(2, every_steps + 1)
-    target = int(first_hb["step"]) + offset
-
-    def reached():
-        hb = daemon.heartbeat(RUN)
-        return hb if hb and int(hb["attempt"]) == attempt and int(hb["step"]) >= target else None
-
-    pre = poll(reached, f"attempt {attempt} to reach step {target}", timeout)
-    pid = int(pre["pid"])
-    t_kill = time.time()
-    os.kill(pid, signal.SIGKILL)
-    poll(lambda: not pid_alive(pid), f"trainer pid {pid} to die", 30)
-    # The trainer is dead now: its last heartbeat and the pointer are final for this attempt.
-    post = daemon.heartbeat(RUN)
-    post_step = int(post["step"]) if post and int(post["attempt"]) == attempt else int(pre["step"])
-    ptr = repo.read_pointer()
-    ptr_step = ptr.step if ptr and ptr.checkpoint else 0
-    # A kill between a checkpoint's commit and that step's heartbeat: the pointer is newer.
-    step_at_kill = max(post_step, ptr_step)
+    target = int(first_hb["step"]) + rng.randint(2, every_steps + 1)
+    kill = kill_at_step(daemon, RUN, repo, attempt, target, timeout)
+    t_kill, step_at_kill = kill.at, kill.step
 
     def ended():
         rec = daemon.instance.get_run_record_by_id(failed.run_id)
@@ -190,8 +203,8 @@ def measure_one(daemon: Daemon, repo: CheckpointRepo, rng: random.Random, first_
     t_start = float(resume_rec.start_time)
     t_first = float(nxt["time"])
     row = {
-        "attempt": attempt, "pre_step": int(pre["step"]), "step_at_kill": step_at_kill,
-        "ptr_step": ptr_step, "resumed_from": resumed_from, "lost": step_at_kill - resumed_from,
+        "attempt": attempt, "pre_step": kill.pre_step, "step_at_kill": step_at_kill,
+        "ptr_step": kill.ptr_step, "resumed_from": resumed_from, "lost": step_at_kill - resumed_from,
         "detect": t_end - t_kill, "sensor": t_created - t_end, "queue": t_start - t_created,
         "launch": t_start - t_end, "restore": t_first - t_start, "total": t_first - t_kill,
         "kind": failed_run.tags.get("ckpt/failure_kind", "?"),
@@ -241,21 +254,8 @@ def measure_in_run(daemon: Daemon, repo: CheckpointRepo, rng: random.Random, fir
     attempt = int(first_hb["attempt"])
     (run,) = [r for r in daemon.runs(RUN_IN) if r.status.value == "STARTED"]
     target = int(first_hb["step"]) + rng.randint(2, every_steps + 1)
-
-    def reached():
-        hb = daemon.heartbeat(RUN_IN)
-        return hb if hb and int(hb["attempt"]) == attempt and int(hb["step"]) >= target else None
-
-    pre = poll(reached, f"attempt {attempt} to reach step {target}", timeout)
-    pid = int(pre["pid"])
-    t_kill = time.time()
-    os.kill(pid, signal.SIGKILL)
-    poll(lambda: not pid_alive(pid), f"trainer pid {pid} to die", 30)
-    post = daemon.heartbeat(RUN_IN)
-    post_step = int(post["step"]) if post and int(post["attempt"]) == attempt else int(pre["step"])
-    ptr = repo.read_pointer()
-    ptr_step = ptr.step if ptr and ptr.checkpoint else 0
-    step_at_kill = max(post_step, ptr_step)
+    kill = kill_at_step(daemon, RUN_IN, repo, attempt, target, timeout)
+    t_kill, step_at_kill = kill.at, kill.step
     nxt = first_beat_of_new_attempt(daemon, attempt, timeout, RUN_IN)
     runs = daemon.runs(RUN_IN)
     if [r.run_id for r in runs] != [run.run_id] or runs[0].status.value != "STARTED":

@@ -9,6 +9,11 @@ thread; at most one save is in flight, the next save (or `close`) waits for it, 
 error surfaces at the next step. A crash during a background save loses only that save:
 the commit protocol is the same either way. `load` verifies every file's SHA-256 before
 deserializing, and only ever with `torch.load(weights_only=True)`.
+
+With several ranks (`trainer.distributed`) each rank writes its share of the parts and its
+own RNG states to `state-rank{r}.pt`, and rank 0 commits once every rank's file is durable;
+`load` reads every rank's file (the replicated parts are spread over them), each verified
+again by the rank that reads it.
 """
 
 from __future__ import annotations
