@@ -298,6 +298,8 @@ def test_a_ranks_collective_error_in_training_code_is_reported_as_a_lost_rank(mo
     assert report_failure(gloo, Reporter()) == LOST
     assert report_failure(RuntimeError("shapes do not match"), Reporter()) == \
         Outcome.USER_CODE_ERROR.exit_code
+    assert report_failure(RuntimeError("NCCL error: invalid usage"), Reporter()) == \
+        Outcome.USER_CODE_ERROR.exit_code  # naming a backend is not losing a peer
 
 
 def test_a_commands_own_options_reach_it_past_torchruns_parser():

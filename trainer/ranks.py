@@ -46,9 +46,10 @@ def env_rank(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
         return 0, 1
 
 
-# What the collective backends put in the RuntimeError they raise when a peer goes away
-# (gloo raises a plain RuntimeError; torch's own DistError subclasses are caught by type).
-PEER_LOST_WORDS = ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL")
+# What gloo puts in the plain RuntimeError it raises when a peer goes away or a collective
+# times out (torch's own DistError subclasses, NCCL's among them, are caught by type). Only
+# these: a RuntimeError that merely names a backend can be a bug, which is never resumed.
+PEER_LOST_WORDS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting")
 
 
 def lost_a_peer(error: BaseException) -> bool:
