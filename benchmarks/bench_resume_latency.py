@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_assets.clock import parse_time  # noqa: E402
 from ckpt_assets.events import STATE, partition_events  # noqa: E402
-from ckpt_assets.resume_decision import Setting  # noqa: E402
+from ckpt_assets.settings import Setting  # noqa: E402
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
 from ckpt_assets.trainer_process import PROCESS_STARTED  # noqa: E402
 from tests.daemon_harness import Daemon, training_config  # noqa: E402

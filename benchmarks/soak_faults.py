@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ckpt_assets.liveness import judge  # noqa: E402
-from ckpt_assets.resume_decision import ResumeSettings  # noqa: E402
+from ckpt_assets.settings import ResumeSettings  # noqa: E402
 from tests.polling import WaitTimeout, wait_for  # noqa: E402
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
 from trainer.checkpointer import load_verified_state  # noqa: E402

@@ -36,18 +36,15 @@ tags, and reaches the decision made here (stop, or a back-off too long to serve 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from dagster import DagsterRunStatus
 
 from ckpt_assets.attempt_end import AttemptEnd
 from ckpt_assets.policy import Budget, Decision, decide
 from ckpt_assets.run_state import RunState, State, state_observation
+from ckpt_assets.settings import ResumeSettings
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_BUDGET, TAG_NO_RESUME
 from trainer.outcomes import Outcome
-
-if TYPE_CHECKING:  # resume_decision imports the job, which imports the assets, which import this
-    from ckpt_assets.resume_decision import ResumeSettings
 
 # The trainer died and nothing says its run worker is about to: a relaunch here is safe.
 # (A rank that only lost its peers is such a death too: the peer's process died or hung.)
@@ -72,11 +69,11 @@ def relaunch_decision(ended: AttemptEnd, used: Budget, settings: ResumeSettings,
 
 
 def consider_relaunch(context, ended: AttemptEnd, interrupted: bool,
-                      settings: ResumeSettings | None = None) -> Decision | None:
+                      settings: ResumeSettings) -> Decision | None:
     """`relaunch_decision` for the step's own run, read from its tags as they are now."""
-    from ckpt_assets.resume_decision import ResumeSettings, liveness_outcome
+    # resume_decision imports the job, which imports the assets, which import this
+    from ckpt_assets.resume_decision import liveness_outcome
 
-    settings = settings or ResumeSettings.from_env()
     run = context.instance.get_run_by_id(context.run.run_id) or context.run
     return relaunch_decision(ended, Budget.from_tag(run.tags.get(TAG_BUDGET, "")), settings,
                              interrupted=interrupted,

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import dagster as dg
 
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.resume_decision import LIVENESS_TAGS, ResumeSettings, run_repo
+from ckpt_assets.resume_decision import LIVENESS_TAGS, run_repo
+from ckpt_assets.settings import ResumeSettings
 from ckpt_assets.tags import PARTITION_TAG, TAG_ATTEMPT
 from trainer.liveness import Beat, ProcessId, group_members
 from trainer.outcomes import Outcome

@@ -37,11 +37,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
 from ckpt_assets.pipes_transport import PipesChannels
+
+if TYPE_CHECKING:  # warm_start starts its processes with this module's helpers
+    from ckpt_assets.warm_start import WarmTrainer
 from ckpt_assets.tags import TAG_PROCESSES
 
 KILL_WAIT_S = 30.0  # after SIGKILL: only a process stuck in the kernel takes longer
@@ -50,6 +53,8 @@ LEFTOVER_LOOKBACK = 5  # earlier training runs of the partition whose groups are
 
 # The run log line that marks the start (benchmarks/bench_resume_latency.py reads it).
 PROCESS_STARTED = "training process started"
+# ... and the words in it that say a standby became the process (`ckpt_assets.warm_start`).
+WARM_STARTED = "a standby that had torch imported"
 
 
 class LaunchError(Exception):
@@ -217,20 +222,20 @@ class AttemptProcesses:
 
 # -- one attempt's process --------------------------------------------------------------
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
 
 
-def _start(argv: list[str], env: dict[str, str], cwd: str, output: str) -> subprocess.Popen:
+def start_process(argv: list[str], env: dict[str, str], cwd: str, output: str) -> subprocess.Popen:
     try:
         with open(output, "ab") as out:
             return subprocess.Popen(
                 argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
                 start_new_session=True)
     except FileNotFoundError as e:
         missing = cwd if e.filename == cwd else argv[0]
@@ -266,7 +271,7 @@ def run_to_end(argv: list[str], env: dict[str, str], cwd: str, output: str, grac
                log) -> ProcessOutcome:
     """Run `argv` as an attempt's process without Dagster (benchmarks, tools): in a group
     of its own, its output in the file `output`, until it and all it started are gone."""
-    proc = _start(argv, env, cwd, output)
+    proc = start_process(argv, env, cwd, output)
     group = ProcessRef.known(proc.pid)
     try:
         rc = proc.wait()
@@ -279,11 +284,13 @@ def run_to_end(argv: list[str], env: dict[str, str], cwd: str, output: str, grac
 def run_under_pipes(context: dg.AssetExecutionContext, argv: list[str], env: dict[str, str],
                     cwd: str, grace_s: float, on_messages: Callable[[list[Any]], None],
                     after_start: Callable[[], None], extras: dict[str, Any],
-                    channels: PipesChannels | None = None) -> ProcessOutcome:
+                    channels: PipesChannels | None = None,
+                    warm: WarmTrainer | None = None) -> ProcessOutcome:
     """Run `argv` in a Pipes session until it and every process it started are gone; feed
     its custom messages to `on_messages` as they arrive (and the last ones at the end).
     `channels`: how the context and messages travel (`ckpt_assets.pipes_transport`; default
-    temp files on this machine)."""
+    temp files on this machine). `warm`: the step's standby trainer, which becomes this
+    process if it can, and is refilled for the next attempt once this one has spoken."""
     channels = channels or PipesChannels.local()
     stop_leftovers(context, grace_s)
     fd, output = tempfile.mkstemp(prefix=f"ckpt-{context.run.run_id[:8]}-", suffix=".log")
@@ -295,7 +302,7 @@ def run_under_pipes(context: dg.AssetExecutionContext, argv: list[str], env: dic
                                    extras=extras) as session:
             outcome = _supervise(context, session, argv,
                                  {**env, **session.get_bootstrap_env_vars()}, cwd, output,
-                                 grace_s, on_messages, after_start)
+                                 grace_s, on_messages, after_start, warm)
         # The session is closed: every message the processes wrote has been read.
         on_messages(session.get_custom_messages()[outcome.seen:])
     finally:
@@ -311,12 +318,14 @@ class _Supervised:
 
 def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str, output: str,
                grace_s: float, on_messages: Callable[[list[Any]], None],
-               after_start: Callable[[], None]) -> _Supervised:
-    proc = _start(argv, env, cwd, output)
+               after_start: Callable[[], None], warm: WarmTrainer | None) -> _Supervised:
+    proc, warmed = (warm.start(argv, env, cwd, output) if warm is not None
+                    else (start_process(argv, env, cwd, output), False))
     group = ProcessRef.known(proc.pid)
     procs = AttemptProcesses(this_machine(), ProcessRef.known(os.getpid()), group, output)
     _record(context, procs)
-    context.log.info(f"{PROCESS_STARTED} (pid {proc.pid}, its own process group; "
+    context.log.info(f"{PROCESS_STARTED} (pid {proc.pid}, its own process group"
+                     f"{', ' + WARM_STARTED if warmed else ''}; "
                      f"output {output}): {' '.join(argv)}")
     done = threading.Event()
     reader = threading.Thread(target=_pump, args=(tail(output, done), context), daemon=True,
@@ -330,6 +339,8 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
                 msgs = session.get_custom_messages()
                 on_messages(msgs[seen:])
                 seen = len(msgs)
+                if seen and warm is not None:  # it has started: the next one may get ready
+                    warm.refill(argv, env, cwd)
                 time.sleep(0.2)
         except BaseException as e:  # DagsterExecutionInterruptedError (terminate), Ctrl-C
             interrupted = e

@@ -15,7 +15,7 @@ from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.io_managers import VersionedRepo
 from ckpt_assets.defs.resources import CheckpointStore, git_commit
 from ckpt_assets.metadata import CHECKPOINT_METADATA_KEYS
-from ckpt_assets.resume_decision import Setting
+from ckpt_assets.settings import Setting
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     check_results,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_assets.resume_decision import Setting
+from ckpt_assets.settings import Setting
 from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
 from tests.postgres_server import team_instance
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state

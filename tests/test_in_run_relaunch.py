@@ -18,8 +18,10 @@ from ckpt_assets.events import ATTEMPT_ENDED, partition_events
 from ckpt_assets.in_run import relaunch_decision, serve_backoff
 from ckpt_assets.lineage import format_lineage, lineage_report
 from ckpt_assets.policy import Budget, PolicyConfig, decide
-from ckpt_assets.resume_decision import ResumeSettings, Setting, consider
+from ckpt_assets.resume_decision import consider
+from ckpt_assets.settings import ResumeSettings, Setting
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_BUDGET, TAG_DECISION, TAG_DECISION_REASON
+from ckpt_assets.trainer_process import PROCESS_STARTED, WARM_STARTED
 from tests.daemon_harness import Daemon, kill
 from tests.daemon_harness import training_config as training_config_e2e
 from tests.dagster_fixtures import *  # noqa: F403
@@ -122,6 +124,12 @@ def test_a_back_off_is_slept_out_and_an_immediate_relaunch_does_not_sleep():
 
 # -- end to end: real trainer processes, in-process materialize ----------------------------
 
+def _started(instance, run_id: str) -> list[str]:
+    """The run's log lines that say an attempt's process started."""
+    return [r.user_message for r in instance.all_logs(run_id)
+            if r.user_message.startswith(PROCESS_STARTED)]
+
+
 def _ends(instance, key: str) -> list[dict]:
     return [md for md, _ in partition_events(instance, key, ATTEMPT_ENDED)]
 
@@ -134,13 +142,17 @@ def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_ident
     res = make_resources(str(store), tracking_uri=mlflow_uri)
     killed = materialize_run(instance, "killed", res, training=training_config(
         task="tests.user_tasks:crash_once",
-        task_args={"crash_once_at": 15, "crash_marker": str(tmp_path / "crashed")}))
+        # Slow enough that attempt 1 speaks before it dies: its standby starts then.
+        task_args={"crash_once_at": 15, "crash_marker": str(tmp_path / "crashed"),
+                   "step_delay": 0.1}))
     assert killed.success and (tmp_path / "crashed").exists()
     first, second = _ends(instance, "killed")
     assert first["failure_class"] == "killed_by_signal" and first["attempt"] == 1
     assert second["failure_class"] == "success" and second["attempt"] == 2
     assert second["resumed_from_step"] == first["last_committed_step"] == 10
     assert first["dagster_run_id"] == second["dagster_run_id"] == killed.run_id
+    # Attempt 2 was the standby that imported torch while attempt 1 trained.
+    assert [WARM_STARTED in line for line in _started(instance, killed.run_id)] == [False, True]
     run = instance.get_run_by_id(killed.run_id)
     assert Budget.from_tag(run.tags[TAG_BUDGET]).transient == 1
     # MLflow: the training run's one MLflow run carries each attempt's tags.

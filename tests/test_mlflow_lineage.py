@@ -15,7 +15,7 @@ from ckpt_assets.cli import main as cli_main
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.events import CHECKPOINT, partition_events
 from ckpt_assets.mlflow_tracking import TRAINING_RUN_TAG
-from ckpt_assets.resume_decision import Setting
+from ckpt_assets.settings import Setting
 from tests.dagster_fixtures import (
     ROOT,
     TrainerKiller,

@@ -26,7 +26,7 @@ import ckpt_assets.trainer_process as trainer_process
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
 from ckpt_assets.events import CHECKPOINT
-from ckpt_assets.resume_decision import Setting
+from ckpt_assets.settings import Setting
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import checkpoints, materializations, materialize_run, training_config
 from tests.polling import WaitTimeout, wait_for
@@ -52,13 +52,13 @@ def remote(s3_env, tmp_path, monkeypatch):
     boto3.client("s3").upload_file(str(local), bucket, "data/toy.pt")
     local.unlink()
     started: list[dict] = []
-    real_start = trainer_process._start
+    real_start = trainer_process.start_process
 
     def spy(argv, env, cwd, output):
         started.append({"argv": argv, "env": dict(env), "cwd": cwd})
         return real_start(argv, env, cwd, output)
 
-    monkeypatch.setattr(trainer_process, "_start", spy)
+    monkeypatch.setattr(trainer_process, "start_process", spy)
     home = tmp_path / "trainer-machine"
     (home / "tmp").mkdir(parents=True)
     store = CheckpointStore(uri=s3_env["uri"], endpoint_url=dg.EnvVar("AWS_ENDPOINT_URL"))

@@ -34,8 +34,8 @@ from ckpt_assets.defs.sensors import (
     resume_terminated_training,
 )
 from ckpt_assets.policy import Budget
-from ckpt_assets.resume_decision import ResumeSettings, Setting
 from ckpt_assets.run_queries import is_training_run
+from ckpt_assets.settings import ResumeSettings, Setting
 from ckpt_assets.tags import (
     PARTITION_TAG,
     TAG_ATTEMPT,

@@ -58,9 +58,11 @@ from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.pipes_transport import pipes_channels
 from ckpt_assets.run_state import RunState, State, run_state, state_observation
 from ckpt_assets.runs import TrainingRunConfig, attempt_number, resolve_registration
+from ckpt_assets.settings import ResumeSettings
 from ckpt_assets.stop import stop_request
 from ckpt_assets.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.trainer_process import LaunchError, run_under_pipes
+from ckpt_assets.warm_start import WarmTrainer
 from trainer.errors import ConfigError, StorageError
 from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord
@@ -137,16 +139,22 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     context.log_event(state_observation(run_state(context.instance, reg.run)))
     # Before this attempt commits anything: what earlier attempts committed unseen.
     seen = record_unseen_checkpoints(context, repo, reg.run)
-    while True:
-        ended, tracker, relaunch = _one_attempt(context, reg, repo, ids, dataset, seen,
-                                                checkpoint_store, trainer, mlflow_tracking)
-        if relaunch is None:
-            break
-        # The trainer died, its worker (this step) lives, and the policy resumes it: the
-        # next attempt starts here, in this run (`ckpt_assets.in_run`).
-        record_relaunch(context, ended, relaunch)
-        serve_backoff(relaunch)
-        ids = replace(ids, attempt=_next_attempt(repo, ended.attempt))
+    settings = ResumeSettings.from_env()  # the step's, for every attempt it runs
+    warm = WarmTrainer(settings, context.log)
+    try:
+        while True:
+            ended, tracker, relaunch = _one_attempt(context, reg, repo, ids, dataset, seen,
+                                                    checkpoint_store, trainer, mlflow_tracking,
+                                                    settings, warm)
+            if relaunch is None:
+                break
+            # The trainer died, its worker (this step) lives, and the policy resumes it:
+            # the next attempt starts here, in this run (`ckpt_assets.in_run`).
+            record_relaunch(context, ended, relaunch)
+            serve_backoff(relaunch)
+            ids = replace(ids, attempt=_next_attempt(repo, ended.attempt))
+    finally:
+        warm.close()
     context.log_event(state_observation(RunState(
         reg.run, State.FINISHED, f"attempt {ended.attempt} trained to step "
         f"{ended.last_committed_step}", context.run.run_id, ended.attempt)))
@@ -157,7 +165,8 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
 
 def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: DatasetRecord,
                  seen: list[CheckpointRecord], checkpoint_store: CheckpointStore,
-                 trainer: TrainerResource, mlflow_tracking: MLflowResource):
+                 trainer: TrainerResource, mlflow_tracking: MLflowResource,
+                 settings: ResumeSettings, warm: WarmTrainer):
     """Run one attempt's process and record how it ended: (its AttemptEnd, its MLflow
     tracker, the policy's decision to relaunch it in this run or None). Raises the step's
     Failure (or interrupt) when the attempt failed and is not relaunched here."""
@@ -166,14 +175,14 @@ def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
     proc = _run_trainer(context, reg, repo, ids, dataset, checkpoint_store, trainer,
                         partial(report.handle, context, tracker),
                         partial(_open_tracking, context, tracker, repo, ids, dataset,
-                                reg.config.to_dict()))
+                                reg.config.to_dict()), warm)
     # Once more at the end: an orphaned trainer of an earlier attempt may have committed
     # after the first look and before this attempt's trainer claimed the run.
     seen.extend(report.checkpoints)
     seen.extend(record_unseen_checkpoints(context, repo, reg.run,
                                           known={r.name for r in seen}))
     ended = report.outcome(repo, proc, context)
-    relaunch = (consider_relaunch(context, ended, proc.interrupted is not None)
+    relaunch = (consider_relaunch(context, ended, proc.interrupted is not None, settings)
                 if ended.outcome.failed else None)
     _record_end(context, ended, proc, tracker, report, relaunching=relaunch is not None)
     return ended, tracker, relaunch
@@ -189,7 +198,7 @@ def _next_attempt(repo: CheckpointRepo, ended: int) -> int:
 
 def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: DatasetRecord,
                  checkpoint_store: CheckpointStore, trainer: TrainerResource, on_messages,
-                 after_start):
+                 after_start, warm: WarmTrainer):
     """Start the attempt's process (the task's trainer or the run's command) under Pipes,
     told the contract of the run it trains, and wait for it; bad launches are bad input."""
     store = checkpoint_store.open()
@@ -211,7 +220,7 @@ def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
             return run_under_pipes(
                 context, launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
                 on_messages=on_messages, after_start=after_start, extras=extras,
-                channels=channels)
+                channels=channels, warm=warm)
         except LaunchError as e:
             raise bad_input(str(e), reg.run, attempt=ids.attempt) from e
         except StorageError as e:

@@ -20,8 +20,9 @@ from ckpt_assets.clock import iso, parse_time
 from ckpt_assets.defs.jobs import train_job
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.liveness import judge, read_beat, retire
-from ckpt_assets.resume_decision import ResumeSettings, consider
+from ckpt_assets.resume_decision import consider
 from ckpt_assets.run_queries import is_training_run
+from ckpt_assets.settings import ResumeSettings
 from ckpt_assets.tags import (
     PARTITION_TAG,
     TAG_DECISION,

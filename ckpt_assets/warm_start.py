@@ -1,0 +1,107 @@
+"""A warm trainer: the next attempt's interpreter, started while this attempt trains.
+
+A trainer relaunched in its run (`ckpt_assets.in_run`) used to spend about 1.5 s of its
+restart importing torch and the trainer. `WarmTrainer` keeps at most one standby process
+(`trainer.standby`) per training step: started once the attempt it stands beside has sent
+its first message (so it never competes with that attempt's own start-up), with that
+attempt's interpreter, working directory and environment less the per-attempt names. When
+the next attempt is launched, the standby is handed it and becomes it; a new standby is
+started beside the new attempt in turn.
+
+What it costs: one idle interpreter with torch imported (about 220 MB of resident memory,
+no CPU once imported) for as long as the step trains, and nothing when it is not used. It is
+stopped when the step ends, and it ends by itself when the step's process dies (its stdin
+closes; PR_SET_PDEATHSIG as a trainer has).
+
+Where it is not used, an attempt starts cold, exactly as before: the first attempt of a run,
+a command that is not `python -m MODULE` or `python SCRIPT.py`, several ranks (torchrun
+starts them), a pod, an environment that changed since the standby started, a standby
+that died. Off with `CKPT_WARM_TRAINER=0` (`Setting.WARM_TRAINER`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from ckpt_assets.settings import ResumeSettings
+from ckpt_assets.trainer_process import die_with_parent, start_process
+from trainer.standby import MODULE, Handoff, entry, standing_env
+
+
+@dataclass
+class _Standby:
+    proc: subprocess.Popen
+    python: str
+    env: dict[str, str]
+
+
+class WarmTrainer:
+    """At most one standby; `start` hands it the attempt when it fits, else starts cold."""
+
+    def __init__(self, settings: ResumeSettings, log) -> None:
+        self.enabled = settings.in_run_relaunch and settings.warm_trainer
+        self.log = log
+        self._standby: _Standby | None = None
+
+    def start(self, argv: list[str], env: dict[str, str], cwd: str,
+              output: str) -> tuple[subprocess.Popen, bool]:
+        """The attempt's process, and whether a standby became it (warm)."""
+        handoff = Handoff(list(argv), dict(env), cwd, output)
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            unfit = ("it has exited" if standby.proc.poll() is not None
+                     else handoff.unfit(standby.python, standby.env))
+            if unfit:
+                self.log.info(f"the standby trainer cannot take this attempt ({unfit}); "
+                              "starting it cold")
+            else:
+                try:
+                    standby.proc.stdin.write(handoff.to_line())
+                    standby.proc.stdin.close()
+                    return standby.proc, True
+                except OSError as e:  # it died just now: start cold
+                    self.log.warning(f"the standby trainer (pid {standby.proc.pid}) could "
+                                     f"not take the attempt over ({e}); starting it cold")
+            _end(standby.proc)
+        return start_process(argv, env, cwd, output), False
+
+    def refill(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        """Start a standby for an attempt like this one, unless there is one or it could
+        not run it. Called from the step's own thread: PR_SET_PDEATHSIG follows the thread
+        that started a process, so a helper thread's exit would stop it."""
+        if not self.enabled or self._standby is not None or entry(argv) is None:
+            return
+        try:
+            proc = subprocess.Popen(
+                [argv[0], "-m", MODULE], env=standing_env(env), cwd=cwd,
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+                start_new_session=True)
+        except OSError as e:  # the next attempt starts cold; this one trains on
+            self.log.warning(f"could not start a standby trainer ({e}); a relaunch starts cold")
+            return
+        self._standby = _Standby(proc, argv[0], standing_env(env))
+
+    def close(self) -> None:
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            _end(standby.proc)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Stop an unused standby: it holds no state, so SIGKILL, and reap it."""
+    if proc.poll() is None:  # once reaped, its number may be another process's
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if proc.stdin:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    proc.wait()
