@@ -49,7 +49,7 @@ from ckpt_assets.clock import parse_time  # noqa: E402
 from ckpt_assets.events import STATE, partition_events  # noqa: E402
 from ckpt_assets.settings import Setting  # noqa: E402
 from ckpt_assets.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
-from ckpt_assets.trainer_process import PROCESS_STARTED  # noqa: E402
+from ckpt_assets.trainer_process import PROCESS_STARTED, WARM_STARTED  # noqa: E402
 from tests.daemon_harness import Daemon, training_config  # noqa: E402
 from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
 from trainer.repo import CheckpointRepo, parse_checkpoint_name  # noqa: E402
@@ -265,26 +265,33 @@ def measure_in_run(daemon: Daemon, repo: CheckpointRepo, rng: random.Random, fir
     noted = relaunch_noted(daemon, run.run_id, attempt)
     t_first = float(nxt["time"])
     nan = float("nan")
+    started = [r.user_message for r in daemon.instance.all_logs(run.run_id)
+               if (r.user_message or "").startswith(PROCESS_STARTED)]
     row = {"attempt": attempt, "step_at_kill": step_at_kill, "resumed_from": resumed_from,
            "lost": step_at_kill - resumed_from,
+           "warm": len(started) > attempt and WARM_STARTED in started[attempt],
            "decide": (noted - t_kill) if noted else nan,
            "restart": (t_first - noted) if noted else nan, "total": t_first - t_kill}
     return row, nxt
 
 
-def in_run_path(args, rng: random.Random, env: dict, cfg: dict) -> list[dict]:
+def in_run_path(args, rng: random.Random, env: dict, cfg: dict, warm: bool) -> list[dict]:
     """The same kills, with the daemon's run workers relaunching in-run
-    (CKPT_IN_RUN_RELAUNCH=1): kill -> the step's relaunch decision -> first resumed step."""
+    (CKPT_IN_RUN_RELAUNCH=1): kill -> the step's relaunch decision -> first resumed step.
+    `warm`: with the standby trainer (the default), else CKPT_WARM_TRAINER=0."""
     work = Path(tempfile.mkdtemp(prefix="bench_resume_in_run_"))
     store = str(work / "store")
     daemon, rows = None, []
     try:
-        daemon = Daemon.start(work, store, extra_env={**env, Setting.IN_RUN_RELAUNCH.value: "1"})
+        daemon = Daemon.start(work, store, extra_env={
+            **env, Setting.IN_RUN_RELAUNCH.value: "1",
+            Setting.WARM_TRAINER.value: "1" if warm else "0"})
         daemon.launch(RUN_IN, {**cfg, "run": RUN_IN}, work)
         repo = CheckpointRepo(open_store(store), "default", RUN_IN)
         hb = first_beat_of_new_attempt(daemon, 0, args.timeout, RUN_IN)
-        print(f"\nin-run path: {args.in_run_kills} SIGKILLs of the trainer, its run worker "
-              "alive, CKPT_IN_RUN_RELAUNCH=1 (same policy settings)")
+        print(f"\nin-run path, {'warm' if warm else 'cold'} trainer: {args.in_run_kills} "
+              "SIGKILLs of the trainer, its run worker alive, CKPT_IN_RUN_RELAUNCH=1, "
+              f"CKPT_WARM_TRAINER={int(warm)} (same policy settings)")
         print(f"{'kill':>4} {'att':>4} {'kill':>7} {'from':>7} {'lost':>5}  {'decide':>7} "
               f"{'restart':>8} {'total':>7}  (seconds; decide: kill -> the step's relaunch "
               "state observation; restart: -> first resumed step)")
@@ -324,51 +331,10 @@ def fmt_detail(i: int, r: dict) -> str:
     return f"{i:>4} " + " ".join(f"{r[k]:>{max(7, len(k))}.2f}" for k in DETAIL)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kills", type=int, default=10)
-    ap.add_argument("--in-run-kills", type=int, default=5,
-                    help="kills of the trainer with its run worker alive, relaunched in-run "
-                         "(0: skip that path)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--step-delay", type=float, default=0.15, help="seconds per training step")
-    ap.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps")
-    ap.add_argument("--timeout", type=float, default=180, help="per wait, seconds")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
-    args = ap.parse_args()
-    if args.kills < 1:
-        ap.error("--kills must be at least 1")
-
-    rng = random.Random(args.seed)
-    work = Path(tempfile.mkdtemp(prefix="bench_resume_"))
+def sensor_path(args, rng: random.Random, env: dict, cfg: dict, work: Path) -> list[dict]:
+    """The sensor path: a killed trainer's run fails and a sensor launches the resume as a
+    new Dagster run (CKPT_IN_RUN_RELAUNCH=0). Prints each kill and the summary."""
     store = str(work / "store")
-    env = {"CKPT_MAX_TRANSIENT_FAILURES": str(args.kills + 5),
-           "CKPT_CRASH_LOOP_BUDGET": str(10 * args.kills + 100),
-           "CKPT_BACKOFF_BASE_S": "0"}
-    # Long enough to outlast every kill: ~every_steps+a few steps per attempt, plus margin.
-    max_steps = 100 + args.kills * (args.every_steps + 20) * 2
-    cfg = training_config(RUN, max_steps=max_steps, eval_every=0,
-                          checkpoint={"every_steps": args.every_steps, "heartbeat_seconds": 0,
-                                      "on_epoch_end": False, "on_best": False},
-                          task_args={"step_delay": args.step_delay})
-
-    print(f"bench_resume_latency: {args.kills} SIGKILLs of the trainer, seed {args.seed}")
-    print(f"  sensor: resume_failed_training every {SENSOR_INTERVAL_S}s (reconciler every "
-          f"{RECONCILE_INTERVAL_S}s, grace 20s); run queue dequeues every 1s")
-    print(f"  training: max_steps {max_steps}, step_delay {args.step_delay}s, checkpoint every "
-          f"{args.every_steps} steps only (sync; no epoch-end/best saves), heartbeat every "
-          "step")
-    print("  policy: " + ", ".join(f"{k}={v}" for k, v in env.items())
-          + "  -> every kill takes the immediate-resume path (back-off is policy, not measured)")
-    print(f"  kill: SIGKILL of the trainer pid, 2..{args.every_steps + 1} steps (seeded) after "
-          "the attempt's first completed step")
-    print("  lost work = step at kill - step resumed from; step at kill = max(last heartbeat "
-          "after the trainer is dead, committed pointer step); resumed from = the resume run's "
-          "ckpt/resume_from checkpoint (checked: = first heartbeat step of the new attempt - 1)")
-    print(f"  host: {os.cpu_count()} CPUs, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (process start-up dominates: "
-          "compare hosts with care)")
-    print(f"  workdir: {work}", flush=True)
 
     daemon = None
     rows: list[dict] = []
@@ -465,19 +431,77 @@ def main() -> int:
           f"{'MET' if ok_t else 'MISSED'} ({med:.2f}s)")
     print(f"target: lost work <= one checkpoint interval = {args.every_steps} steps: "
           f"{'MET' if ok_l else 'MISSED'} (worst {max(lost)})")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=10)
+    ap.add_argument("--in-run-kills", type=int, default=5,
+                    help="kills of the trainer with its run worker alive, relaunched in-run "
+                         "(0: skip that path)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-delay", type=float, default=0.15, help="seconds per training step")
+    ap.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps")
+    ap.add_argument("--timeout", type=float, default=180, help="per wait, seconds")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = ap.parse_args()
+    if args.kills < 0:
+        ap.error("--kills must be 0 (skip the sensor path) or more")
+
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="bench_resume_"))
+    kills = max(args.kills, args.in_run_kills)  # of one run
+    env = {"CKPT_MAX_TRANSIENT_FAILURES": str(kills + 5),
+           "CKPT_CRASH_LOOP_BUDGET": str(10 * kills + 100),
+           "CKPT_BACKOFF_BASE_S": "0"}
+    # Long enough to outlast every kill: ~every_steps+a few steps per attempt, plus margin.
+    max_steps = 100 + kills * (args.every_steps + 20) * 2
+    cfg = training_config(RUN, max_steps=max_steps, eval_every=0,
+                          checkpoint={"every_steps": args.every_steps, "heartbeat_seconds": 0,
+                                      "on_epoch_end": False, "on_best": False},
+                          task_args={"step_delay": args.step_delay})
+
+    print(f"bench_resume_latency: {args.kills} SIGKILLs of the trainer, seed {args.seed}")
+    print(f"  sensor: resume_failed_training every {SENSOR_INTERVAL_S}s (reconciler every "
+          f"{RECONCILE_INTERVAL_S}s, grace 20s); run queue dequeues every 1s")
+    print(f"  training: max_steps {max_steps}, step_delay {args.step_delay}s, checkpoint every "
+          f"{args.every_steps} steps only (sync; no epoch-end/best saves), heartbeat every "
+          "step")
+    print("  policy: " + ", ".join(f"{k}={v}" for k, v in env.items())
+          + "  -> every kill takes the immediate-resume path (back-off is policy, not measured)")
+    print(f"  kill: SIGKILL of the trainer pid, 2..{args.every_steps + 1} steps (seeded) after "
+          "the attempt's first completed step")
+    print("  lost work = step at kill - step resumed from; step at kill = max(last heartbeat "
+          "after the trainer is dead, committed pointer step); resumed from = the resume run's "
+          "ckpt/resume_from checkpoint (checked: = first heartbeat step of the new attempt - 1)")
+    print(f"  host: {os.cpu_count()} CPUs, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (process start-up dominates: "
+          "compare hosts with care)")
+    print(f"  workdir: {work}", flush=True)
+    rows = sensor_path(args, rng, env, cfg, work) if args.kills else []
     if args.in_run_kills < 1:
         return 0
-    in_run = in_run_path(args, rng, env, cfg)
+    warm = in_run_path(args, rng, env, cfg, warm=True)
+    cold = in_run_path(args, rng, env, cfg, warm=False)
 
     def both(key: str, rows_: list[dict]) -> str:
         vals = [r[key] for r in rows_]
         return f"median {statistics.median(vals):6.2f}s  worst {max(vals):6.2f}s"
 
     print("\nkill of the trainer -> first resumed step, side by side:")
-    print(f"  sensor path (new Dagster run)  {len(rows):>3} kills  {both('total', rows)}")
-    print(f"  in-run path (same Dagster run) {len(in_run):>3} kills  {both('total', in_run)}")
-    print(f"    in-run: decide {both('decide', in_run)}; restart {both('restart', in_run)}; "
-          f"lost work per kill {[r['lost'] for r in in_run]}")
+    if rows:
+        print(f"  sensor path (new Dagster run)        {len(rows):>3} kills  {both('total', rows)}")
+    for name, in_run in (("warm", warm), ("cold", cold)):
+        print(f"  in-run path, {name} trainer (same run) {len(in_run):>3} kills  "
+              f"{both('total', in_run)}")
+        print(f"    decide {both('decide', in_run)}; restart {both('restart', in_run)}; "
+              f"lost work per kill {[r['lost'] for r in in_run]}; started by a standby: "
+              f"{sum(r['warm'] for r in in_run)} of {len(in_run)}")
+    med = statistics.median(r["total"] for r in warm)
+    print(f"target: median kill of the trainer -> first resumed step <= 2s (in-run, warm): "
+          f"{'MET' if med <= 2 else 'MISSED'} ({med:.2f}s; cold/warm restart ratio "
+          f"{statistics.median(r['restart'] for r in cold) / statistics.median(r['restart'] for r in warm):.2f})")
     return 0
 
 
