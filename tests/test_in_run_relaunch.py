@@ -76,7 +76,7 @@ def test_a_used_up_budget_is_not_relaunched_in_run_either():
 
 def test_a_back_off_longer_than_the_in_run_bound_is_left_to_the_reconciler():
     used = Budget(transient=1, resumed_from_step=10, high_step=10)
-    ended = _ended(Outcome.STORAGE_UNAVAILABLE, 20, 2)
+    ended = _ended(Outcome.STORAGE_UNAVAILABLE, 10, 2)  # again at step 10: a back-off
     assert decide(ended, used).delay_s == 10.0
     short = ResumeSettings(in_run_max_delay_s=5.0)
     assert _relaunch(ended, used, short) is None
@@ -118,7 +118,7 @@ def test_a_back_off_is_slept_out_and_an_immediate_relaunch_does_not_sleep():
     slept = []
     serve_backoff(_relaunch(_ended(Outcome.KILLED_BY_SIGNAL)), slept.append)
     used = Budget(transient=1, resumed_from_step=10, high_step=10)
-    serve_backoff(_relaunch(_ended(Outcome.KILLED_BY_SIGNAL, 20, 2), used), slept.append)
+    serve_backoff(_relaunch(_ended(Outcome.KILLED_BY_SIGNAL, 10, 2), used), slept.append)
     assert slept == [10.0]
 
 

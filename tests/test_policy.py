@@ -54,7 +54,7 @@ def test_preemption_is_resumed_at_once_many_times_within_its_budget():
     assert not decide(f(exit_code=143, last_committed_step=40), used, cfg).resume
 
 
-def test_transient_failures_resume_at_once_then_back_off_and_stop_at_their_budget():
+def test_transient_failures_after_progress_resume_at_once_and_stop_at_their_budget():
     cfg = PolicyConfig(max_transient=3, backoff_base_s=10)
     delays, used = [], Budget()
     for step in (10, 20, 30):
@@ -62,9 +62,27 @@ def test_transient_failures_resume_at_once_then_back_off_and_stop_at_their_budge
         assert d.resume
         delays.append(d.delay_s)
         used = d.budget
-    assert delays == [0, 10, 20]
+    assert delays == [0, 0, 0]
     assert not decide(f(exit_code=5, reported="storage_unavailable",
                         last_committed_step=40), used, cfg).resume
+
+
+def test_transient_failures_in_a_row_at_one_step_back_off_doubling_up_to_the_maximum():
+    cfg = PolicyConfig(max_transient=10, crash_loop_budget=10, backoff_base_s=10,
+                       backoff_max_s=30)
+    used, delays, reasons = Budget(), [], []
+    for _ in range(4):
+        d = decide(f(exit_code=5, reported="storage_unavailable", last_committed_step=40),
+                   used, cfg)
+        delays.append(d.delay_s)
+        reasons.append(d.reason)
+        used = d.budget
+    assert delays == [0, 10, 20, 30]
+    assert reasons[0].startswith("resumed at once")
+    assert reasons[2].startswith("resumed after 20s (2 failure(s) in a row without the "
+                                 "checkpoint advancing past step 40)")
+    # Progress ends the back-off: the next failure, at a new step, resumes at once.
+    assert decide(f(exit_code=-9, last_committed_step=50), used, cfg).delay_s == 0
 
 
 def test_a_run_failing_again_without_advancing_its_step_stops_as_a_crash_loop():

@@ -366,10 +366,10 @@ def test_a_failure_no_sensor_saw_is_decided_and_resumed_by_the_reconciler_after_
 def test_a_backed_off_resume_is_launched_by_the_reconciler_only_once_it_is_due(
         instance, store, monkeypatch):
     monkeypatch.setenv("CKPT_BACKOFF_BASE_S", "30")
-    budget = {"transient": 1, "resumed_from_step": 10, "high_step": 10}
+    budget = {"transient": 1, "resumed_from_step": 20, "high_step": 20}
     run = failed_run(instance, exit_code=5, failure_class="storage_unavailable",
                      tags={TAG_BUDGET: json.dumps(budget)})
-    skip = on_failure(instance, run, store)  # the second transient failure: 30 s back-off
+    skip = on_failure(instance, run, store)  # again at step 20, no progress: 30 s back-off
     assert isinstance(skip, dg.SkipReason) and "after 30s" in skip.skip_message
     assert tags_of(instance, run)[TAG_DECISION] == "resume"
     assert sweep(instance, store) == []  # not due yet
