@@ -15,9 +15,8 @@ starts from step 0. The baseline stops at `--baseline-cap` seconds if it has not
 ckpt-assets runs with its defaults: in-run relaunch of a killed trainer, the sensors for a
 killed run worker, `checkpoint.every_seconds: auto` (Young/Daly from the measured stall,
 the experiment's failure history, `mtbf_seconds` = `--mtbf` until there is one),
-background saves. Its budgets are raised so that no failure is refused, and its back-off
-is `--backoff-base` (0 by default: the mechanism is measured, the back-off is a policy
-choice; what the default back-off would have added is printed).
+background saves, the policy's back-off (none after progress). Its budgets are raised so
+that no failure is refused; `--backoff-base` sets CKPT_BACKOFF_BASE_S.
 
 Printed for each: effective training time ratio (useful step time / wall time, both from the
 first completed step to the last), lost steps (trained, then redone), the restart cost per
@@ -51,7 +50,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_assets.events import CHECKPOINT, partition_events  # noqa: E402
-from ckpt_assets.policy import PolicyConfig  # noqa: E402
 from ckpt_assets.settings import Setting  # noqa: E402
 from tests.daemon_harness import ROOT, Daemon, trainer_parent, training_config  # noqa: E402
 from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
@@ -110,14 +108,6 @@ def restart_from_zero_wall(job_s: float, mtbf_s: float, restart_s: float) -> flo
     """Expected wall time of a job of `job_s` that restarts from zero after each failure
     (Poisson failures of mean `mtbf_s`, `restart_s` of downtime each)."""
     return (mtbf_s + restart_s) * math.expm1(job_s / mtbf_s)
-
-
-def backoff_delays(failures: int, cfg: PolicyConfig | None = None) -> float:
-    """What the policy's default back-off would add to `failures` transient failures of one
-    run (the first resumes at once, then base, 2*base, ... capped)."""
-    cfg = cfg or PolicyConfig()
-    return sum(min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (n - 2))
-               for n in range(2, failures + 1))
 
 
 # -- one job under one schedule -------------------------------------------------------------
@@ -409,8 +399,9 @@ def configs(args) -> tuple[dict, dict, int]:
 
 def run_ours(args, schedule, cfg, max_steps, work: Path):
     env = {Setting.MAX_TRANSIENT.value: "100000", Setting.MAX_PREEMPTIONS.value: "100000",
-           Setting.CRASH_LOOP_BUDGET.value: "100000",
-           Setting.BACKOFF_BASE_S.value: str(args.backoff_base)}
+           Setting.CRASH_LOOP_BUDGET.value: "100000"}
+    if args.backoff_base is not None:
+        env[Setting.BACKOFF_BASE_S.value] = str(args.backoff_base)
     daemon = Daemon.start(work / "ours", str(work / "ours" / "store"), extra_env=env)
     try:
         job = CkptAssetsJob(daemon, cfg, work)
@@ -520,13 +511,6 @@ def report(args, schedule, ours, base, max_steps) -> None:
         print(f"  baseline, restart from zero: {RESTART_FROM_ZERO} = {wall:.0f}s for "
               f"L = {args.job_seconds:.0f}s (R = {rb:.2f}s): predicted goodput "
               f"{args.job_seconds / wall:.3f}")
-    n = len(o_kills)
-    extra = backoff_delays(n)
-    if args.backoff_base == 0 and n > 1:
-        print(f"  back-off off here (CKPT_BACKOFF_BASE_S=0); the policy's default (first at once, "
-              f"then {PolicyConfig().backoff_base_s:.0f}s doubling) would have added "
-              f"{extra:.0f}s over {n} failures: ratio "
-              f"{o.useful_s / (o.wall_s + extra):.3f}")
 
 
 def main() -> int:
@@ -537,7 +521,8 @@ def main() -> int:
     ap.add_argument("--worker-share", type=float, default=0.5,
                     help="share of failures that kill the run worker rather than the trainer")
     ap.add_argument("--step-delay", type=float, default=0.2, help="seconds per training step")
-    ap.add_argument("--backoff-base", type=float, default=0.0, help="CKPT_BACKOFF_BASE_S")
+    ap.add_argument("--backoff-base", type=float, default=None,
+                    help="CKPT_BACKOFF_BASE_S (default: the policy's)")
     ap.add_argument("--baseline-cap", type=float, default=1800,
                     help="seconds after its first step the baseline may train (0: skip it)")
     ap.add_argument("--timeout", type=float, default=300, help="per wait, seconds")
@@ -556,7 +541,8 @@ def main() -> int:
     print(f"  first failures (s after the first step): "
           f"{', '.join(f'{f.at_s:.0f} {f.strike}' for f in schedule[:8])}")
     print(f"  ckpt-assets: defaults (in-run relaunch on, every_seconds auto, async save), "
-          f"budgets raised, CKPT_BACKOFF_BASE_S={args.backoff_base:g}; baseline: "
+          f"budgets raised, back-off "
+          f"{'the policy default' if args.backoff_base is None else args.backoff_base}; baseline: "
           f"dagster/max_retries, FROM_FAILURE, trainer from step 0, capped at "
           f"{args.baseline_cap:.0f}s")
     print(f"  host: {os.cpu_count()} CPUs, load average "

@@ -71,9 +71,3 @@ def test_the_restart_from_zero_expectation_matches_a_seeded_simulation():
     want = bench.restart_from_zero_wall(job, mtbf, restart)
     assert want == pytest.approx((mtbf + restart) * (math.exp(job / mtbf) - 1))
     assert statistics.mean(walls) == pytest.approx(want, rel=0.03)
-
-
-def test_the_default_back_off_adds_nothing_for_the_first_failure_then_doubles():
-    assert bench.backoff_delays(0) == bench.backoff_delays(1) == 0
-    assert bench.backoff_delays(3) == 10 + 20
-    assert bench.backoff_delays(12) == 10 + 20 + 40 + 80 + 160 + 300 * 6
