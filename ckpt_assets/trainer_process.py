@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 
 from ckpt_assets.pipes_transport import PipesChannels
+from ckpt_assets.tags import TAG_PROCESSES
 
 if TYPE_CHECKING:  # warm_start starts its processes with this module's helpers
     from ckpt_assets.warm_start import WarmTrainer
-from ckpt_assets.tags import TAG_PROCESSES
 
 KILL_WAIT_S = 30.0  # after SIGKILL: only a process stuck in the kernel takes longer
 POLL_S = 0.1
