@@ -341,7 +341,7 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
                 seen = len(msgs)
                 if seen and warm is not None:  # it has started: the next one may get ready
                     warm.refill(argv, env, cwd)
-                time.sleep(0.2)
+                _wait_a_little(proc)
         except BaseException as e:  # DagsterExecutionInterruptedError (terminate), Ctrl-C
             interrupted = e
             rc = stop(context, proc, grace_s)
@@ -353,6 +353,18 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
         reader.join(10)
     _record(context, replace(procs, ended=True))
     return _Supervised(ProcessOutcome(rc, interrupted, left), seen)
+
+
+MESSAGES_EVERY_S = 0.2  # how often the supervising loop hands on the process's messages
+
+
+def _wait_a_little(proc: subprocess.Popen) -> None:
+    """Until the next look at the messages, or sooner if the process exits: its death is
+    noticed within tens of milliseconds (Popen's own polling), so a relaunch starts at once."""
+    try:
+        proc.wait(timeout=MESSAGES_EVERY_S)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _record(context, procs: AttemptProcesses) -> None:
