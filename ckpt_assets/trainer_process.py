@@ -319,8 +319,9 @@ class _Supervised:
 def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str, output: str,
                grace_s: float, on_messages: Callable[[list[Any]], None],
                after_start: Callable[[], None], warm: WarmTrainer | None) -> _Supervised:
-    proc, warmed = (warm.start(argv, env, cwd, output) if warm is not None
-                    else (start_process(argv, env, cwd, output), False))
+    proc = warm.take(argv, env, cwd, output) if warm is not None else None
+    warmed = proc is not None
+    proc = proc or start_process(argv, env, cwd, output)
     group = ProcessRef.known(proc.pid)
     procs = AttemptProcesses(this_machine(), ProcessRef.known(os.getpid()), group, output)
     _record(context, procs)

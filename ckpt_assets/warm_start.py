@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 
 from ckpt_assets.settings import ResumeSettings
-from ckpt_assets.trainer_process import die_with_parent, start_process
+from ckpt_assets.trainer_process import die_with_parent
 from trainer.standby import MODULE, Handoff, entry, standing_env
 
 
@@ -40,34 +40,36 @@ class _Standby:
 
 
 class WarmTrainer:
-    """At most one standby; `start` hands it the attempt when it fits, else starts cold."""
+    """At most one standby; `take` hands it the attempt when it can become it."""
 
     def __init__(self, settings: ResumeSettings, log) -> None:
         self.enabled = settings.in_run_relaunch and settings.warm_trainer
         self.log = log
         self._standby: _Standby | None = None
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: str,
-              output: str) -> tuple[subprocess.Popen, bool]:
-        """The attempt's process, and whether a standby became it (warm)."""
+    def take(self, argv: list[str], env: dict[str, str], cwd: str,
+             output: str) -> subprocess.Popen | None:
+        """The standby, handed this attempt, if it can become it; else None (the caller
+        starts the attempt cold, and an unfit standby is stopped)."""
         handoff = Handoff(list(argv), dict(env), cwd, output)
         standby, self._standby = self._standby, None
-        if standby is not None:
-            unfit = ("it has exited" if standby.proc.poll() is not None
-                     else handoff.unfit(standby.python, standby.env))
-            if unfit:
-                self.log.info(f"the standby trainer cannot take this attempt ({unfit}); "
-                              "starting it cold")
-            else:
-                try:
-                    standby.proc.stdin.write(handoff.to_line())
-                    standby.proc.stdin.close()
-                    return standby.proc, True
-                except OSError as e:  # it died just now: start cold
-                    self.log.warning(f"the standby trainer (pid {standby.proc.pid}) could "
-                                     f"not take the attempt over ({e}); starting it cold")
-            _end(standby.proc)
-        return start_process(argv, env, cwd, output), False
+        if standby is None:
+            return None
+        unfit = ("it has exited" if standby.proc.poll() is not None
+                 else handoff.unfit(standby.python, standby.env))
+        if unfit:
+            self.log.info(f"the standby trainer cannot take this attempt ({unfit}); "
+                          "starting it cold")
+        else:
+            try:
+                standby.proc.stdin.write(handoff.to_line())
+                standby.proc.stdin.close()
+                return standby.proc
+            except OSError as e:  # it died just now: start cold
+                self.log.warning(f"the standby trainer (pid {standby.proc.pid}) could not "
+                                 f"take the attempt over ({e}); starting it cold")
+        _end(standby.proc)
+        return None
 
     def refill(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
         """Start a standby for an attempt like this one, unless there is one or it could

@@ -70,10 +70,12 @@ def remote(s3_env, tmp_path, monkeypatch):
 
 
 def _pipes_messages(bucket: str) -> list[dict]:
-    """The custom messages the trainer uploaded under the Pipes prefix, in order."""
+    """The custom messages the trainer uploaded under the Pipes prefix, in order (its
+    numbered message chunks; while the session is open, the context lies there too)."""
     s3 = boto3.client("s3")
     keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
         Bucket=bucket, Prefix=f"{PIPES_PREFIX}/") for o in page.get("Contents", [])]
+    keys = [k for k in keys if k.rsplit("/", 1)[1].split(".")[0].isdigit()]
     keys.sort(key=lambda k: (k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1].split(".")[0])))
     out = []
     for key in keys:
@@ -133,17 +135,22 @@ def _observed_checkpoints(instance, run_id: str) -> list[dict]:
 
 
 class _S3Killer(threading.Thread):
-    """SIGKILL the trainer (pid from its heartbeat on S3) once step `at_step` is committed."""
+    """SIGKILL the trainer (pid from its heartbeat on S3) once step `at_step` is committed
+    and a checkpoint message has been uploaded under the Pipes prefix of `bucket` (the
+    trainer uploads its messages in batches: killed before its first upload, it would have
+    reported nothing, and the test would prove nothing about reports through S3)."""
 
-    def __init__(self, uri: str, run: str, at_step: int):
+    def __init__(self, uri: str, run: str, at_step: int, bucket: str):
         super().__init__(daemon=True)
         self.repo = CheckpointRepo(open_store(uri), "default", run)
-        self.at_step, self.killed_at = at_step, None
+        self.at_step, self.bucket, self.killed_at = at_step, bucket, None
 
     def run(self) -> None:
         def fire() -> bool:
             ptr, beat = self.repo.read_pointer(), self.repo.read_heartbeat()
             if not ptr or ptr.step is None or ptr.step < self.at_step or not beat:
+                return False
+            if not any(m["type"] == CHECKPOINT_MESSAGE for m in _pipes_messages(self.bucket)):
                 return False
             os.kill(int(beat["pid"]), signal.SIGKILL)
             self.killed_at = ptr.step
@@ -170,7 +177,7 @@ def test_a_sigkilled_trainer_reached_only_through_s3_resumes_bitwise_identically
     slow = {**cfg, "task_args": {**cfg["task_args"], "step_delay": 0.1}}
     resources = make_resources(store=remote["store"], trainer=remote["trainer"],
                                tracking_uri=mlflow_uri)
-    killer = _S3Killer(remote["uri"], "remote", at_step=12)
+    killer = _S3Killer(remote["uri"], "remote", at_step=12, bucket=remote["bucket"])
     killer.start()
     first = materialize_run(instance, "remote", resources, training=slow)
     killer.join(10)

@@ -19,7 +19,7 @@ import pytest
 
 from ckpt_assets.settings import ResumeSettings
 from ckpt_assets.warm_start import WarmTrainer
-from tests.polling import pid_alive, wait_for
+from tests.polling import pid_alive
 from trainer.contract import Env
 from trainer.standby import Handoff, entry, standing_env
 
@@ -89,9 +89,9 @@ def test_a_standby_becomes_a_script_as_python_would_have_started_it(tmp_path):
     warm.refill(argv, {**BASE_ENV, Env.ATTEMPT.value: "1", "LATE": "old"}, str(tmp_path))
     output = tmp_path / "attempt-2.log"
     try:
-        proc, warmed = warm.start(argv, {**BASE_ENV, **PER_ATTEMPT, "LATE": "new"},
-                                  str(tmp_path), str(output))
-        assert warmed
+        proc = warm.take(argv, {**BASE_ENV, **PER_ATTEMPT, "LATE": "new"}, str(tmp_path),
+                         str(output))
+        assert proc is not None
         assert proc.wait(60) == 3  # its exit status is the attempt's
     finally:
         warm.close()
@@ -109,9 +109,8 @@ def test_a_standby_becomes_a_module_run_with_dash_m_in_the_attempts_directory(tm
     warm.refill(argv, BASE_ENV, "/")
     output = tmp_path / "attempt.log"
     try:
-        proc, warmed = warm.start(argv, {**BASE_ENV, **PER_ATTEMPT}, str(tmp_path),
-                                  str(output))
-        assert warmed and proc.wait(60) == 3
+        proc = warm.take(argv, {**BASE_ENV, **PER_ATTEMPT}, str(tmp_path), str(output))
+        assert proc is not None and proc.wait(60) == 3
     finally:
         warm.close()
     seen = _report(output)
@@ -120,7 +119,7 @@ def test_a_standby_becomes_a_module_run_with_dash_m_in_the_attempts_directory(tm
 
 
 @pytest.mark.slow
-def test_a_changed_environment_starts_the_attempt_cold_and_stops_the_standby(tmp_path):
+def test_a_changed_environment_is_not_handed_to_the_standby_which_is_stopped(tmp_path):
     script = tmp_path / "report.py"
     script.write_text(REPORT)
     argv = [PY, str(script)]
@@ -129,13 +128,11 @@ def test_a_changed_environment_starts_the_attempt_cold_and_stops_the_standby(tmp
     standby = warm._standby.proc
     output = tmp_path / "cold.log"
     try:
-        proc, warmed = warm.start(argv, {**BASE_ENV, **PER_ATTEMPT, "OMP_NUM_THREADS": "1"},
-                                  str(tmp_path), str(output))
-        assert not warmed and proc.pid != standby.pid
-        assert proc.wait(60) == 3 and standby.poll() is not None
+        env = {**BASE_ENV, **PER_ATTEMPT, "OMP_NUM_THREADS": "1"}
+        assert warm.take(argv, env, str(tmp_path), str(output)) is None
+        assert standby.poll() is not None  # stopped, not left idle
     finally:
         warm.close()
-    assert _report(output)["torch_loaded"] is False  # a fresh interpreter ran it
 
 
 @pytest.mark.slow
@@ -152,9 +149,5 @@ def test_an_unused_standby_is_stopped_with_the_step_and_a_stop_before_handoff_en
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == -signal.SIGTERM
     # A dead standby is never handed an attempt: it starts cold.
-    script = tmp_path / "report.py"
-    script.write_text(REPORT)
-    output = tmp_path / "after.log"
-    started, warmed = warm.start([PY, str(script)], BASE_ENV, str(tmp_path), str(output))
-    assert not warmed and started.wait(60) == 3
-    wait_for(lambda: output.read_text().strip(), 10, what="the cold attempt's output")
+    assert warm.take([PY, "-m", "trainer"], BASE_ENV, str(tmp_path),
+                     str(tmp_path / "out.log")) is None
