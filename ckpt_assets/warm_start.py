@@ -51,10 +51,10 @@ class WarmTrainer:
              output: str) -> subprocess.Popen | None:
         """The standby, handed this attempt, if it can become it; else None (the caller
         starts the attempt cold, and an unfit standby is stopped)."""
-        handoff = Handoff(list(argv), dict(env), cwd, output)
         standby, self._standby = self._standby, None
         if standby is None:
             return None
+        handoff = Handoff(list(argv), dict(env), cwd, output)
         unfit = ("it has exited" if standby.proc.poll() is not None
                  else handoff.unfit(standby.python, standby.env))
         if unfit:
