@@ -222,7 +222,22 @@ class AttemptProcesses:
 
 # -- one attempt's process --------------------------------------------------------------
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def stoppable() -> None:
+    """Make the stop signals deliverable in this process with their default action. A
+    blocked mask and an ignored disposition both survive exec, so a process started from a
+    thread that blocks SIGTERM (as the trainer's own helper threads do) or under a shell
+    that ignores SIGINT would never act on a stop it was sent before it set handlers of its
+    own: a standby waiting for its handoff, or a command that sets none."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def die_with_parent() -> None:  # runs in the child between fork and exec
+    stoppable()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +78,16 @@ def _guarded_phase(item: pytest.Item):
     if tried:  # raised inside code that may have caught it: fail the test regardless
         pytest.fail(f"{_fast_rule(item)}; it started {tried[0]!r}", pytrace=False)
     return result
+
+
+def pytest_configure(config):
+    # A shell that starts the suite in the background (nohup, `&` without job control) hands
+    # it SIGINT ignored. Dagster's in-process execution then maps SIGTERM to SIGINT's handler
+    # (dagster._utils.interrupts.setup_interrupt_handlers), so this process would ignore
+    # SIGTERM from its first `materialize()` on, and so would every process a later test
+    # starts by hand. The suite runs as it does in the foreground, wherever it is started.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(wrapper=True)

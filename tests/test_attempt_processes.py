@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -35,7 +36,9 @@ from ckpt_assets.trainer_process import (
     AttemptProcesses,
     ProcessRef,
     group_members,
+    start_process,
     stop_group,
+    stoppable,
     this_machine,
 )
 from tests import dagster_runs
@@ -177,6 +180,58 @@ def test_stopping_a_group_stops_what_its_leader_left_behind_even_what_ignores_si
     assert sorted(stop_group(leader, 1.0, log)) == sorted(left)
     assert group_members(leader) == [] and not any(pid_alive(p) for p in left)
     assert stop_group(leader, 1.0, log) == []  # nothing left: nothing to do
+
+
+def _stop_signal_state() -> tuple[bool, bool]:
+    """SIGTERM blocked in this thread, SIGINT ignored in this process (what exec keeps)."""
+    return (signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []),
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+
+
+def test_a_started_process_acts_on_stops_whatever_its_starter_blocked_or_ignored():
+    before_int = signal.getsignal(signal.SIGINT)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert _stop_signal_state() == (True, True)
+        stoppable()  # what a trainer's process runs between fork and exec
+        assert _stop_signal_state() == (False, False)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.signal(signal.SIGINT, before_int)
+
+
+@pytest.mark.slow
+def test_a_trainer_started_where_sigterm_is_ignored_and_blocked_still_ends_on_sigterm(tmp_path):
+    # Both survive exec: a run worker ignores SIGTERM once Dagster mapped it to an ignored
+    # SIGINT (a daemon started in the background), and the trainer's own helper threads
+    # block it. The thread lives until the end: PR_SET_PDEATHSIG follows the thread that
+    # started the process.
+    started: list[subprocess.Popen] = []
+    done = threading.Event()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def start():
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        started.append(start_process([PYTHON, "-c", "print('up', flush=True); "
+                                      "import time; time.sleep(600)"],
+                                     dict(os.environ), str(tmp_path), str(tmp_path / "out")))
+        done.wait(120)
+
+    helper = threading.Thread(target=start, daemon=True)
+    helper.start()
+    try:
+        _wait(lambda: started, 60, "the process to be started")
+        _wait(lambda: (tmp_path / "out").read_text().strip() == "up", 60, "its first line")
+        started[0].send_signal(signal.SIGTERM)
+        assert started[0].wait(60) == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        done.set()
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_a_process_is_known_by_pid_and_start_time_so_a_reused_pid_is_not_it():
