@@ -43,6 +43,7 @@ import dagster as dg
 
 from ckpt_assets.pipes_transport import PipesChannels
 from ckpt_assets.tags import TAG_PROCESSES
+from trainer.outcomes import STOP_SIGNALS
 
 if TYPE_CHECKING:  # warm_start starts its processes with this module's helpers
     from ckpt_assets.warm_start import WarmTrainer
@@ -221,9 +222,6 @@ class AttemptProcesses:
 
 
 # -- one attempt's process --------------------------------------------------------------
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
 
 def stoppable() -> None:
     """Make the stop signals deliverable in this process with their default action. A

@@ -182,23 +182,26 @@ def test_stopping_a_group_stops_what_its_leader_left_behind_even_what_ignores_si
     assert stop_group(leader, 1.0, log) == []  # nothing left: nothing to do
 
 
-def _stop_signal_state() -> tuple[bool, bool]:
-    """SIGTERM blocked in this thread, SIGINT ignored in this process (what exec keeps)."""
+def _stop_signal_state() -> tuple[bool, bool, bool]:
+    """What exec keeps: SIGTERM blocked in this thread; SIGTERM, SIGINT ignored."""
     return (signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []),
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN,
             signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
 
 
 def test_a_started_process_acts_on_stops_whatever_its_starter_blocked_or_ignored():
-    before_int = signal.getsignal(signal.SIGINT)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in before:
+        signal.signal(sig, signal.SIG_IGN)
     try:
-        assert _stop_signal_state() == (True, True)
+        assert _stop_signal_state() == (True, True, True)
         stoppable()  # what a trainer's process runs between fork and exec
-        assert _stop_signal_state() == (False, False)
+        assert _stop_signal_state() == (False, False, False)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        signal.signal(signal.SIGINT, before_int)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 @pytest.mark.slow
