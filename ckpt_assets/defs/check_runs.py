@@ -18,6 +18,7 @@ import dagster as dg
 
 from ckpt_assets.defs.checks import TRAINING_CHECKS
 from ckpt_assets.defs.jobs import check_training_run
+from ckpt_assets.defs.sensors import TICK_S
 from ckpt_assets.run_queries import is_training_run, newest_training_run
 from ckpt_assets.tags import PARTITION_TAG, TAG_CHECKED_RUN
 
@@ -69,7 +70,7 @@ def checks_request(instance: dg.DagsterInstance,
     name="check_succeeded_training",
     run_status=dg.DagsterRunStatus.SUCCESS,
     request_job=check_training_run,
-    minimum_interval_seconds=5,
+    minimum_interval_seconds=TICK_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Runs the asset checks of a training run once it succeeded, on its partition "
                 "(check_training_run, one run per succeeded training run).",

@@ -3,10 +3,11 @@
 `resume_failed_training` (failed runs) and `resume_terminated_training` (runs terminated
 from Dagster, which end CANCELED, not FAILED) see each ended training run once and hand it
 to `ckpt_assets.resume_decision.consider`, which decides once and returns the resume.
-`reconcile_training_runs` launches delayed (backed-off) resumes once due (it ticks every
-5 s, one cheap query), and every 15 s sweeps for what the others cannot see: failures from
-before they were enabled or whose tick errored, and runs stuck in STARTED whose trainer
-stopped heartbeating (dead) or heartbeats without completing a step (stalled); `ckpt_assets.liveness` judges those and retires their trainer
+`reconcile_training_runs` launches delayed (backed-off) resumes once due (it ticks on
+every loop of the daemon, every 5 s: one cheap query), and every 15 s sweeps for what the
+others cannot see: failures from before they were enabled or whose tick errored, and runs
+stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats without completing
+a step (stalled); `ckpt_assets.liveness` judges those and retires their trainer
 before the run is marked failed.
 """
 
@@ -33,6 +34,18 @@ from ckpt_assets.tags import (
 
 LOOKBACK_RUNS = 200
 
+# The daemon runs its sensor loop at most every DAEMON_LOOP_S (Dagster's floor) and skips a
+# sensor whose last tick started less than its minimum interval ago. A tick starts a few
+# milliseconds into its loop, so with a minimum interval equal to the loop's period the
+# interval is not quite over at the next loop: each sensor ran every other loop, 10 s
+# apart. TICK_S, below the period, has every sensor here evaluated on every loop: a failure
+# is seen within 5 s, and a back-off is launched at the first loop after it is due. The
+# reconciler's full sweep (every ended run, and the heartbeat of every STARTED run read from
+# the store) runs at most every RECONCILE_EVERY_S, timed by its cursor.
+DAEMON_LOOP_S = 5
+TICK_S = DAEMON_LOOP_S - 1
+RECONCILE_EVERY_S = 15.0
+
 
 def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
     run = context.dagster_run
@@ -47,7 +60,7 @@ def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
 @dg.run_failure_sensor(
     name="resume_failed_training",
     request_job=train_job,
-    minimum_interval_seconds=5,
+    minimum_interval_seconds=TICK_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Resumes failed training runs that the failure policy deems worth it.",
 )
@@ -59,7 +72,7 @@ def resume_failed_training(context: dg.RunFailureSensorContext, checkpoint_store
     name="resume_terminated_training",
     run_status=dg.DagsterRunStatus.CANCELED,
     request_job=train_job,
-    minimum_interval_seconds=5,
+    minimum_interval_seconds=TICK_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Resumes training runs terminated from Dagster (a preemption notice), unless "
                 "stopped with `ckpt-assets stop`.",
@@ -87,12 +100,6 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
     return notes
 
 
-# The daemon evaluates sensors at most every 5 s (its loop's floor), so the reconciler ticks
-# that often, to launch a back-off once it is due; its full sweep (every ended run, and the
-# heartbeat of every STARTED run read from the store) runs at most every
-# RECONCILE_EVERY_S, timed by the sensor's cursor.
-TICK_S = 5
-RECONCILE_EVERY_S = 15.0
 
 
 def due_backoffs(instance: dg.DagsterInstance, store: CheckpointStore,
