@@ -87,15 +87,39 @@ def base_env(trainer: TrainerResource, aws_env: dict[str, str]) -> dict[str, str
     return env
 
 
+def _own_process(reg: Registration, env: dict[str, str], trainer: TrainerResource) -> Launch:
+    """The process every attempt of `reg` starts (one rank's), less what each attempt adds."""
+    cfg = reg.config
+    if not cfg.command:
+        return Launch([trainer.python, "-m", "trainer"], env, trainer.cwd)
+    argv = list(cfg.command)
+    if argv[0] == "python":  # the orchestrator's interpreter, not whatever PATH has first
+        argv[0] = trainer.python
+    # The user's variables, then the contract's last: a config cannot override them (they
+    # are refused at registration too; this holds for a registration written by hand).
+    env = {**env, **cfg.env}
+    env.pop(RESUME_FROM_ALIAS, None)  # only what this attempt found counts
+    return Launch(argv, env, str(Path(trainer.cwd, cfg.cwd or ".")))
+
+
+def standing_launch(reg: Registration, env: dict[str, str], trainer: TrainerResource) -> Launch:
+    """What every attempt of `reg` launches, less what each adds (its contract, its config
+    file, the checkpoint it resumes): enough to start the standby it can become
+    (`ckpt_assets.warm_start`) before the attempt is known."""
+    own = _own_process(reg, env, trainer)
+    return dataclasses.replace(own, argv=under_ranks(reg, trainer, own.argv))
+
+
 def task_launch(reg: Registration, launch: LaunchEnv, env: dict[str, str],
                 trainer: TrainerResource, workdir: Path) -> Launch:
     config_path = reg.config_uri  # a trainer elsewhere reads the registered config itself
     if trainer.shares_filesystem:
         config_path = str(workdir / "config.json")
         Path(config_path).write_text(strict_json.dumps(reg.config.to_dict(), indent=1))
-    argv = [trainer.python, "-m", "trainer", "--config", config_path, "--store",
-            launch.store_uri, "--resume", "auto", "--log-level", trainer.log_level]
-    return Launch(under_ranks(reg, trainer, argv), {**env, **launch.to_env()}, trainer.cwd)
+    own = _own_process(reg, env, trainer)
+    argv = [*own.argv, "--config", config_path, "--store", launch.store_uri,
+            "--resume", "auto", "--log-level", trainer.log_level]
+    return Launch(under_ranks(reg, trainer, argv), {**own.env, **launch.to_env()}, own.cwd)
 
 
 def under_ranks(reg: Registration, trainer: TrainerResource, argv: list[str]) -> list[str]:
@@ -120,17 +144,11 @@ def command_launch(reg: Registration, repo: CheckpointRepo, launch: LaunchEnv,
     for name, reason in skipped:
         log.warning(f"CHECKPOINT FALLBACK: {repo.uri(name)} skipped: {reason}")
     resume = repo.uri(manifest.name) if manifest else None
-    argv = list(cfg.command)
-    if argv[0] == "python":  # the orchestrator's interpreter, not whatever PATH has first
-        argv[0] = trainer.python
-    # The user's variables, then the contract's last: a config cannot override them (they
-    # are refused at registration too; this holds for a registration written by hand).
-    env = {**env, **cfg.env}
-    env.pop(RESUME_FROM_ALIAS, None)  # only what this attempt found counts
+    own = _own_process(reg, env, trainer)
+    argv, env = list(own.argv), dict(own.env)
     if resume and cfg.resume_flag:
         argv += [cfg.resume_flag, resume]
     if resume and cfg.resume_env:
         env[cfg.resume_env] = resume
     env.update(dataclasses.replace(launch, resume_from=resume).to_env())
-    cwd = cfg.cwd or "."
-    return Launch(under_ranks(reg, trainer, argv), env, str(Path(trainer.cwd, cwd)), resume)
+    return Launch(under_ranks(reg, trainer, argv), env, own.cwd, resume)

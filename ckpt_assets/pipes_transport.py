@@ -10,14 +10,10 @@ its loader and writer (`trainer.report.pipes_channels`); nothing else is agreed 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlparse
 
 import dagster as dg
-from dagster_aws.pipes import PipesS3ContextInjector, PipesS3MessageReader
 
 from trainer.contract import PipesS3Params, PipesTransport
 from trainer.errors import ConfigError
@@ -37,35 +33,6 @@ class PipesChannels:
     @classmethod
     def local(cls) -> PipesChannels:
         return cls(dg.PipesTempFileContextInjector(), dg.PipesTempFileMessageReader())
-
-
-class _S3ContextInjector(PipesS3ContextInjector):
-    """dagster-aws's injector, whose params also tell the trainer to read them from S3."""
-
-    def __init__(self, *, marker: PipesS3Params, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.marker = marker
-
-    @contextmanager
-    def inject_context(self, context) -> Iterator[dict[str, Any]]:
-        with super().inject_context(context) as params:
-            yield {**params, **self.marker.to_param()}
-
-
-class _S3MessageReader(PipesS3MessageReader):
-    """dagster-aws's reader, with its chunks under our prefix (not the bucket's root) and
-    params that tell the trainer to upload them there."""
-
-    def __init__(self, *, marker: PipesS3Params, key_prefix: str, **kwargs: Any):
-        super().__init__(interval=marker.interval_seconds, **kwargs)
-        self.marker = marker
-        self.key_prefix = key_prefix
-
-    @contextmanager
-    def get_params(self) -> Iterator[dict[str, Any]]:
-        with super().get_params() as params:
-            yield {**params, "key_prefix": self.key_prefix + params["key_prefix"],
-                   **self.marker.to_param()}
 
 
 def _bad(message: str) -> Exception:
@@ -104,10 +71,12 @@ def pipes_channels(trainer, store) -> PipesChannels:
             raise _bad("pipes: s3 needs an S3 location: set TrainerResource."
                               "pipes_s3_uri (s3://bucket/prefix) or use an s3:// store")
         uri = f"s3://{urlparse(store.resolved_uri).netloc}/{DEFAULT_PIPES_PREFIX}"
+    from ckpt_assets.pipes_s3 import S3ContextInjector, S3MessageReader  # dagster-aws: ~0.9 s
+
     bucket, prefix = s3_location(uri)
     client = store.s3_client()
     marker = PipesS3Params(interval_seconds=trainer.pipes_s3_interval_seconds)
     return PipesChannels(
-        _S3ContextInjector(bucket=bucket, client=client, key_prefix=prefix, marker=marker),
-        _S3MessageReader(bucket=bucket, client=client, key_prefix=prefix, marker=marker),
+        S3ContextInjector(bucket=bucket, client=client, key_prefix=prefix, marker=marker),
+        S3MessageReader(bucket=bucket, client=client, key_prefix=prefix, marker=marker),
         PipesTransport.S3)

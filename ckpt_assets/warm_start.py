@@ -1,11 +1,14 @@
 """A warm trainer: the next attempt's interpreter, started while this attempt trains.
 
-A trainer relaunched in its run (`ckpt_assets.in_run`) used to spend about 1.5 s of its
-restart importing torch and the trainer. `WarmTrainer` keeps at most one standby process
-(`trainer.standby`) per training step: started once the attempt it stands beside has sent
-its first message (so it never competes with that attempt's own start-up), with that
-attempt's interpreter, working directory and environment less the per-attempt names. When
-the next attempt is launched, the standby is handed it and becomes it; a new standby is
+A fresh trainer spends about 1.5 s, and 2.5 s while its run worker is busy beside it,
+importing torch and the trainer before its first step. `WarmTrainer` keeps at most one
+standby process (`trainer.standby`) per Dagster run, with the attempt's interpreter, working
+directory and environment less the per-attempt names:
+- for the run's first attempt, started by the run's first step (`training_dataset`), so that
+  it imports torch while the run worker loads the dataset record and prepares the attempt;
+- for a relaunch in the same run (`ckpt_assets.in_run`), started once the attempt it stands
+  beside has sent its first message (so it never competes with that attempt's own start-up).
+When the attempt is launched, the standby is handed it and becomes it; a new standby is
 started beside the new attempt in turn.
 
 What it costs: one idle interpreter with torch imported (about 220 MB of resident memory,
@@ -13,10 +16,11 @@ no CPU once imported) for as long as the step trains, and nothing when it is not
 stopped when the step ends, and it ends by itself when the step's process dies (its stdin
 closes; PR_SET_PDEATHSIG as a trainer has).
 
-Where it is not used, an attempt starts cold, exactly as before: the first attempt of a run,
-a command that is not `python -m MODULE` or `python SCRIPT.py`, several ranks (torchrun
-starts them), a pod, an environment that changed since the standby started, a standby
-that died. Off with `CKPT_WARM_TRAINER=0` (`Setting.WARM_TRAINER`).
+Where it is not used, an attempt starts cold, exactly as before: a command that is not
+`python -m MODULE` or `python SCRIPT.py`, several ranks (torchrun starts them), a pod, an
+environment that changed since the standby started, a standby that died. Off with
+`CKPT_WARM_TRAINER=0` (`Setting.WARM_TRAINER`); with `CKPT_IN_RUN_RELAUNCH=0` only the
+first attempt's is started (no attempt is relaunched in its run).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class WarmTrainer:
     """At most one standby; `take` hands it the attempt when it can become it."""
 
     def __init__(self, settings: ResumeSettings, log) -> None:
-        self.enabled = settings.in_run_relaunch and settings.warm_trainer
+        self.enabled = settings.warm_trainer  # a standby for the run's first attempt
+        self.refills = self.enabled and settings.in_run_relaunch  # and one for each relaunch
         self.log = log
         self._standby: _Standby | None = None
 
@@ -71,11 +76,22 @@ class WarmTrainer:
         _end(standby.proc)
         return None
 
+    def warm_up(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        """Start the standby the run's first attempt, launched as `argv` in `env` and `cwd`
+        (`ckpt_assets.launch.standing_launch`), is to become."""
+        if self.enabled:
+            self._start(argv, env, cwd)
+
     def refill(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
-        """Start a standby for an attempt like this one, unless there is one or it could
-        not run it. Called from the step's own thread: PR_SET_PDEATHSIG follows the thread
-        that started a process, so a helper thread's exit would stop it."""
-        if not self.enabled or self._standby is not None or entry(argv) is None:
+        """Start a standby for a relaunch of the attempt launched as `argv`, once it runs."""
+        if self.refills:
+            self._start(argv, env, cwd)
+
+    def _start(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        """Start a standby unless there is one or it could not run `argv`. Called from the
+        run's own thread (a step's): PR_SET_PDEATHSIG follows the thread that started a
+        process, so a helper thread's exit would stop it."""
+        if self._standby is not None or entry(argv) is None:
             return
         try:
             proc = subprocess.Popen(

@@ -15,13 +15,8 @@ from dagster_pipes import (
 )
 
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
-from ckpt_assets.pipes_transport import (
-    DEFAULT_PIPES_PREFIX,
-    _S3ContextInjector,
-    _S3MessageReader,
-    pipes_channels,
-    s3_location,
-)
+from ckpt_assets.pipes_s3 import S3ContextInjector, S3MessageReader
+from ckpt_assets.pipes_transport import DEFAULT_PIPES_PREFIX, pipes_channels, s3_location
 from ckpt_assets.trainer_process import LaunchError
 from trainer.contract import PipesS3Params, PipesTransport
 from trainer.report import pipes_channels as trainer_channels
@@ -78,12 +73,12 @@ def test_s3_pipes_default_to_the_checkpoint_stores_bucket(aws_env):
 
 def test_the_injected_s3_params_name_the_prefix_and_tell_the_trainer_to_use_s3():
     client, marker = RecordingClient(), PipesS3Params(interval_seconds=0.5)
-    injector = _S3ContextInjector(bucket="bkt", client=client, key_prefix="pp/", marker=marker)
+    injector = S3ContextInjector(bucket="bkt", client=client, key_prefix="pp/", marker=marker)
     with injector.inject_context({"asset_keys": None}) as params:
         assert client.put == [("bkt", params["key"])] and params["key"].startswith("pp/")
         assert PipesS3Params.from_params(params) == marker
     assert client.deleted == client.put  # the context object does not outlive the session
-    reader = _S3MessageReader(bucket="bkt", client=client, key_prefix="pp/", marker=marker)
+    reader = S3MessageReader(bucket="bkt", client=client, key_prefix="pp/", marker=marker)
     assert reader.interval == 0.5
     with reader.get_params() as params:
         assert params["bucket"] == "bkt" and params["key_prefix"].startswith("pp/")

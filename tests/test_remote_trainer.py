@@ -27,6 +27,7 @@ from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
 from ckpt_assets.events import CHECKPOINT
 from ckpt_assets.settings import Setting
+from ckpt_assets.warm_start import WarmTrainer
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import checkpoints, materializations, materialize_run, training_config
 from tests.polling import WaitTimeout, wait_for
@@ -45,20 +46,28 @@ PIPES_PREFIX = "pipes-io"
 @pytest.fixture
 def remote(s3_env, tmp_path, monkeypatch):
     """An S3 dataset, and the resources of a trainer that sees only S3: its own cwd and
-    TMPDIR, Pipes over S3. Records every process the run worker starts (argv, env, cwd)."""
+    TMPDIR, Pipes over S3. Records every attempt the run worker starts (argv, env, cwd), cold
+    or by handing it to a standby."""
     bucket = s3_env["bucket"]
     local = tmp_path / "toy.pt"
     write_dataset(local, n_train=256, n_eval=128)
     boto3.client("s3").upload_file(str(local), bucket, "data/toy.pt")
     local.unlink()
     started: list[dict] = []
-    real_start = trainer_process.start_process
+    real_start, real_take = trainer_process.start_process, WarmTrainer.take
 
     def spy(argv, env, cwd, output):
         started.append({"argv": argv, "env": dict(env), "cwd": cwd})
         return real_start(argv, env, cwd, output)
 
+    def spy_take(self, argv, env, cwd, output):  # the attempt a standby becomes
+        proc = real_take(self, argv, env, cwd, output)
+        if proc is not None:
+            started.append({"argv": argv, "env": dict(env), "cwd": cwd})
+        return proc
+
     monkeypatch.setattr(trainer_process, "start_process", spy)
+    monkeypatch.setattr(WarmTrainer, "take", spy_take)
     home = tmp_path / "trainer-machine"
     (home / "tmp").mkdir(parents=True)
     store = CheckpointStore(uri=s3_env["uri"], endpoint_url=dg.EnvVar("AWS_ENDPOINT_URL"))

@@ -17,11 +17,29 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_assets.datasets import DatasetRecord
+from ckpt_assets.definitions import make_resources
+from ckpt_assets.defs.resources import TrainerResource
+from ckpt_assets.launch import (
+    AttemptIds,
+    base_env,
+    command_launch,
+    contract,
+    standing_launch,
+    task_launch,
+)
+from ckpt_assets.registration import Registration
 from ckpt_assets.settings import ResumeSettings
+from ckpt_assets.trainer_process import PROCESS_STARTED, WARM_STARTED
 from ckpt_assets.warm_start import WarmTrainer
+from tests.dagster_fixtures import *  # noqa: F403
+from tests.dagster_fixtures import materialize_run, training_config
 from tests.polling import pid_alive
+from trainer.config import config_from_dict
 from trainer.contract import Env
-from trainer.standby import Handoff, entry, standing_env
+from trainer.repo import CheckpointRepo
+from trainer.standby import MODULE, Handoff, entry, standing_env
+from trainer.storage import open_store
 
 PY = sys.executable
 LOG = logging.getLogger("test_warm_start")
@@ -69,10 +87,45 @@ def test_a_handoff_fits_only_the_same_interpreter_and_environment_but_the_per_at
         PY, standing)
 
 
-def test_the_warm_trainer_is_off_with_the_in_run_relaunch_or_its_own_setting():
-    assert WarmTrainer(ResumeSettings(), LOG).enabled
-    assert not WarmTrainer(ResumeSettings(warm_trainer=False), LOG).enabled
-    assert not WarmTrainer(ResumeSettings(in_run_relaunch=False), LOG).enabled
+def _registration(raw: dict) -> Registration:
+    config = config_from_dict({"run": "r", "experiment": "exp", **raw})
+    return Registration("r", "exp", config, "file:///store/exp/r/config.json", "0" * 64)
+
+
+def test_a_standby_started_from_the_runs_standing_launch_fits_each_attempts_launch(tmp_path):
+    trainer = TrainerResource(extra_env={"OMP_NUM_THREADS": "2"})
+    env = base_env(trainer, {})
+    ids = AttemptIds(1, "dagster-run", "dagster-run", None)
+    data = DatasetRecord(kind="uri", uri="file:///data", version="v1")
+    repo = CheckpointRepo(open_store(str(tmp_path / "store")), "exp", "r")
+    task = _registration({"task": "trainer.tasks.toy:build"})
+    command = _registration({"command": ["python", "train.py", "--lr", "1"], "cwd": "examples",
+                             "env": {"OMP_NUM_THREADS": "1"}})
+    launches = [
+        (task, task_launch(task, contract(task, repo.store.uri, ids, data), env, trainer,
+                           tmp_path)),
+        (command, command_launch(command, repo, contract(command, repo.store.uri, ids, data),
+                                 env, trainer, LOG))]
+    for reg, attempt in launches:
+        standing = standing_launch(reg, env, trainer)
+        handoff = Handoff(attempt.argv, {**attempt.env, **PER_ATTEMPT}, attempt.cwd, "out")
+        assert handoff.unfit(standing.argv[0], standing_env(standing.env)) is None
+        assert (standing.cwd, standing.argv) == (attempt.cwd, attempt.argv[:len(standing.argv)])
+    # The command's own OMP_NUM_THREADS, which torch reads at import, is the standby's too.
+    assert standing.env["OMP_NUM_THREADS"] == "1"
+    # Several ranks: torchrun starts them cold, so no standby is started for them.
+    ranks = _registration({"task": "trainer.tasks.toy:build",
+                           "distributed": {"nproc_per_node": 2}})
+    assert entry(standing_launch(ranks, env, trainer).argv) is None
+
+
+def test_the_first_attempts_standby_is_off_by_its_setting_and_a_relaunchs_also_without_relaunches():
+    on = WarmTrainer(ResumeSettings(), LOG)
+    assert on.enabled and on.refills
+    off = WarmTrainer(ResumeSettings(warm_trainer=False), LOG)
+    assert not off.enabled and not off.refills
+    no_relaunch = WarmTrainer(ResumeSettings(in_run_relaunch=False), LOG)
+    assert no_relaunch.enabled and not no_relaunch.refills
 
 
 def _report(output: Path) -> dict:
@@ -151,3 +204,51 @@ def test_an_unused_standby_is_stopped_with_the_step_and_a_stop_before_handoff_en
     # A dead standby is never handed an attempt: it starts cold.
     assert warm.take([PY, "-m", "trainer"], BASE_ENV, str(tmp_path),
                      str(tmp_path / "out.log")) is None
+
+
+def _standbys_of_this_process() -> list[int]:
+    """The standby trainers this process started that are still there."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == os.getpid() and MODULE.encode() in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_runs_first_attempt_is_the_standby_its_first_step_started_and_none_outlives_the_run(
+        instance, tmp_path, mlflow_uri, monkeypatch):
+    resources = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
+    warmed_up = []
+    real_warm_up = WarmTrainer.warm_up
+    monkeypatch.setattr(WarmTrainer, "warm_up", lambda self, *a: warmed_up.append(a) or
+                        real_warm_up(self, *a))
+    # A run of the dataset alone trains nothing after it: it starts no standby.
+    dataset_only = materialize_run(instance, "first-warm", resources, training=training_config(),
+                                   selection=["training_dataset"], with_checks=False)
+    assert dataset_only.success and warmed_up == []
+    trained = materialize_run(instance, "first-warm", resources, training=training_config())
+    assert trained.success
+    (started,) = [r.user_message for r in instance.all_logs(trained.run_id)
+                  if r.user_message.startswith(PROCESS_STARTED)]
+    assert WARM_STARTED in started
+    assert not _standbys_of_this_process()
+    # A run refused in its first step (bad data) starts none.
+    before = len(warmed_up)
+    refused = materialize_run(instance, "no-data", resources, training=training_config(
+        dataset=str(tmp_path / "not-there")))
+    assert not refused.success and len(warmed_up) == before
+
+
+@pytest.mark.slow
+def test_the_runs_end_stops_a_standby_no_training_step_took(tmp_path):
+    trainer = TrainerResource()
+    trainer.warm_trainer(LOG).warm_up([PY, "-m", "trainer"], BASE_ENV, str(tmp_path))
+    (pid,) = _standbys_of_this_process()
+    trainer.teardown_after_execution(None)
+    assert not pid_alive(pid) and not _standbys_of_this_process()

@@ -51,6 +51,7 @@ from ckpt_assets.launch import (
     base_env,
     command_launch,
     contract,
+    standing_launch,
     task_launch,
 )
 from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
@@ -91,7 +92,7 @@ __all__ = ["MODEL_CHECKPOINT_KEY", "TRAINING_ASSETS", "TrainingRunConfig", "fina
                 "is recorded in every checkpoint's lineage; a changed dataset is refused.",
 )
 def training_dataset(context: dg.AssetExecutionContext, config: TrainingRunConfig,
-                     checkpoint_store: CheckpointStore):
+                     checkpoint_store: CheckpointStore, trainer: TrainerResource):
     reg = resolve_registration(context, checkpoint_store, config)
     uri = reg.config.dataset or ""
     try:
@@ -103,6 +104,8 @@ def training_dataset(context: dg.AssetExecutionContext, config: TrainingRunConfi
         raise bad_input(str(e), reg.run) from e
     except StorageError as e:
         raise storage_unavailable(str(e), reg.run) from e
+    if _trains_after(context):  # the data is good: this run trains next
+        _warm_up(context, reg, checkpoint_store, trainer)
     return dg.Output(
         {**record.to_dict(), "manifest": files},
         data_version=dg.DataVersion(record.version),
@@ -140,7 +143,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     # Before this attempt commits anything: what earlier attempts committed unseen.
     seen = record_unseen_checkpoints(context, repo, reg.run)
     settings = ResumeSettings.from_env()  # the step's, for every attempt it runs
-    warm = WarmTrainer(settings, context.log)
+    warm = _warm_up(context, reg, checkpoint_store, trainer)  # unless the first step did
     try:
         while True:
             ended, tracker, relaunch = _one_attempt(context, reg, repo, ids, dataset, seen,
@@ -161,6 +164,25 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     # The run's history across attempts, on the output people open last.
     yield _final_output(repo, ended, tracker, context, history_metadata(
         context.instance, reg.run, seen, context.log))
+
+
+def _trains_after(context: dg.AssetExecutionContext) -> bool:
+    """Whether this run goes on to train (not a run of the dataset alone)."""
+    steps = context.run.step_keys_to_execute
+    return (MODEL_CHECKPOINT_KEY in context.job_def.asset_layer.selected_asset_keys
+            and (steps is None or model_checkpoint.node_def.name in steps))
+
+
+def _warm_up(context, reg, checkpoint_store: CheckpointStore,
+             trainer: TrainerResource) -> WarmTrainer:
+    """The run's warm trainer, with a standby for the first attempt started as soon as the
+    run knows what it launches: its interpreter imports torch while the run worker prepares
+    the attempt (`ckpt_assets.warm_start`). None for a pod, whose interpreter is the image's."""
+    warm = trainer.warm_trainer(context.log)
+    if not trainer.in_pod:
+        own = standing_launch(reg, base_env(trainer, checkpoint_store.aws_env()), trainer)
+        warm.warm_up(own.argv, own.env, own.cwd)
+    return warm
 
 
 def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: DatasetRecord,
@@ -256,8 +278,9 @@ def _record_end(context, ended: AttemptEnd, proc, tracker: MlflowTracker,
 
 def _open_tracking(context, tracker: MlflowTracker, repo: CheckpointRepo, ids: AttemptIds,
                    dataset: DatasetRecord, config: dict) -> None:
-    """Called right after the process started: MLflow's start-up overlaps the trainer's,
-    and no message is handled before the MLflow run is open."""
+    """Called once the process has sent its first message (it is up, and MLflow's start-up
+    takes no CPU from its own), or has run 10 s without one; no message is handled before
+    the MLflow run is open."""
     run_id = tracker.start({
         "dagster_run_id": ids.dagster_run_id, "dagster_root_run_id": ids.root_run_id,
         "dagster_parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),

@@ -12,9 +12,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from ckpt_assets.k8s_pod import POD_WORKDIR, K8sTrainerConfig, Launcher
+from ckpt_assets.settings import ResumeSettings
+from ckpt_assets.warm_start import WarmTrainer
 from trainer.contract import Env, PipesTransport
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore, open_store
@@ -139,6 +141,23 @@ class TrainerResource(dg.ConfigurableResource):
         default=None, description="launcher: k8s: the pod (image, namespace, resources per "
                                   "rank, the AWS Secret, ...); python_executable, "
                                   "working_directory and pythonpath then name paths in the image")
+
+    # The run's standby trainer: one for all of a run's steps (the in-process executor runs
+    # them in one process, with one instance of each resource), so that the standby its
+    # first step starts is the one the training step hands the first attempt to.
+    _warm: WarmTrainer | None = PrivateAttr(default=None)
+
+    def warm_trainer(self, log) -> WarmTrainer:
+        """This run's warm trainer (`ckpt_assets.warm_start`), logging to `log`."""
+        if self._warm is None:
+            self._warm = WarmTrainer(ResumeSettings.from_env(), log)
+        self._warm.log = log
+        return self._warm
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._warm is not None:  # a standby no step handed an attempt (a step failed)
+            self._warm.close()
+            self._warm = None
 
     @property
     def in_pod(self) -> bool:
