@@ -230,3 +230,27 @@ def test_load_input_of_model_checkpoint_returns_the_newest_checkpoint_that_verif
     assert [s.checkpoint for s in info.skipped] == ["step-000000030-a1"]
     assert int(state["loop"]["step"]) == 20
     assert os.path.exists(latest)  # nothing is deleted by reading
+
+
+class _NoImport:
+    """A meta-path finder that refuses to import one module."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def find_spec(self, name, path, target=None):
+        if name == self.name:
+            raise ImportError(f"{name} was imported")
+        return None
+
+
+def test_a_plain_record_is_stored_as_json_without_importing_torch(monkeypatch):
+    """A run worker that stores only records (the dataset's) never imports torch for it:
+    that was 1.5 s of CPU before a resume's trainer started."""
+    from ckpt_assets.defs.io_managers import serialize
+
+    assert serialize({"t": torch.zeros(1)})[0] == "torch"
+    monkeypatch.delitem(sys.modules, "torch")  # as in a process that never imported it
+    monkeypatch.setattr(sys, "meta_path", [_NoImport("torch"), *sys.meta_path])
+    fmt, payload = serialize({"kind": "uri", "files": [{"path": "a", "bytes": 3}]})
+    assert fmt == "json" and json.loads(payload)["kind"] == "uri"
