@@ -177,7 +177,8 @@ def _warm_up(context, reg, checkpoint_store: CheckpointStore,
              trainer: TrainerResource) -> WarmTrainer:
     """The run's warm trainer, with a standby for the first attempt started as soon as the
     run knows what it launches: its interpreter imports torch while the run worker prepares
-    the attempt (`ckpt_assets.warm_start`). None for a pod, whose interpreter is the image's."""
+    the attempt (`ckpt_assets.warm_start`). No standby for a pod: its interpreter is the
+    image's."""
     warm = trainer.warm_trainer(context.log)
     if not trainer.in_pod:
         own = standing_launch(reg, base_env(trainer, checkpoint_store.aws_env()), trainer)

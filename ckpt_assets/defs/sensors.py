@@ -100,8 +100,6 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
     return notes
 
 
-
-
 def due_backoffs(instance: dg.DagsterInstance, store: CheckpointStore,
                  settings: ResumeSettings, now: float) -> list[dg.RunRequest]:
     """The resumes whose back-off has ended: one query for runs decided `resume` and not
