@@ -345,21 +345,14 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
     reader = threading.Thread(target=_pump, args=(tail(output, done), context), daemon=True,
                               name="training-output")
     reader.start()
-    seen, interrupted, opened = 0, None, False
-    opens_by = time.monotonic() + OPEN_TRACKING_BY_S
+    seen, interrupted = 0, None
     try:
         try:
+            _overlap(after_start, proc)
             while (rc := proc.poll()) is None:
                 msgs = session.get_custom_messages()
-                if not opened and (msgs or time.monotonic() >= opens_by):
-                    # Its first message says the attempt is up (restored, about to step):
-                    # MLflow's start-up, a second or two of CPU, now takes none from the
-                    # process's own start-up. Its messages wait for it.
-                    _overlap(after_start, proc)
-                    opened = True
-                if opened:
-                    on_messages(msgs[seen:])
-                    seen = len(msgs)
+                on_messages(msgs[seen:])
+                seen = len(msgs)
                 if seen and warm is not None:  # it has started: the next one may get ready
                     warm.refill(argv, env, cwd)
                 _wait_a_little(proc)
@@ -369,8 +362,6 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
         # Whatever outlived the main process (a command that forked and exited) is stopped
         # now: the attempt ends when its whole group is gone.
         left = stop_group(proc.pid, grace_s, context.log, group.start, reap=proc)
-        if not opened:  # it ended before it spoke: the attempt is recorded all the same
-            _overlap(after_start, proc)
     finally:
         done.set()
         reader.join(10)
@@ -379,9 +370,6 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
 
 
 MESSAGES_EVERY_S = 0.2  # how often the supervising loop hands on the process's messages
-# MLflow's start-up waits for the process's first message, but no longer than this after
-# its start (a command that never speaks Pipes still gets its MLflow run while it trains).
-OPEN_TRACKING_BY_S = 10.0
 
 
 def _wait_a_little(proc: subprocess.Popen) -> None:
@@ -491,7 +479,7 @@ def _pump(source: Iterator[str], context) -> None:
 
 def _overlap(after_start: Callable[[], None], proc: subprocess.Popen) -> None:
     """Run `after_start` (MLflow's start-up: schema migrations on a new database) on its
-    own thread while the process runs, so that an interrupt, which Dagster raises in the
+    own thread while the process starts, so that an interrupt, which Dagster raises in the
     main thread, never lands inside it; the main thread only waits, which is safe."""
     opener = threading.Thread(target=after_start, name="mlflow-open", daemon=True)
     opener.start()

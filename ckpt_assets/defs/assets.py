@@ -279,9 +279,8 @@ def _record_end(context, ended: AttemptEnd, proc, tracker: MlflowTracker,
 
 def _open_tracking(context, tracker: MlflowTracker, repo: CheckpointRepo, ids: AttemptIds,
                    dataset: DatasetRecord, config: dict) -> None:
-    """Called once the process has sent its first message (it is up, and MLflow's start-up
-    takes no CPU from its own), or has run 10 s without one; no message is handled before
-    the MLflow run is open."""
+    """Called right after the process started: MLflow's start-up overlaps the trainer's,
+    and no message is handled before the MLflow run is open."""
     run_id = tracker.start({
         "dagster_run_id": ids.dagster_run_id, "dagster_root_run_id": ids.root_run_id,
         "dagster_parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),
