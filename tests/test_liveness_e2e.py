@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_assets.settings import Setting
 from ckpt_assets.tags import TAG_FAILURE_KIND, TAG_HEARTBEAT_LOST, TAG_STALLED
 from tests.daemon_harness import Daemon, kill, training_config
 from tests.dagster_fixtures import pid_alive
@@ -38,8 +39,12 @@ TIMEOUT_S = 10
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     work = tmp_path_factory.mktemp("liveness")
+    # The sampler finds an attempt's processes by the environment they were started with
+    # (/proc/PID/environ); a warm standby was started without the per-attempt names and
+    # takes them on only at its handoff, which /proc does not show. Cold starts here.
     d = Daemon.start(work, str(work / "store"), {"CKPT_HEARTBEAT_TIMEOUT_S": str(TIMEOUT_S),
-                                                 "CKPT_WORKER_GRACE_S": "180"})
+                                                 "CKPT_WORKER_GRACE_S": "180",
+                                                 Setting.WARM_TRAINER.value: "0"})
     yield d
     d.stop()
 
