@@ -18,7 +18,8 @@ partition's newest training run and derives the id of the run it creates from it
 run storage's unique run id (SQLite and PostgreSQL alike) lets exactly one of them add it;
 the others get DagsterRunAlreadyExists and report the run that won (the pattern Dagster
 itself uses for runs several processes may register, `register_managed_run`). A launcher
-that reads after the winner's run exists finds it active and creates nothing. Chaining on
+that reads after the winner's run exists finds it active and creates nothing; one whose
+reads straddle its creation derived its id before it and finds it active after. Chaining on
 the newest run rather than counting the runs keeps ids unique when runs are deleted.
 """
 
@@ -84,8 +85,11 @@ def launch_run_id(partition: str, after_run_id: str | None) -> str:
 
 
 def plan_launch(instance: dg.DagsterInstance, partition: str, *, force: bool) -> LaunchPlan:
-    active = [] if force else active_runs(instance, partition)
+    # The newest run first, the active ones second: a rival's run created between the two
+    # reads is then seen active. Read the other way round, it was missed as active but read
+    # as the newest, and this launch chained a second run onto it.
     newest = newest_training_run(instance, partition)
+    active = [] if force else active_runs(instance, partition)
     return LaunchPlan(partition, launch_run_id(partition, newest.run_id if newest else None),
                       active[0] if active else None)
 

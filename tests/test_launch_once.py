@@ -90,6 +90,35 @@ def test_concurrent_launches_on_their_own_connections_create_exactly_one_run(
     assert {r.run.run_id for r in results} == {run.run_id}
 
 
+def test_a_rival_launch_that_lands_between_a_launchs_two_reads_is_the_only_run(
+        queue_instance, monkeypatch):
+    """A launch reads the partition twice (its newest run, its active runs). Eight CLI
+    launchers once queued two runs: a rival created its run between one launcher's reads."""
+    import ckpt_assets.submit as submit_module
+
+    rival, started = [], []
+
+    def then_a_rival_launches(read):
+        def wrapped(instance, partition):
+            result = read(instance, partition)
+            if not started:  # after whichever read comes first, before the second
+                started.append(True)  # the rival's own reads pass straight through
+                rival.append(launch_training_run(queue_instance, partition))
+            return result
+        return wrapped
+
+    for name in ("newest_training_run", "active_runs"):
+        monkeypatch.setattr(submit_module, name,
+                            then_a_rival_launches(getattr(submit_module, name)))
+    plan = plan_launch(queue_instance, "same", force=False)
+    with open_training_location(queue_instance) as loc:
+        mine = submit(queue_instance, loc, plan)
+    (won,) = rival
+    assert won.created and not mine.created
+    (run,) = _runs(queue_instance, "same")
+    assert mine.run.run_id == won.run.run_id == run.run_id
+
+
 def test_a_launch_queues_nothing_beside_an_active_run_unless_forced(queue_instance):
     first = launch_training_run(queue_instance, "same")
     again = launch_training_run(queue_instance, "same")
