@@ -20,7 +20,9 @@ again with the same config, and a different config is refused with a clear messa
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -165,10 +167,32 @@ def check_command(cfg: TrainConfig, base_dir: Path | None = None) -> None:
 
 
 def _check_task(spec: str) -> None:
-    """Refuse a task the trainer could not import (its arguments are the task's to check)."""
+    """Refuse a task the trainer could not import (its arguments are the task's to check).
+    A module whose source defines the function at its top level passes unimported: a task
+    module imports torch, seconds of every `ckpt-assets launch`. Anything else is imported
+    as the trainer will import it, which says what is wrong."""
+    if _defines_function(spec):
+        return
     from trainer.task import resolve_task
 
     resolve_task(spec)
+
+
+def _defines_function(spec: str) -> bool:
+    module_name, _, func_name = spec.partition(":")
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):  # a parent package is missing, or the name is empty
+        return False
+    origin = found.origin if found is not None else None
+    if not func_name or not origin or not origin.endswith(".py"):
+        return False
+    try:
+        tree = ast.parse(Path(origin).read_bytes(), origin)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, ast.FunctionDef) and node.name == func_name
+               for node in tree.body)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,25 @@ def test_a_config_the_trainer_would_reject_is_refused_before_anything_is_written
     assert not (tmp_path / "store").exists()
 
 
+def test_a_task_its_module_defines_is_registered_without_importing_it_and_a_typo_is_refused(
+        tmp_path, monkeypatch):
+    """Importing a task module imports torch: seconds of every launch. Its source says
+    whether the function is there; a name it does not define is imported and refused."""
+    pkg = tmp_path / "user_tasks"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "heavy.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n"
+                                  "def build(args):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    store = open_store(str(tmp_path / "store"))
+    reg = register_training_run(store, "r1", training_config(task="user_tasks.heavy:build"))
+    assert reg.config.task == "user_tasks.heavy:build"
+    assert not (tmp_path / "imported").exists()
+    with pytest.raises(ConfigError, match="has no function 'biuld'"):
+        register_training_run(store, "r2", training_config(task="user_tasks.heavy:biuld"))
+    assert read_registration(store, "r2") is None
+
+
 # -- the CLI's register command, in-process (the subprocess is in test_cli_dagster) ---------
 
 def _partitions() -> list[str]:
