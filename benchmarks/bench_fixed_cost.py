@@ -3,8 +3,8 @@ plus last training step -> Dagster run success, and where each second goes.
 
 A real dagster-daemon (tests.daemon_harness.Daemon, the project's dagster.yaml: the run
 queue) runs `--runs` short runs one after the other, each a new training run launched with
-`ckpt-assets launch NAME --config FILE` (so each registers its config: validating the task
-imports torch). A warm-up run first, not counted, so that the daemon's code server is up and
+`ckpt-assets launch NAME --config FILE` (so each registers its config, as a first launch
+does). A warm-up run first, not counted, so that the daemon's code server is up and
 the figures are those of a deployment that is already running. The first and last steps are
 the trainer's own heartbeat times; the rest are the run's record and event log.
 

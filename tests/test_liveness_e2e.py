@@ -42,9 +42,10 @@ def daemon(tmp_path_factory):
     # The sampler finds an attempt's processes by the environment they were started with
     # (/proc/PID/environ); a warm standby was started without the per-attempt names and
     # takes them on only at its handoff, which /proc does not show. Cold starts here.
-    d = Daemon.start(work, str(work / "store"), {"CKPT_HEARTBEAT_TIMEOUT_S": str(TIMEOUT_S),
-                                                 "CKPT_WORKER_GRACE_S": "180",
-                                                 Setting.WARM_TRAINER.value: "0"})
+    d = Daemon.start(work, str(work / "store"), {
+        Setting.HEARTBEAT_TIMEOUT_S.value: str(TIMEOUT_S),
+        Setting.WORKER_GRACE_S.value: "180",
+        Setting.WARM_TRAINER.value: "0"})
     yield d
     d.stop()
 
