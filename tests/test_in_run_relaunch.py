@@ -142,9 +142,10 @@ def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_ident
     res = make_resources(str(store), tracking_uri=mlflow_uri)
     killed = materialize_run(instance, "killed", res, training=training_config(
         task="tests.user_tasks:crash_once",
-        # Slow enough that attempt 1 speaks before it dies: its standby starts then.
+        # Attempt 1 dies once the standby for attempt 2 is there (it starts when attempt 1
+        # has spoken, which on a busy machine can take longer than its first 15 steps).
         task_args={"crash_once_at": 15, "crash_marker": str(tmp_path / "crashed"),
-                   "step_delay": 0.1}))
+                   "crash_after_standby": True, "step_delay": 0.1}))
     assert killed.success and (tmp_path / "crashed").exists()
     first, second = _ends(instance, "killed")
     assert first["failure_class"] == "killed_by_signal" and first["attempt"] == 1

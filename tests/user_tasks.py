@@ -58,15 +58,41 @@ def crash_once(t: TaskArgs) -> Task:
     import signal
     from pathlib import Path
 
-    mine = ("crash_once_at", "crash_marker")
+    mine = ("crash_once_at", "crash_marker", "crash_after_standby")
     task = toy.build(TaskArgs({k: v for k, v in t.args.items() if k not in mine}, t.seed))
     inner, marker = task.before_step, Path(t.args["crash_marker"])
 
     def before_step(step: int) -> None:
         if step == t.args["crash_once_at"] and not marker.exists():
+            if t.args.get("crash_after_standby"):
+                _wait_for_a_sibling_standby()
             marker.write_text(str(step))
             os.kill(os.getpid(), signal.SIGKILL)
         inner(step)
 
     task.before_step = before_step
     return task
+
+
+def _wait_for_a_sibling_standby(timeout_s: float = 120) -> None:
+    """Until the orchestrator (this process's parent) has started the standby for the next
+    attempt: on a busy machine its start can come after a short attempt's death, and then
+    the relaunch is cold (correct, but not what a test of the warm relaunch is about)."""
+    import os
+    import time
+    from pathlib import Path
+
+    from trainer.standby import MODULE
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            if (ppid == os.getppid() and int(stat.parent.name) != os.getpid()
+                    and MODULE.encode() in cmdline):
+                return
+        time.sleep(0.05)
