@@ -81,7 +81,7 @@ from trainer.contract import (
     Stopped,
 )
 from trainer.dataset import check_same_data, dataset_manifest
-from trainer.distributed import Ranks
+from trainer.distributed import Ranks, end_lost_rank
 from trainer.epochs import EpochWalk, Position, position_of, walk_batches, walk_epochs
 from trainer.errors import (
     AlreadyExistsError,
@@ -512,6 +512,8 @@ class CheckpointSession:
         self._stop_heartbeat(superseded=isinstance(exc, PointerConflictError))
         self.reporter.close()
         self._drop_exit_hooks()
+        if self.ranks is not None and code == Outcome.RANK_LOST.exit_code:
+            end_lost_rank(code)
         return code
 
     # -- without a `with` block -------------------------------------------------------------
