@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -82,6 +83,30 @@ def one_run(daemon: Daemon, name: str, work: Path) -> dict[str, float]:
     return row
 
 
+def interpreter_s(module: str, n: int = 3) -> float:
+    """Median wall time of a fresh `python -c "import MODULE"`: what any launch command
+    (dagster) or trainer process (torch) pays before its own first line runs."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def print_floor(med: dict[str, float]) -> None:
+    """What no ckpt-assets change can remove from this machine's fixed cost: Dagster's own
+    run machinery (the queue, the run worker's spawn and start, the run's end), measured on
+    these runs, and the two fresh interpreters a launch needs (the launch command's, with
+    Dagster imported; the trainer's, with torch imported) unless they are started earlier."""
+    dagster_own = med["dequeue"] + med["worker"] + med["succeed"]
+    cli, trainer = interpreter_s("dagster"), interpreter_s("torch")
+    print(f"floor: Dagster's run machinery {dagster_own:.2f}s (dequeue + worker + succeed) + "
+          f"a fresh interpreter importing dagster {cli:.2f}s + one importing torch "
+          f"{trainer:.2f}s = {dagster_own + cli + trainer:.2f}s; ckpt-assets' own part of "
+          f"the median: {med['fixed'] - dagster_own - cli - trainer:.2f}s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=4)
@@ -101,6 +126,7 @@ def main() -> int:
         print("med " + " ".join(f"{med[k]:13.2f}" for k in keys))
         for k, what in COLUMNS.items():
             print(f"  {k:<12} {what}")
+        print_floor(med)
         print(f"target: fixed orchestration cost (launch -> first step + last step -> run "
               f"success) <= {TARGET_S:.0f}s: {'MET' if med['fixed'] <= TARGET_S else 'MISSED'} "
               f"({med['fixed']:.2f}s median)")

@@ -51,6 +51,14 @@ from trainer.repo import CheckpointRepo
 TRACEBACK_MAX_CHARS = 20_000  # the end of a traceback is where the error is
 
 
+def newest_progress_only(msgs: list[Message]) -> list[Message]:
+    """`msgs` without the progress reports a later one in the same batch supersedes. Each one
+    handled is an event-log write (tens of ms on SQLite): a trainer that beats faster than
+    that would otherwise put every report after it, its last checkpoint and its end, behind."""
+    last = max((i for i, m in enumerate(msgs) if isinstance(m, Progress)), default=-1)
+    return [m for i, m in enumerate(msgs) if not isinstance(m, Progress) or i == last]
+
+
 @dataclass
 class AttemptReport:
     """What the training process reported during one attempt (`trainer.contract`)."""
@@ -64,10 +72,9 @@ class AttemptReport:
     checkpoints: list[CheckpointRecord] = field(default_factory=list)
 
     def handle(self, context, tracker: MlflowTracker, msgs: list[Any]) -> None:
-        for raw in msgs:
-            msg = parse_message(raw)
-            if msg is not None:
-                self._one(context, tracker, msg)
+        parsed = [m for m in map(parse_message, msgs) if m is not None]
+        for msg in newest_progress_only(parsed):
+            self._one(context, tracker, msg)
 
     def _one(self, context, tracker: MlflowTracker, msg: Message) -> None:
         match msg:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_assets.attempt import newest_progress_only
 from trainer import errors
 from trainer.config import config_from_dict
 from trainer.contract import (
@@ -131,3 +132,13 @@ def test_a_checkpoint_message_reads_back_as_its_record_and_foreign_messages_are_
     assert parse_message(to_message(rec)) == rec
     assert parse_message({"type": "something-else"}) is None
     assert parse_message("text") is None
+
+
+def test_of_a_batch_of_messages_only_the_newest_progress_is_handled_and_nothing_else_is_dropped():
+    rec = CheckpointRecord(name="step-000000010-a1", step=10, uri="file:///s/x", sha256="0" * 64,
+                           size=1, attempt=1)
+    batch = [Progress(8, 0.3), Progress(9, 0.2), rec, Progress(10, 0.1), Eval(10, {"loss": 1.0}),
+             Finished(10, {"loss": 1.0})]
+    assert newest_progress_only(batch) == [rec, Progress(10, 0.1), Eval(10, {"loss": 1.0}),
+                                           Finished(10, {"loss": 1.0})]
+    assert newest_progress_only([Stopped(3, "SIGTERM")]) == [Stopped(3, "SIGTERM")]

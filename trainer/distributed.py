@@ -13,7 +13,9 @@ the same way), each bounded by `checkpoint.collective_timeout_s`:
 
 A collective that fails (a peer died) or times out (a peer hung) is `CollectiveError`:
 the attempt fails once as `rank_lost` and is resumed. The rank then ends at once
-(`end_lost_rank`), without the interpreter's teardown.
+(`trainer.exit_hooks.exit_now`): at a normal exit the broken group's C++ destructors can
+call std::terminate (gloo's threads are still joinable), and the SIGABRT would replace the
+`rank_lost` status the launcher reads.
 
 Which state each rank writes: parts hold the same state on every rank (DDP's replicated
 model and optimizer, the global data position) and are spread over the ranks' files, one
@@ -25,10 +27,7 @@ the step and the rank (`rederive_rngs`), the rest loads unchanged.
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
 import random
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -117,20 +116,6 @@ class Ranks:
                 f"rank {self.rank} of {self.world}: {what} failed ({str(e).splitlines()[0]}): "
                 "a peer rank died or hung past checkpoint.collective_timeout_s. The attempt "
                 "stops without committing; it resumes from the newest checkpoint") from e
-
-
-def end_lost_rank(code: int) -> None:
-    """End a rank that lost its peer, its failure reported and its outputs flushed, with
-    `os._exit`: the broken group's C++ destructors, run by a normal interpreter exit, can
-    call std::terminate (gloo's threads are still joinable), and a SIGABRT would replace the
-    `rank_lost` exit status the launcher reads. Nothing is lost: a lost rank commits nothing."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed, or its reader gone: nothing more to say
-            pass
-    os._exit(code)
 
 
 def rederive_rngs(run: str, step: int, rank: int) -> None:

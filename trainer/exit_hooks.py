@@ -1,13 +1,16 @@
 """How a session without a `with` block ends as the block would: at interpreter exit, on an
-uncaught exception, or on an error of its own; and whether the script configured logging
-(the session prints its own lines otherwise)."""
+uncaught exception, or on an error of its own; whether the script configured logging (the
+session prints its own lines otherwise); and how a process ends at once (`exit_now`)."""
 
 from __future__ import annotations
 
 import atexit
 import functools
 import logging
+import os
+import sys
 import threading
+from typing import NoReturn
 
 from trainer.errors import TrainerError
 
@@ -36,6 +39,19 @@ def at_interpreter_exit(func) -> None:
     except RuntimeError:  # the interpreter is already on its way out
         pass
     atexit.register(func)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` now, its log handlers and output flushed, without the
+    interpreter's teardown. Only once everything the process had to say and keep is done:
+    atexit callbacks and finalizers do not run."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader gone: nothing more to say
+            pass
+    os._exit(code)
 
 
 def ends_like_the_block(method):

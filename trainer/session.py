@@ -81,7 +81,7 @@ from trainer.contract import (
     Stopped,
 )
 from trainer.dataset import check_same_data, dataset_manifest
-from trainer.distributed import Ranks, end_lost_rank
+from trainer.distributed import Ranks
 from trainer.epochs import EpochWalk, Position, position_of, walk_batches, walk_epochs
 from trainer.errors import (
     AlreadyExistsError,
@@ -89,7 +89,12 @@ from trainer.errors import (
     DivergedError,
     PointerConflictError,
 )
-from trainer.exit_hooks import at_interpreter_exit, ends_like_the_block, logging_configured
+from trainer.exit_hooks import (
+    at_interpreter_exit,
+    ends_like_the_block,
+    exit_now,
+    logging_configured,
+)
 from trainer.interval import SaveInterval
 from trainer.liveness import Heartbeat
 from trainer.manifest import MAX_STEP, Manifest
@@ -513,7 +518,7 @@ class CheckpointSession:
         self.reporter.close()
         self._drop_exit_hooks()
         if self.ranks is not None and code == Outcome.RANK_LOST.exit_code:
-            end_lost_rank(code)
+            exit_now(code)  # past the broken group's destructors (`trainer.distributed`)
         return code
 
     # -- without a `with` block -------------------------------------------------------------

@@ -57,6 +57,7 @@ from ckpt_assets.launch import (
 from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.pipes_transport import pipes_channels
+from ckpt_assets.prefetch import prefetch_end_of_run_imports
 from ckpt_assets.run_state import RunState, State, run_state, state_observation
 from ckpt_assets.runs import TrainingRunConfig, attempt_number, resolve_registration
 from ckpt_assets.settings import ResumeSettings
@@ -196,7 +197,7 @@ def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     report = AttemptReport(reg.run, ids.attempt)
     proc = _run_trainer(context, reg, repo, ids, dataset, checkpoint_store, trainer,
-                        partial(report.handle, context, tracker),
+                        partial(_on_messages, report, context, tracker),
                         partial(_open_tracking, context, tracker, repo, ids, dataset,
                                 reg.config.to_dict()), warm)
     # Once more at the end: an orphaned trainer of an earlier attempt may have committed
@@ -209,6 +210,12 @@ def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
                 if ended.outcome.failed else None)
     _record_end(context, ended, proc, tracker, report, relaunching=relaunch is not None)
     return ended, tracker, relaunch
+
+
+def _on_messages(report: AttemptReport, context, tracker: MlflowTracker, msgs: list) -> None:
+    if msgs:  # the trainer is past its start-up: the run's last imports may load now
+        prefetch_end_of_run_imports()
+    report.handle(context, tracker, msgs)
 
 
 def _next_attempt(repo: CheckpointRepo, ended: int) -> int:

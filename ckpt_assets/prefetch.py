@@ -1,0 +1,41 @@
+"""What a run's last steps import, imported by the run worker while its trainer trains.
+
+After the last step, `model_checkpoint` tabulates and plots the run's history (pandas,
+matplotlib's Agg canvas), and `final_model` loads the final checkpoint (torch), rebuilds and
+evaluates the task's model (the trainer's task and loop). In a fresh run worker those
+imports alone take about 1.5 s (several on a busy machine), all of it between the last step
+and the run's success. The run worker has nothing to do while `model_checkpoint` waits on
+its trainer, so one background thread imports them then, in the order they are used, once
+the trainer has spoken (never against its start-up).
+
+Best effort: an import that fails here fails again, with its traceback, where it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+END_OF_RUN_IMPORTS = ("pandas", "matplotlib.backends.backend_agg", "matplotlib.figure",
+                      "torch", "trainer.loop", "trainer.task")
+
+_started = threading.Lock()
+_thread: threading.Thread | None = None
+
+
+def _import_all() -> None:
+    for name in END_OF_RUN_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - reported where it is imported for use
+            return
+
+
+def prefetch_end_of_run_imports() -> None:
+    """Start importing `END_OF_RUN_IMPORTS` in the background, once per process."""
+    global _thread
+    with _started:
+        if _thread is None:
+            _thread = threading.Thread(target=_import_all, daemon=True,
+                                       name="end-of-run-imports")
+            _thread.start()
