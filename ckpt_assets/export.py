@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_assets.attempt_end import checkpoint_unloadable
+from ckpt_assets.datasets import describe_dataset
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.registration import Registration
 from trainer import strict_json
@@ -43,7 +44,10 @@ def evaluate_final(reg: Registration, weights: dict[str, Any], ck: CheckpointRec
             f"cannot rebuild the model of {reg.run} from its registered config and checkpoint "
             f"{ck.uri}: {e}", reg.run, ck) from e
     data_version = recorded_version or task.data_version
-    if task.data_version and recorded_version not in (None, task.data_version):
+    # Under Dagster a generated dataset is versioned by its generator (`training_dataset`),
+    # standalone by the task's own hash of what it generated: either names the same data.
+    same = {task.data_version, None if cfg.dataset else describe_dataset(reg)[0].version}
+    if task.data_version and recorded_version not in same | {None}:
         log.warning(f"held-out data version {task.data_version} differs from the checkpoint's "
                     f"data version {recorded_version}")
     return evaluate(task, task.model), data_version

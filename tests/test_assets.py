@@ -94,6 +94,9 @@ def test_a_new_partition_trains_end_to_end_on_the_local_store_with_lineage_metad
         store, tracking_uri=mlflow_uri), training=cfg, experiment="exp")
     final, fm = _assert_trained_run(res, store, "local-run", "exp", cfg["max_steps"])
     _assert_exported_model_reproduces_eval(store, "local-run", "exp", fm, cfg)
+    # Generated data is one version to final_model, whichever way the lineage names it.
+    said = [e.user_message for e in instance.all_logs(res.run_id) if e.step_key == "final_model"]
+    assert not [m for m in said if "data version" in m], said
     # The run's config was registered once, where the design says.
     assert (tmp_path / "store" / "exp" / "local-run" / "config.json").exists()
     # The instance knows the partition's checkpoints (what the UI shows), and that it is done.
