@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
@@ -306,7 +307,7 @@ def run_under_pipes(context: dg.AssetExecutionContext, argv: list[str], env: dic
     process if it can, and is refilled for the next attempt once this one has spoken."""
     channels = channels or PipesChannels.local()
     stop_leftovers(context, grace_s)
-    fd, output = tempfile.mkstemp(prefix=f"ckpt-{context.run.run_id[:8]}-", suffix=".log")
+    fd, output = tempfile.mkstemp(prefix=output_prefix(context.run.run_id), suffix=OUTPUT_SUFFIX)
     os.close(fd)
     try:
         with dg.open_pipes_session(context=context,
@@ -392,7 +393,8 @@ def stop_leftovers(context, grace_s: float) -> None:
     """Before this attempt starts a process: the processes of the partition's earlier
     attempts are gone. An attempt whose run worker died leaves its trainer committing on
     the way out (and a forking command's children); this waits for them, then stops
-    whatever is left (SIGTERM, grace, SIGKILL)."""
+    whatever is left (SIGTERM, grace, SIGKILL), and removes the output file the dead
+    worker could not."""
     from ckpt_assets.run_queries import training_runs_of
 
     if not context.has_partition_key:
@@ -406,6 +408,27 @@ def stop_leftovers(context, grace_s: float) -> None:
             context.log.warning(f"run {run.run_id} left processes of its attempt running "
                                 f"(process group {procs.group.pid}); stopping them first")
             procs.stop(grace_s, context.log)
+        if procs.worker_gone() and not procs.left():  # its `finally` never ran
+            if (leftover := leftover_output(procs, run.run_id)) is not None:
+                leftover.unlink(missing_ok=True)
+
+
+OUTPUT_SUFFIX = ".log"
+
+
+def output_prefix(run_id: str) -> str:
+    """The name an attempt's output file (in the temp directory) starts with."""
+    return f"ckpt-{run_id[:8]}-"
+
+
+def leftover_output(procs: AttemptProcesses, run_id: str) -> Path | None:
+    """The output file `procs` name, if it is one a run worker of `run_id` on this machine
+    made: a tag is anyone's to write, and no other file is ever removed for it."""
+    path = Path(procs.output)
+    if (procs.here and path.parent == Path(tempfile.gettempdir())
+            and path.name.startswith(output_prefix(run_id)) and path.suffix == OUTPUT_SUFFIX):
+        return path
+    return None
 
 
 # A Python traceback, as printed: its first line, the chain separators, and the lines that

@@ -36,6 +36,8 @@ from ckpt_assets.trainer_process import (
     AttemptProcesses,
     ProcessRef,
     group_members,
+    leftover_output,
+    output_prefix,
     start_process,
     stop_group,
     stoppable,
@@ -235,6 +237,25 @@ def test_a_trainer_started_where_sigterm_is_ignored_and_blocked_still_ends_on_si
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.parametrize(("output", "machine", "removed"), [
+    ("{tmp}/{prefix}abc.log", "here", True),
+    ("{tmp}/{prefix}abc.log", "elsewhere", False),  # another machine's temp directory
+    ("{tmp}/ckpt-00000000-abc.log", "here", False),  # another run's file
+    ("{tmp}/{prefix}abc.txt", "here", False),
+    ("/etc/{prefix}abc.log", "here", False),
+    ("{tmp}/sub/{prefix}abc.log", "here", False),
+])
+def test_only_the_output_file_a_dead_worker_of_that_run_made_here_is_removed_for_it(
+        output, machine, removed):
+    import tempfile
+
+    run_id = "1234abcd-0000"
+    me = ProcessRef(1, 1)
+    path = output.format(tmp=tempfile.gettempdir(), prefix=output_prefix(run_id))
+    procs = AttemptProcesses(this_machine() if machine == "here" else "other-host", me, me, path)
+    assert (leftover_output(procs, run_id) == Path(path)) is removed
 
 
 def test_a_process_is_known_by_pid_and_start_time_so_a_reused_pid_is_not_it():

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_assets.settings import Setting
+from ckpt_assets.trainer_process import AttemptProcesses
 from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
 from tests.postgres_server import team_instance
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
@@ -139,6 +140,9 @@ def test_sigkill_of_the_run_worker_stops_its_trainer_and_is_resumed_once(
     # The orphaned trainer did not train on: it stopped when its parent died.
     with pytest.raises(FileNotFoundError):
         Path(f"/proc/{hb['pid']}/stat").read_text()
+    # The output file the dead worker could not remove, the next attempt did.
+    lost = AttemptProcesses.of_run(daemon.runs("kill-worker")[0])
+    assert lost is not None and not Path(lost.output).exists(), lost
     # What it committed on the way out was recorded by the next attempt, and the lineage
     # report numbers the lost attempt and says how it ended.
     from ckpt_assets.lineage import format_lineage, lineage_report
