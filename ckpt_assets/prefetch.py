@@ -3,7 +3,7 @@
 After the last step, `model_checkpoint` tabulates and plots the run's history (pandas,
 matplotlib's Agg canvas), and `final_model` loads the final checkpoint (torch), rebuilds and
 evaluates the task's model (the trainer's task and loop). In a fresh run worker those
-imports alone take about 1.5 s (several on a busy machine), all of it between the last step
+imports alone take about 2.5 s (several on a busy machine), all of it between the last step
 and the run's success. The run worker has nothing to do while `model_checkpoint` waits on
 its trainer, so one background thread imports them then, in the order they are used, once
 the trainer has spoken (never against its start-up).
@@ -17,25 +17,30 @@ import importlib
 import threading
 
 END_OF_RUN_IMPORTS = ("pandas", "matplotlib.backends.backend_agg", "matplotlib.figure",
-                      "torch", "trainer.loop", "trainer.task")
+                      "torch")
+# Only where final_model evaluates a task (not a command's model). torch._dynamo: torch.optim
+# imports it when the task's optimizer takes its parameters.
+EVALUATION_IMPORTS = ("torch._dynamo", "trainer.loop", "trainer.task")
 
 _started = threading.Lock()
 _thread: threading.Thread | None = None
 
 
-def _import_all() -> None:
-    for name in END_OF_RUN_IMPORTS:
+def _import_all(names: tuple[str, ...]) -> None:
+    for name in names:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - reported where it is imported for use
             return
 
 
-def prefetch_end_of_run_imports() -> None:
-    """Start importing `END_OF_RUN_IMPORTS` in the background, once per process."""
+def prefetch_end_of_run_imports(evaluates: bool) -> None:
+    """Start importing `END_OF_RUN_IMPORTS` (and `EVALUATION_IMPORTS` if final_model
+    `evaluates` a task) in the background, once per process."""
     global _thread
     with _started:
         if _thread is None:
-            _thread = threading.Thread(target=_import_all, daemon=True,
+            names = END_OF_RUN_IMPORTS + (EVALUATION_IMPORTS if evaluates else ())
+            _thread = threading.Thread(target=_import_all, args=(names,), daemon=True,
                                        name="end-of-run-imports")
             _thread.start()

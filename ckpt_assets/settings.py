@@ -65,7 +65,7 @@ class ResumeSettings:
     in_run_max_delay_s: float = 60.0
     # ... by a standby process that imported torch while the attempt before it trained
     # (`ckpt_assets.warm_start`): one idle interpreter per training step, for a restart
-    # about 1.5 s shorter. Off (`CKPT_WARM_TRAINER=0`), a relaunch starts cold.
+    # about 2 s shorter. Off (`CKPT_WARM_TRAINER=0`), a relaunch starts cold.
     warm_trainer: bool = True
 
     @classmethod

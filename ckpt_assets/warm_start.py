@@ -1,7 +1,7 @@
 """A warm trainer: the next attempt's interpreter, started while this attempt trains.
 
-A fresh trainer spends about 1.5 s, and 2.5 s while its run worker is busy beside it,
-importing torch and the trainer before its first step. `WarmTrainer` keeps at most one
+A fresh trainer spends about 2 s, and 3 s while its run worker is busy beside it,
+importing torch, Dynamo and the trainer before its first step. `WarmTrainer` keeps at most one
 standby process (`trainer.standby`) per Dagster run, with the attempt's interpreter, working
 directory and environment less the per-attempt names:
 - for the run's first attempt, started by the run's first step (`training_dataset`), so that
@@ -11,7 +11,7 @@ directory and environment less the per-attempt names:
 When the attempt is launched, the standby is handed it and becomes it; a new standby is
 started beside the new attempt in turn.
 
-What it costs: one idle interpreter with torch imported (about 220 MB of resident memory,
+What it costs: one idle interpreter with torch and Dynamo imported (about 370 MB resident,
 no CPU once imported) for as long as the step trains, and nothing when it is not used. It is
 stopped when the step ends, and it ends by itself when the step's process dies (its stdin
 closes; PR_SET_PDEATHSIG as a trainer has).

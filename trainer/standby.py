@@ -1,7 +1,8 @@
 """A trainer process started before it is needed (`python -m trainer.standby`).
 
-A relaunched attempt should train again at once, but a fresh interpreter spends about 1.5 s
-importing torch and the trainer before its first step. A standby pays that while the attempt
+A relaunched attempt should train again at once, but a fresh interpreter spends about 2 s
+importing torch, Dynamo (the first optimizer imports it) and the trainer before its first
+step. A standby pays that while the attempt
 before it is still training: it imports what every attempt imports, then blocks on one line
 of its stdin, the `Handoff` of the attempt it is to become. It applies it (output, stdin,
 working directory, environment, argv, `sys.path[0]`) and runs the attempt's module or
@@ -120,6 +121,10 @@ class Handoff:
 
 def main() -> int:
     # What every attempt imports first (torch with it): the cost a standby pays in advance.
+    # Dynamo too: torch.optim imports it when the first optimizer takes its parameters
+    # (`torch._disable_dynamo`), about 0.9 s of every attempt's start, warm or not.
+    import torch._dynamo  # noqa: F401
+
     import trainer.config  # noqa: F401
     import trainer.loop  # noqa: F401
     import trainer.report  # noqa: F401

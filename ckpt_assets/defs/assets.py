@@ -197,7 +197,8 @@ def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     report = AttemptReport(reg.run, ids.attempt)
     proc = _run_trainer(context, reg, repo, ids, dataset, checkpoint_store, trainer,
-                        partial(_on_messages, report, context, tracker),
+                        partial(_on_messages, report, context, tracker,
+                                not reg.config.command),
                         partial(_open_tracking, context, tracker, repo, ids, dataset,
                                 reg.config.to_dict()), warm)
     # Once more at the end: an orphaned trainer of an earlier attempt may have committed
@@ -212,9 +213,10 @@ def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
     return ended, tracker, relaunch
 
 
-def _on_messages(report: AttemptReport, context, tracker: MlflowTracker, msgs: list) -> None:
+def _on_messages(report: AttemptReport, context, tracker: MlflowTracker, evaluates: bool,
+                 msgs: list) -> None:
     if msgs:  # the trainer is past its start-up: the run's last imports may load now
-        prefetch_end_of_run_imports()
+        prefetch_end_of_run_imports(evaluates)
     report.handle(context, tracker, msgs)
 
 
