@@ -2,9 +2,9 @@
 
 A relaunched attempt should train again at once, but a fresh interpreter spends about 2 s
 importing torch, Dynamo (the first optimizer imports it) and the trainer before its first
-step. A standby pays that while the attempt
-before it is still training: it imports what every attempt imports, then blocks on one line
-of its stdin, the `Handoff` of the attempt it is to become. It applies it (output, stdin,
+step. A standby pays that while the attempt before it is still training: it imports what
+every attempt imports, then blocks on one line of its stdin, the `Handoff` of the attempt
+it is to become. It applies it (output, stdin,
 working directory, environment, argv, `sys.path[0]`) and runs the attempt's module or
 script in this process as `python -m MODULE` or `python SCRIPT` would have: the same
 `__main__`, the same exit status, the same signal handling (none is installed before the
