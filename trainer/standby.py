@@ -4,11 +4,11 @@ A relaunched attempt should train again at once, but a fresh interpreter spends 
 importing torch, Dynamo (the first optimizer imports it) and the trainer before its first
 step. A standby pays that while the attempt before it is still training: it imports what
 every attempt imports, then blocks on one line of its stdin, the `Handoff` of the attempt
-it is to become. It applies it (output, stdin,
-working directory, environment, argv, `sys.path[0]`) and runs the attempt's module or
-script in this process as `python -m MODULE` or `python SCRIPT` would have: the same
-`__main__`, the same exit status, the same signal handling (none is installed before the
-handoff, so a SIGTERM until then ends it like any fresh process).
+it is to become. It applies it (output, stdin, working directory, environment, argv,
+`sys.path[0]`) and runs the attempt's module or script in this process as `python -m
+MODULE` or `python SCRIPT` would have: the same `__main__`, the same exit status, the same
+signal handling (none is installed before the handoff, so a SIGTERM until then ends it like
+any fresh process).
 
 An empty line or end of file (the orchestrator closed it unused, or died) ends it with
 status 0, having done nothing.
