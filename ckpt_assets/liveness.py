@@ -38,6 +38,7 @@ import dagster as dg
 
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.resume_decision import LIVENESS_TAGS, run_repo
+from ckpt_assets.run_queries import add_tags_that_stick
 from ckpt_assets.settings import ResumeSettings
 from ckpt_assets.tags import PARTITION_TAG, TAG_ATTEMPT
 from trainer.liveness import Beat, ProcessId, group_members
@@ -111,7 +112,9 @@ def retire(instance: dg.DagsterInstance, run: dg.DagsterRun, store: CheckpointSt
     stopped = stop_trainer(beat.process, settings.stop_grace_s) if beat else None
     done.append(stopped or request_termination(instance, run))
     words = "; ".join(done)
-    instance.add_run_tags(run.run_id, {tag: words})  # the verdict, and what was done about it
+    # The verdict, and what was done about it: the moment the trainer is gone, its run worker
+    # writes the run's tags too (`add_tags_that_stick`).
+    add_tags_that_stick(instance, run.run_id, {tag: words})
     current = instance.get_run_by_id(run.run_id)
     # Its run worker may have failed it already (the trainer it waits for is gone); one
     # asked to terminate is CANCELING, and marked failed all the same: the resume must not
