@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 
 import pytest
 import torch
@@ -101,16 +102,23 @@ def test_a_new_best_metric_commits_and_the_pointer_remembers_it(tmp_path):
     assert reasons == ["best", "best"]
 
 
-def test_a_stop_request_commits_the_current_step_and_exits_143(tmp_path):
+def test_a_stop_request_commits_the_current_step_and_exits_143_deaf_to_a_repeated_sigterm(
+        tmp_path):
     model, opt = _parts()
     ckpt = _session(tmp_path, every_steps=100)
-    with pytest.raises(SystemExit) as exc, ckpt:
-        ckpt.restore(model=model, optimizer=opt)
-        for step in range(1, 50):
-            if step == 9:
-                ckpt.stop.signal_name = "SIGTERM"  # what the signal handler sets
-            if ckpt.step(step, loss=_train(model, opt, step)):
-                break
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exc, ckpt:
+            ckpt.restore(model=model, optimizer=opt)
+            for step in range(1, 50):
+                if step == 9:
+                    ckpt.stop.signal_name = "SIGTERM"  # what the signal handler sets
+                if ckpt.step(step, loss=_train(model, opt, step)):
+                    break
+        # A second SIGTERM (a dying parent's threads each send one) cannot end it otherwise.
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, handler)
     assert exc.value.code == 143
     assert _repo(tmp_path).read_pointer().step == 9
 

@@ -519,6 +519,8 @@ class CheckpointSession:
         self._drop_exit_hooks()
         if self.ranks is not None and code == Outcome.RANK_LOST.exit_code:
             exit_now(code)  # past the broken group's destructors (`trainer.distributed`)
+        if code == Outcome.PREEMPTED.exit_code:
+            self.stop.exiting()
         return code
 
     # -- without a `with` block -------------------------------------------------------------

@@ -42,6 +42,18 @@ class StopRequest:
             if os.getppid() != self._parent:  # parent died before prctl took effect
                 self._parent_exited()
 
+    def exiting(self) -> None:
+        """The stop is committed and the process is on its way out with its status (143):
+        a repeated SIGTERM is ignored from now on. The kernel sends PR_SET_PDEATHSIG's
+        signal once per thread of a dying multi-threaded parent, and one that arrived
+        during the interpreter's teardown, where Python puts the default action back on
+        the signals it handles, would turn the exit into a death by SIGTERM. (SIGINT keeps
+        its meaning: a person's second Ctrl-C.)"""
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        except ValueError:  # not the main thread: Python lets only that one set handlers
+            pass
+
     def _handle(self, signum: int, _frame) -> None:
         self.signal_name = signal.Signals(signum).name
         if self.parent_gone:  # PR_SET_PDEATHSIG: the output's reader may be gone too
