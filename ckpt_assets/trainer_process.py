@@ -16,7 +16,8 @@ orchestrator down. An attempt owns its processes:
 * The run records its processes (tag `ckpt/processes`: machine, run worker, process
   group, output file). Whoever next looks at a run whose worker died without recording
   its end (`ckpt_assets.run_state`) records the attempt as ended and stops what it left;
-  the next attempt of the partition waits until an earlier attempt's group is gone.
+  the next attempt of the partition waits until an earlier attempt's group is gone, and
+  removes the output file its dead worker could not.
 
 Why this module is long: starting, tailing, stopping and reaping an attempt's process
 group is one lifecycle whose steps share the group's identity (pid, start time, boot id);
@@ -222,6 +223,24 @@ class AttemptProcesses:
         return stop_group(self.group.pid, grace_s, log, self.group.start, wait)
 
 
+OUTPUT_SUFFIX = ".log"
+
+
+def output_prefix(run_id: str) -> str:
+    """The name an attempt's output file (in the temp directory) starts with."""
+    return f"ckpt-{run_id[:8]}-"
+
+
+def leftover_output(procs: AttemptProcesses, run_id: str) -> Path | None:
+    """The output file `procs` name, if it is one a run worker of `run_id` on this machine
+    made: a tag is anyone's to write, and no other file is ever removed for it."""
+    path = Path(procs.output)
+    if (procs.here and path.parent == Path(tempfile.gettempdir())
+            and path.name.startswith(output_prefix(run_id)) and path.suffix == OUTPUT_SUFFIX):
+        return path
+    return None
+
+
 # -- one attempt's process --------------------------------------------------------------
 
 def stoppable() -> None:
@@ -411,24 +430,6 @@ def stop_leftovers(context, grace_s: float) -> None:
         if procs.worker_gone() and not procs.left():  # its `finally` never ran
             if (leftover := leftover_output(procs, run.run_id)) is not None:
                 leftover.unlink(missing_ok=True)
-
-
-OUTPUT_SUFFIX = ".log"
-
-
-def output_prefix(run_id: str) -> str:
-    """The name an attempt's output file (in the temp directory) starts with."""
-    return f"ckpt-{run_id[:8]}-"
-
-
-def leftover_output(procs: AttemptProcesses, run_id: str) -> Path | None:
-    """The output file `procs` name, if it is one a run worker of `run_id` on this machine
-    made: a tag is anyone's to write, and no other file is ever removed for it."""
-    path = Path(procs.output)
-    if (procs.here and path.parent == Path(tempfile.gettempdir())
-            and path.name.startswith(output_prefix(run_id)) and path.suffix == OUTPUT_SUFFIX):
-        return path
-    return None
 
 
 # A Python traceback, as printed: its first line, the chain separators, and the lines that

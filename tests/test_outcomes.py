@@ -142,3 +142,24 @@ def test_of_a_batch_of_messages_only_the_newest_progress_is_handled_and_nothing_
     assert newest_progress_only(batch) == [rec, Progress(10, 0.1), Eval(10, {"loss": 1.0}),
                                            Finished(10, {"loss": 1.0})]
     assert newest_progress_only([Stopped(3, "SIGTERM")]) == [Stopped(3, "SIGTERM")]
+
+
+
+def test_the_run_workers_end_of_run_imports_start_once_and_load_in_the_background(
+        monkeypatch):
+    import sys
+
+    from ckpt_assets import prefetch
+
+    # Light stand-ins: matplotlib's first import may build its font cache with a subprocess.
+    monkeypatch.setattr(prefetch, "_thread", None)
+    monkeypatch.setattr(prefetch, "END_OF_RUN_IMPORTS", ("json",))
+    monkeypatch.setattr(prefetch, "EVALUATION_IMPORTS", ("colorsys",))
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    prefetch.prefetch_end_of_run_imports(evaluates=True)
+    first = prefetch._thread
+    prefetch.prefetch_end_of_run_imports(evaluates=False)
+    assert prefetch._thread is first  # once per process, whoever asks again
+    first.join(60)
+    assert not first.is_alive() and first.daemon
+    assert "colorsys" in sys.modules  # the evaluation's imports, as asked first
