@@ -40,6 +40,7 @@ from ckpt_assets.trainer_process import (
     PROCESS_STARTED,
     LaunchError,
     ProcessOutcome,
+    TrackingOpener,
     _pump,
 )
 from trainer.contract import Stopped, parse_message
@@ -113,7 +114,7 @@ class AttemptPodClient(PipesK8sClient):
             _create(core, plan, plan.body(session.get_bootstrap_env_vars()))
             context.log.info(f"{PROCESS_STARTED} (pod {plan.namespace}/{plan.name}, grace "
                              f"{plan.grace_seconds}s): {' '.join(plan.command)}")
-            threading.Thread(target=after_start, name="mlflow-open", daemon=True).start()
+            opener = TrackingOpener(after_start)
             done = threading.Event()
             threading.Thread(target=_stream_logs, args=(core, plan, context, done),
                              daemon=True, name="pod-output").start()
@@ -122,6 +123,7 @@ class AttemptPodClient(PipesK8sClient):
             finally:
                 done.set()
                 _delete(core, plan, plan.grace_seconds)
+                opener.finish(context.log)
         watch.feed(session.get_custom_messages(), on_messages)  # the session is closed
         return ProcessOutcome(rc, interrupted, [])
 

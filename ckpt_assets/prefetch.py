@@ -9,6 +9,11 @@ its trainer, so one background thread imports them then, in the order they are u
 the trainer has spoken (never against its start-up).
 
 Best effort: an import that fails here fails again, with its traceback, where it is used.
+Not a daemon thread: the interpreter waits for it at exit. A run interrupted moments after
+its trainer spoke exits with it still importing, and a daemon thread stopped inside an
+extension module's initialization at interpreter exit crashes the process ("Fatal Python
+error: PyThreadState_Get"), which turned `dagster asset materialize`'s exit status 1 into a
+SIGABRT.
 """
 
 from __future__ import annotations
@@ -41,6 +46,6 @@ def prefetch_end_of_run_imports(evaluates: bool) -> None:
     with _started:
         if _thread is None:
             names = END_OF_RUN_IMPORTS + (EVALUATION_IMPORTS if evaluates else ())
-            _thread = threading.Thread(target=_import_all, args=(names,), daemon=True,
+            _thread = threading.Thread(target=_import_all, args=(names,),
                                        name="end-of-run-imports")
             _thread.start()

@@ -365,10 +365,11 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
     reader = threading.Thread(target=_pump, args=(tail(output, done), context), daemon=True,
                               name="training-output")
     reader.start()
+    opener = TrackingOpener(after_start)
     seen, interrupted = 0, None
     try:
         try:
-            _overlap(after_start, proc)
+            opener.wait_while_running(proc)
             while (rc := proc.poll()) is None:
                 msgs = session.get_custom_messages()
                 on_messages(msgs[seen:])
@@ -385,6 +386,7 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
     finally:
         done.set()
         reader.join(10)
+        opener.finish(context.log)
     _record(context, replace(procs, ended=True))
     return _Supervised(ProcessOutcome(rc, interrupted, left), seen)
 
@@ -501,17 +503,44 @@ def _pump(source: Iterator[str], context) -> None:
             context.log.info(f"[trainer] {line}")
 
 
-def _overlap(after_start: Callable[[], None], proc: subprocess.Popen) -> None:
-    """Run `after_start` (MLflow's start-up: schema migrations on a new database) on its
-    own thread while the process starts, so that an interrupt, which Dagster raises in the
-    main thread, never lands inside it; the main thread only waits, which is safe."""
-    opener = threading.Thread(target=after_start, name="mlflow-open", daemon=True)
-    opener.start()
-    while opener.is_alive():
-        opener.join(0.1)
-        if proc.poll() is not None:
-            opener.join(30)
-            break
+TRACKING_OPEN_WAIT_S = 30.0  # MLflow's start-up on a new database (schema migrations)
+
+
+class TrackingOpener:
+    """`after_start` (MLflow's start-up) on its own thread while the attempt's process
+    starts, so that an interrupt, which Dagster raises in the main thread, never lands inside
+    it: a run worker stopped mid-migration left the MLflow database half made for every
+    later run. The attempt's end waits for it (`finish`), interrupted or not: the attempt's
+    record goes to the MLflow run it opened, and the run worker never exits under a thread
+    still inside MLflow's start-up.
+
+    Waited for on an Event, never `Thread.join`: a join that an interrupt breaks (Python
+    3.11) releases the running thread's own state lock and marks it stopped, so later joins
+    return at once, and the interpreter's exit crashed under the thread still running
+    ("Fatal Python error: PyThreadState_Get")."""
+
+    def __init__(self, after_start: Callable[[], None]):
+        self._done = threading.Event()
+
+        def run() -> None:
+            try:
+                after_start()
+            finally:
+                self._done.set()
+
+        threading.Thread(target=run, name="mlflow-open", daemon=True).start()
+
+    def wait_while_running(self, proc: subprocess.Popen) -> None:
+        """Until it is done, or the process has exited (then a little longer)."""
+        while not self._done.wait(0.1):
+            if proc.poll() is not None:
+                self.finish(None)
+                return
+
+    def finish(self, log) -> None:
+        if not self._done.wait(TRACKING_OPEN_WAIT_S) and log is not None:
+            log.warning(f"MLflow's start-up is still running after "
+                        f"{TRACKING_OPEN_WAIT_S:.0f}s; the attempt's end goes on without it")
 
 
 def stop(context, proc: subprocess.Popen, grace_s: float) -> int:

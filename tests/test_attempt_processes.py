@@ -360,6 +360,32 @@ def test_a_command_that_forks_and_exits_0_fails_unfinished_and_leaves_no_process
     assert m.meta["reason"] == "preempted" and m.meta["final"] is False
     assert ended.last_committed_step == m.step
 
+@pytest.mark.slow
+def test_an_attempt_interrupted_during_mlflows_start_up_ends_only_once_the_start_up_is_done():
+    from ckpt_assets.trainer_process import run_under_pipes
+
+    opened, seen = threading.Event(), {}
+
+    def slow_start_up():  # the interrupt lands while MLflow is still opening
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+        opened.set()
+
+    @dg.asset
+    def attempt(context):
+        outcome = run_under_pipes(
+            context, [PYTHON, "-c", "import time; time.sleep(60)"], dict(os.environ),
+            str(ROOT), grace_s=10, on_messages=lambda msgs: None, after_start=slow_start_up,
+            extras={})
+        seen["opened"], seen["rc"] = opened.is_set(), outcome.returncode
+        raise outcome.interrupted
+
+    result = dg.materialize([attempt], raise_on_error=False)
+    assert not result.success
+    assert seen == {"opened": True, "rc": -signal.SIGTERM}  # stopped, then waited for
+
+
 
 @pytest.mark.slow
 def test_a_printing_command_whose_dagster_process_is_sigkilled_commits_and_exits_143(

@@ -160,6 +160,8 @@ def test_the_run_workers_end_of_run_imports_start_once_and_load_in_the_backgroun
     first = prefetch._thread
     prefetch.prefetch_end_of_run_imports(evaluates=False)
     assert prefetch._thread is first  # once per process, whoever asks again
+    # Not a daemon: the interpreter waits for it at exit, never stopping it mid-import.
+    assert not first.daemon
     first.join(60)
-    assert not first.is_alive() and first.daemon
+    assert not first.is_alive()
     assert "colorsys" in sys.modules  # the evaluation's imports, as asked first
