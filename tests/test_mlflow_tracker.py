@@ -201,3 +201,34 @@ def test_the_loss_plot_with_its_resume_marks_is_an_artifact_of_the_mlflow_run(re
     (artifact,) = client.list_artifacts(t.run_id, "plots")
     assert artifact.path == LOSS_PLOT
     assert t.mlflow_run.log.warnings == []
+
+
+RACE_OPEN = """
+import sys, time
+import mlflow  # imported first, so that every process opens the database at the same moment
+from ckpt_assets.defs.resources import MLflowResource
+uri, at = sys.argv[1], float(sys.argv[2])
+time.sleep(max(0.0, at - time.time()))
+client = MLflowResource(tracking_uri=uri).client()
+client.create_run(client.create_experiment(sys.argv[3]))
+"""
+
+
+@pytest.mark.slow
+def test_run_workers_opening_a_new_mlflow_database_together_all_track_and_leave_it_whole(
+        tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from tests.dagster_fixtures import ROOT
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    at = time.time() + 8  # after every interpreter has imported MLflow, on a busy machine
+    procs = [subprocess.Popen([sys.executable, "-c", RACE_OPEN, uri, str(at), f"exp{i}"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(4)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(outs)[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    assert {e.name for e in client.search_experiments()} >= {f"exp{i}" for i in range(4)}

@@ -6,8 +6,11 @@ takes effect without reloading the code location.
 """
 
 
+import fcntl
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -179,11 +182,32 @@ class TrainerResource(dg.ConfigurableResource):
         return self.pipes != PipesTransport.S3
 
 
+SQLITE = "sqlite:///"
+
+
 def default_tracking_uri() -> str:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     home = os.environ.get("DAGSTER_HOME") or str(REPO_ROOT / "dagster_home")
-    return f"sqlite:///{Path(home).absolute() / 'mlflow.db'}"
+    return f"{SQLITE}{Path(home).absolute() / 'mlflow.db'}"
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` tracking URI, else None."""
+    return Path(uri[len(SQLITE):]).absolute() if uri.startswith(SQLITE) else None
+
+
+@contextmanager
+def creating_tables(db: Path) -> Iterator[None]:
+    """One process at a time on this machine: MLflow creates a new database's tables (its
+    whole migration history) in whichever process uses it first, and two run workers that
+    start together on a new file both do, and leave it half migrated for every later run
+    ("Online migration expected to match one row ... 0 found", "table _alembic_tmp_runs
+    already exists"): the first two runs of a fresh instance trained without MLflow."""
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 # The MLflow UI's base URL when the tracking URI is not one (a sqlite file read by
@@ -222,8 +246,8 @@ class MLflowResource(dg.ConfigurableResource):
         if self.artifact_location:
             return self.artifact_location
         uri = self.resolved_tracking_uri
-        if uri.startswith("sqlite:///"):
-            return str(Path(uri[len("sqlite:///"):]).absolute().parent / "mlartifacts")
+        if (db := sqlite_file(uri)) is not None:
+            return str(db.parent / "mlartifacts")
         parsed = urlparse(uri)
         if parsed.scheme in ("", "file"):
             return str(Path(parsed.path or uri).absolute() / "mlartifacts")
@@ -233,6 +257,10 @@ class MLflowResource(dg.ConfigurableResource):
         from mlflow.tracking import MlflowClient
 
         uri = self.resolved_tracking_uri
-        if uri.startswith("sqlite:///"):
-            Path(uri[len("sqlite:///"):]).absolute().parent.mkdir(parents=True, exist_ok=True)
-        return MlflowClient(tracking_uri=uri, registry_uri=uri)
+        if (db := sqlite_file(uri)) is None:
+            return MlflowClient(tracking_uri=uri, registry_uri=uri)
+        with creating_tables(db):  # the client makes the tables, as may each store's first use
+            client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+            client.search_experiments(max_results=1)
+            client.search_registered_models(max_results=1)
+        return client
