@@ -263,8 +263,7 @@ def _partition_event(page, url: str, partition: str, description: str) -> str:
     # clicked, a patient one.
     for patience_ms in (0, 5000):
         for i in range(rows.count()):
-            rows.nth(i).click()
-            expect(header).to_be_visible()
+            _show(rows.nth(i), header)
             try:
                 if patience_ms:
                     expect(wanted).to_be_visible(timeout=patience_ms)
@@ -275,6 +274,17 @@ def _partition_event(page, url: str, partition: str, description: str) -> str:
             return wanted.inner_text().strip()
     raise AssertionError(f"no event of {partition} reads {description!r} among its "
                          f"{rows.count()} model_checkpoint events")
+
+
+def _show(row, header) -> None:
+    """Show `row`'s event: scrolled to the middle of the list first. The events list is
+    virtualized; a row at the bottom edge, clicked where Playwright saw it, moved as the list
+    settled, and the click selected the row above it (another partition's event)."""
+    from playwright.sync_api import expect
+
+    row.evaluate("e => e.scrollIntoView({block: 'center'})")
+    row.click()
+    expect(header).to_be_visible()
 
 
 def test_each_checkpoint_event_reads_its_step_and_loss(settled, page):
