@@ -202,7 +202,8 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: Checkpoint
         return None  # a newer run of this partition exists (e.g. the resume): moot
     settings = settings or ResumeSettings.from_env()
     failure = None
-    if TAG_DECISION not in run.tags:
+    decided_here = TAG_DECISION not in run.tags
+    if decided_here:
         failure = failure_of(instance, run, store)
         if run.tags.get(TAG_NO_RESUME) == "true":
             decision = Decision(False, Kind.STOPPED_BY_USER,
@@ -220,6 +221,9 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: Checkpoint
     if resume_at is not None:
         if not sweep or now < resume_at:
             return None  # a back-off: the reconciler launches it once due
-    elif sweep and now < decided_at + settings.launch_grace_s:
+    elif sweep and not decided_here and now < decided_at + settings.launch_grace_s:
         return None  # the failure sensor's launch may still be on its way
+    # Decided here by the sweep: no sensor decided it, so no launch of theirs is on its way,
+    # and the sweep only decides a run the grace after its end (a second grace from this
+    # decision held every resume the sensors missed for two).
     return resume_request(run, failure or failure_of(instance, run, store), store)

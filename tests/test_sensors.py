@@ -354,10 +354,13 @@ def test_a_resume_decided_but_never_launched_is_launched_by_the_reconciler_once(
 
 def test_a_failure_no_sensor_saw_is_decided_and_resumed_by_the_reconciler_after_the_grace(
         instance, store, monkeypatch):
+    monkeypatch.setenv("CKPT_RECONCILE_GRACE_S", "1")
     run = failed_run(instance, exit_code=143, failure_class="preempted")
     assert sweep(instance, store) == []  # just ended: the failure sensors go first
     assert TAG_DECISION not in tags_of(instance, run)
-    monkeypatch.setenv("CKPT_RECONCILE_GRACE_S", "0")
+    time.sleep(1.1)
+    # One sweep decides and launches: one grace from the run's end, not a second from the
+    # decision the sweep itself just recorded.
     (req,) = sweep(instance, store)
     assert req.run_key == f"resume-{run.run_id}"
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "preempted"
