@@ -6,6 +6,10 @@ Each rank joins the process group (torchrun's variables), trains a small model a
 the session every step. At step $BLOCK_AT_STEP the part `gate` (written by rank 0) takes
 its state only after touching $BLOCK_MARKER and sleeping: rank 1 has then written its file
 and waits in the save's barrier, where the test kills a rank.
+
+With $START_GATE set, a rank imports, then waits for that file to appear and reads the step
+to block at from it: the test starts the next trial's ranks while this one runs, so that
+the interpreters' start-up (torch's import) is not paid between trials.
 """
 
 import os
@@ -36,7 +40,17 @@ class Gate:
         pass
 
 
+def wait_for_gate() -> None:
+    global BLOCK_AT
+    gate = Path(os.environ["START_GATE"])
+    while not gate.exists():
+        time.sleep(0.01)
+    BLOCK_AT = int(gate.read_text())
+
+
 def main() -> None:
+    if os.environ.get("START_GATE"):
+        wait_for_gate()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)

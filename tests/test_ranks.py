@@ -243,6 +243,13 @@ def _checkpoint_dirs(store: Path, run: str) -> dict[str, bool]:
     return {d.name: (d / "MANIFEST.json").exists() for d in ckdir.glob("step-*")}
 
 
+def _reap(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 @pytest.mark.slow
 def test_a_rank_killed_inside_a_saves_barrier_never_leaves_a_checkpoint(tmp_path):
     """30 trials, each an attempt that resumes, commits one checkpoint and reaches the save
@@ -253,28 +260,34 @@ def test_a_rank_killed_inside_a_saves_barrier_never_leaves_a_checkpoint(tmp_path
     store, log = tmp_path / "store", tmp_path / "barrier.log"
     script = [sys.executable, str(ROOT / "tests" / "barrier_user.py"), str(store)]
     max_steps = 2 * BARRIER_TRIALS + 4
-    for trial in range(BARRIER_TRIALS):
-        before = pointer_step(store, EXPERIMENT, "barrier")
-        block_at, marker = before + 4, tmp_path / f"blocked-{trial}"
-        ranks = start_direct(script, 2, env(0, BLOCK_AT_STEP=str(block_at),
-                                            BLOCK_MARKER=str(marker),
-                                            MAX_STEPS=str(max_steps)), log)
-        try:
-            _wait_inside_the_barrier(store, ranks, marker, block_at, log)
+
+    def gated(trial: int) -> list:  # started early; trains once its gate opens
+        return start_direct(script, 2, env(0, START_GATE=str(tmp_path / f"gate-{trial}"),
+                                           BLOCK_MARKER=str(tmp_path / f"blocked-{trial}"),
+                                           MAX_STEPS=str(max_steps)), log)
+
+    ranks, waiting = [], gated(0)
+    try:
+        for trial in range(BARRIER_TRIALS):
+            ranks, waiting = waiting, gated(trial + 1) if trial + 1 < BARRIER_TRIALS else []
+            before = pointer_step(store, EXPERIMENT, "barrier")
+            block_at = before + 4
+            opening = tmp_path / f"gate-{trial}.tmp"  # renamed: never read half written
+            opening.write_text(str(block_at))
+            opening.replace(tmp_path / f"gate-{trial}")
+            _wait_inside_the_barrier(store, ranks, tmp_path / f"blocked-{trial}", block_at, log)
             ranks[trial % 2].send_signal(signal.SIGKILL)
             if trial % 2 == 1:  # rank 1 killed: rank 0 would sleep on inside its part
                 ranks[0].send_signal(signal.SIGKILL)
             else:  # rank 0 killed: rank 1 loses its peer in the barrier
                 assert ranks[1].wait(timeout=120) == LOST, log.read_text()[-3000:]
-        finally:
-            for p in ranks:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-        dirs = _checkpoint_dirs(store, "barrier")
-        blocked = [n for n in dirs if n.startswith(f"step-{block_at:09d}-")]
-        assert blocked and not any(dirs[n] for n in blocked), dirs
-        assert pointer_step(store, EXPERIMENT, "barrier") == before + 2
+            _reap(ranks)
+            dirs = _checkpoint_dirs(store, "barrier")
+            blocked = [n for n in dirs if n.startswith(f"step-{block_at:09d}-")]
+            assert blocked and not any(dirs[n] for n in blocked), dirs
+            assert pointer_step(store, EXPERIMENT, "barrier") == before + 2
+    finally:
+        _reap(ranks + waiting)
     ranks = start_direct(script, 2, env(0, MAX_STEPS=str(max_steps)), log)
     assert [p.wait(timeout=300) for p in ranks] == [0, 0], log.read_text()[-3000:]
     text = log.read_text()
