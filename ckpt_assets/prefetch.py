@@ -10,10 +10,9 @@ the trainer has spoken (never against its start-up).
 
 Best effort: an import that fails here fails again, with its traceback, where it is used.
 Not a daemon thread: the interpreter waits for it at exit. A run interrupted moments after
-its trainer spoke exits with it still importing, and a daemon thread stopped inside an
-extension module's initialization at interpreter exit crashes the process ("Fatal Python
-error: PyThreadState_Get"), which turned `dagster asset materialize`'s exit status 1 into a
-SIGABRT.
+its trainer spoke exits while it may still be importing, and a daemon thread stopped inside
+an extension module's C code at interpreter exit can crash the process ("Fatal Python
+error: ... finalizing"), ending `dagster asset materialize` by SIGABRT instead of exit 1.
 """
 
 from __future__ import annotations
