@@ -53,6 +53,15 @@ def mlflow_run_url(tracking_uri: str, experiment_id: str | None, run_id: str | N
     return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
+# What MLflow's table creation raises on a database whose creation was interrupted or raced
+# (alembic's leftover batch table, a revision row another process moved on).
+HALF_MADE = ("_alembic_tmp_", "Online migration expected to match one row")
+
+
+def half_made(e: BaseException) -> bool:
+    return any(sign in str(e) for sign in HALF_MADE)
+
+
 class MlflowRun:
     """The MLflow run of one training run: its client and id once opened (`run_id` stays
     None while MLflow is off or could not be reached, and every record is then skipped)."""
@@ -68,6 +77,10 @@ class MlflowRun:
 
     def warn(self, what: str, e: BaseException) -> None:
         msg = f"MLflow: {what} failed ({type(e).__name__}: {e}); training is not affected"
+        if half_made(e):
+            msg += (f". The MLflow database of {self.resource.resolved_tracking_uri} was left "
+                    "half made (two processes created its tables at once); move it aside, "
+                    "and the next run creates a new one")
         if self.log:
             self.log.warning(msg)
 

@@ -139,6 +139,22 @@ def test_mlflow_errors_are_warnings_and_never_reach_training(resource):
     assert len(log.warnings) == 4 and all("training is not affected" in w for w in log.warnings)
 
 
+def test_a_half_made_mlflow_database_is_named_with_what_to_do_and_training_goes_on(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "mlflow.db"  # what an interrupted or raced creation of its tables leaves
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE _alembic_tmp_experiments (x INTEGER)")
+    log = Log()
+    t = MlflowTracker(MLflowResource(tracking_uri=f"sqlite:///{db}"), "exp", "r", log)
+    assert t.start({"attempt": 1}) is None
+    (warning,) = log.warnings
+    assert "training is not affected" in warning
+    assert warning.endswith(f"The MLflow database of sqlite:///{db} was left half made (two "
+                            "processes created its tables at once); move it aside, and the "
+                            "next run creates a new one")
+
+
 def test_an_mlflow_run_link_exists_only_for_an_http_tracking_server():
     assert mlflow_run_url("http://mlflow:5000/", "3", "abc") == (
         "http://mlflow:5000/#/experiments/3/runs/abc")
