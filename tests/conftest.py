@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -111,13 +110,8 @@ def _free_port() -> int:
 
 
 def _moto_server_command() -> list[str]:
-    script = Path(sys.executable).parent / "moto_server"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("moto_server")
-    if found:
-        return [found]
-    return [sys.executable, "-m", "moto.server"]
+    """moto's server with its conditional writes atomic (`tests/atomic_moto_server.py`)."""
+    return [sys.executable, str(Path(__file__).parent / "atomic_moto_server.py")]
 
 
 def _answers(url: str) -> bool:
@@ -132,7 +126,8 @@ def _answers(url: str) -> bool:
 
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory):
-    """Start `moto_server -H 127.0.0.1 -p PORT`, yield its endpoint URL, stop it."""
+    """Start moto's S3 server on 127.0.0.1 (`_moto_server_command`), yield its endpoint URL,
+    stop it."""
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
