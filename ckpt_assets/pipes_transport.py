@@ -1,7 +1,8 @@
 """How the Pipes context and messages travel between the run worker and the trainer.
 
 `local` (the default): temp files on the run worker's machine, which the trainer it starts
-reads and writes. `s3`: the context is an object the trainer reads and its messages are
+reads and writes (its messages a whole line at a time: `ckpt_assets.pipes_file`). `s3`: the
+context is an object the trainer reads and its messages are
 chunks it uploads (dagster-aws's `PipesS3ContextInjector` and `PipesS3MessageReader`), so a
 trainer on another machine, sharing no filesystem with Dagster, reports the same events.
 Both injected params carry `trainer.contract.PipesS3Params`, from which the trainer picks
@@ -15,6 +16,7 @@ from urllib.parse import urlparse
 
 import dagster as dg
 
+from ckpt_assets.pipes_file import WholeLineTempFileMessageReader
 from trainer.contract import PipesS3Params, PipesTransport
 from trainer.errors import ConfigError
 from trainer.storage.s3 import validate_bucket
@@ -32,7 +34,7 @@ class PipesChannels:
 
     @classmethod
     def local(cls) -> PipesChannels:
-        return cls(dg.PipesTempFileContextInjector(), dg.PipesTempFileMessageReader())
+        return cls(dg.PipesTempFileContextInjector(), WholeLineTempFileMessageReader())
 
 
 def _bad(message: str) -> Exception:

@@ -4,6 +4,10 @@ the S3 loader and writer exactly then (fast: no server, a recording client)."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+
 import dagster as dg
 import pytest
 from dagster_pipes import (
@@ -15,9 +19,11 @@ from dagster_pipes import (
 )
 
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
+from ckpt_assets.pipes_file import WholeLineTempFileMessageReader, whole_lines
 from ckpt_assets.pipes_s3 import S3ContextInjector, S3MessageReader
 from ckpt_assets.pipes_transport import DEFAULT_PIPES_PREFIX, pipes_channels, s3_location
 from ckpt_assets.trainer_process import LaunchError
+from tests.polling import wait_for
 from trainer.contract import PipesS3Params, PipesTransport
 from trainer.report import pipes_channels as trainer_channels
 
@@ -45,7 +51,7 @@ def test_the_default_trainer_keeps_pipes_in_local_files():
     channels = pipes_channels(TrainerResource(), CheckpointStore(uri="/tmp/store"))
     assert channels.transport is PipesTransport.LOCAL
     assert isinstance(channels.context_injector, dg.PipesTempFileContextInjector)
-    assert isinstance(channels.message_reader, dg.PipesTempFileMessageReader)
+    assert isinstance(channels.message_reader, WholeLineTempFileMessageReader)
 
 
 @pytest.mark.parametrize("trainer,store,says", [
@@ -98,3 +104,24 @@ def test_the_trainer_opens_s3_pipes_only_when_the_params_say_so(aws_env, monkeyp
     monkeypatch.setenv(DAGSTER_PIPES_CONTEXT_ENV_VAR, encode_param({"path": "/tmp/c"}))
     monkeypatch.setenv(DAGSTER_PIPES_MESSAGES_ENV_VAR, encode_param({"path": "/tmp/m"}))
     assert trainer_channels() == {}
+
+
+def test_a_message_read_half_written_is_handed_on_only_once_its_line_is_whole(tmp_path):
+    """The reader catches up with the writer mid-line (as it can when a write crosses a page):
+    it waits for the newline instead of parsing half a message, and every later message still
+    arrives. A last line the writer never finished is dropped, not parsed."""
+    path = tmp_path / "messages"
+    first = json.dumps({"method": "opened", "params": {}})
+    second = json.dumps({"method": "report_custom_message", "params": {"payload": "x" * 300}})
+    path.write_text(first + "\n" + second[:143])
+    done, got = threading.Event(), []
+    reader = threading.Thread(target=lambda: got.extend(whole_lines(str(path), done.is_set)))
+    reader.start()
+    wait_for(lambda: got, 10, what="the whole first line")
+    time.sleep(0.05)  # several polls of the half-written line
+    assert got == [first]
+    with path.open("a") as f:
+        f.write(second[143:] + "\n" + '{"method": "clo')
+    done.set()
+    reader.join(10)
+    assert [json.loads(line) for line in got] == [json.loads(first), json.loads(second)]

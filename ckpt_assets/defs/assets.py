@@ -204,8 +204,10 @@ def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
     # Once more at the end: an orphaned trainer of an earlier attempt may have committed
     # after the first look and before this attempt's trainer claimed the run.
     seen.extend(report.checkpoints)
-    seen.extend(record_unseen_checkpoints(context, repo, reg.run,
-                                          known={r.name for r in seen}))
+    late = record_unseen_checkpoints(context, repo, reg.run, known={r.name for r in seen})
+    seen.extend(late)
+    if late:  # committed, never reported (its report lost): MLflow's history gets them too
+        tracker.backfill(repo)
     ended = report.outcome(repo, proc, context)
     relaunch = (consider_relaunch(context, ended, proc.interrupted is not None, settings)
                 if ended.outcome.failed else None)
