@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.dagster_fixtures import stop_process_group
+from tests.dagster_fixtures import MLFLOW_DB, stop_process_group, with_migrated_mlflow_db
 from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +48,9 @@ def fresh_instance(workdir: Path, store: str, extra_env: dict | None = None,
     home = workdir / "dagster_home"
     home.mkdir(parents=True)
     shutil.copy(instance_yaml, home / "dagster.yaml")
+    with_migrated_mlflow_db(home)
     env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{home / MLFLOW_DB}",
            "PYTHONPATH": str(ROOT), "CKPT_RECONCILE_GRACE_S": "20",
            "CKPT_BACKOFF_BASE_S": "2", **(extra_env or {})}
     # Create the storage once, here: processes that create it concurrently race on its

@@ -7,12 +7,14 @@ written into the repository's dagster_home/ or checkpoints/.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ __all__ = ["blank_dagster_home", "dagster_home", "instance", "mlflow_uri", "shar
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 DAGSTER = str(Path(sys.executable).parent / "dagster")
+MLFLOW_DB = "mlflow.db"  # MLflowResource's default database, in DAGSTER_HOME
 
 # Small and fast: 256 samples / batch 32 = 8 steps per epoch (a checkpoint at each epoch end
 # and every 10 steps), evals every 20 steps.
@@ -65,11 +68,39 @@ def blank_dagster_home(tmp_path_factory) -> Path:
     return home
 
 
+@functools.cache
+def migrated_mlflow_db() -> Path:
+    """An empty MLflow sqlite database with all of MLflow's migrations applied, made once per
+    process. Making one costs seconds of CPU (9 s on a busy 2-core machine); a copy is
+    exactly what MLflow would make. The suite's homes and daemons start with a copy; the
+    tests of making one (test_mlflow_tracker) make theirs."""
+    from ckpt_assets.defs.resources import MLflowResource
+
+    db = Path(tempfile.mkdtemp(prefix="ckpt-mlflow-template-")) / MLFLOW_DB
+    MLflowResource(tracking_uri=f"sqlite:///{db}").client()
+    return db
+
+
+def made_mlflow_db(path: Path) -> str:
+    """The tracking URI of a new, empty MLflow database at `path` (a copy of
+    `migrated_mlflow_db`)."""
+    shutil.copyfile(migrated_mlflow_db(), path)
+    return f"sqlite:///{path}"
+
+
+def with_migrated_mlflow_db(home: Path) -> None:
+    """Give DAGSTER_HOME `home` the default MLflow database (`$DAGSTER_HOME/mlflow.db`), made."""
+    made_mlflow_db(home / MLFLOW_DB)
+
+
 @pytest.fixture
-def dagster_home(blank_dagster_home, tmp_path, monkeypatch) -> Path:
-    """A fresh DAGSTER_HOME holding a copy of the project's dagster_home/dagster.yaml."""
+def dagster_home(blank_dagster_home, tmp_path, monkeypatch, request) -> Path:
+    """A fresh DAGSTER_HOME holding a copy of the project's dagster_home/dagster.yaml; for a
+    slow test (whose runs open MLflow's default database), its MLflow database made too."""
     home = tmp_path / "dagster_home"
     shutil.copytree(blank_dagster_home, home)
+    if request.node.get_closest_marker("slow") is not None:
+        with_migrated_mlflow_db(home)
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     return home
 
@@ -83,9 +114,9 @@ def store_uri(tmp_path, monkeypatch) -> str:
 
 @pytest.fixture(scope="session")
 def shared_mlflow_db(tmp_path_factory) -> str:
-    """One MLflow database for the session: creating one costs seconds (schema migrations).
-    Tests that assert on MLflow's contents make their own (see test_mlflow_lineage)."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    """One MLflow database for the session, a copy of `migrated_mlflow_db`. Tests that assert
+    on MLflow's contents make their own (see test_mlflow_lineage)."""
+    return made_mlflow_db(tmp_path_factory.mktemp("mlflow") / MLFLOW_DB)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from ckpt_assets.metadata import checkpoint_metadata
 from ckpt_assets.mlflow_metrics import CHECKPOINT_BYTES
 from ckpt_assets.mlflow_tracking import MlflowTracker
 from ckpt_assets.registration import register_training_run
+from tests.dagster_fixtures import made_mlflow_db
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
@@ -69,8 +70,8 @@ def test_a_checkpoint_observation_carries_its_size_and_part_bytes():
 
 @pytest.fixture(scope="module")
 def mlflow_resource(tmp_path_factory) -> MLflowResource:
-    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
-    return MLflowResource(tracking_uri=f"sqlite:///{db}")
+    return MLflowResource(tracking_uri=made_mlflow_db(tmp_path_factory.mktemp("mlflow")
+                                                      / "mlflow.db"))
 
 
 def test_mlflow_records_checkpoint_bytes_once_per_committed_checkpoint(mlflow_resource):

@@ -20,6 +20,7 @@ from tests.dagster_fixtures import (
     ROOT,
     TrainerKiller,
     checkpoints,
+    made_mlflow_db,
     materializations,
     materialize_run,
     step_failure_metadata,
@@ -40,7 +41,7 @@ def resumed_run(tmp_path_factory):
     home.mkdir()
     shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
     store = base / "store"
-    tracking = f"sqlite:///{base}/mlflow.db"
+    tracking = made_mlflow_db(base / "mlflow.db")
     cfg = training_config(max_steps=60, task_args={"step_delay": 0.03},
                           checkpoint={"keep_last": 20})  # keep every link of the chain
     resources = make_resources(str(store), tracking_uri=tracking)

@@ -14,7 +14,7 @@ import pytest
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import CheckpointStore
 from tests.dagster_fixtures import *  # noqa: F403
-from tests.dagster_fixtures import materialize_run, training_config
+from tests.dagster_fixtures import made_mlflow_db, materialize_run, training_config
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_aws_keys_appear_in_no_stored_record(s3_env, dagster_home, tmp_path, mon
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     mlflow_dir = tmp_path / "mlflow"
     mlflow_dir.mkdir()
-    tracking = f"sqlite:///{mlflow_dir / 'mlflow.db'}"
+    tracking = made_mlflow_db(mlflow_dir / "mlflow.db")
     store = CheckpointStore(uri=s3_env["uri"], endpoint_url=dg.EnvVar("AWS_ENDPOINT_URL"),
                             region_name="us-east-1",
                             aws_access_key_id=dg.EnvVar("AWS_ACCESS_KEY_ID"),
