@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
+from ckpt_assets.file_tail import whole_lines
 from ckpt_assets.pipes_transport import PipesChannels
 from ckpt_assets.tags import TAG_PROCESSES
 from trainer.outcomes import STOP_SIGNALS
@@ -281,23 +282,9 @@ def start_process(argv: list[str], env: dict[str, str], cwd: str, output: str) -
 
 
 def tail(path: str, done: threading.Event) -> Iterator[str]:
-    """The lines of a file being written, as they come, until `done` is set and the file
-    has been read to its end."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        partial = ""
-        while True:
-            chunk = f.readline()
-            if chunk:
-                partial += chunk
-                if partial.endswith("\n"):
-                    yield partial
-                    partial = ""
-                continue
-            if done.is_set():
-                if partial:
-                    yield partial
-                return
-            time.sleep(POLL_S)
+    """The lines of the attempt's output as they come, until `done` is set and the file has
+    been read to its end (its unfinished last line too)."""
+    return whole_lines(path, done.is_set, POLL_S, unfinished_last=True)
 
 
 def run_to_end(argv: list[str], env: dict[str, str], cwd: str, output: str, grace_s: float,

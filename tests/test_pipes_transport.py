@@ -19,7 +19,8 @@ from dagster_pipes import (
 )
 
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
-from ckpt_assets.pipes_file import WholeLineTempFileMessageReader, whole_lines
+from ckpt_assets.file_tail import whole_lines
+from ckpt_assets.pipes_file import WholeLineTempFileMessageReader
 from ckpt_assets.pipes_s3 import S3ContextInjector, S3MessageReader
 from ckpt_assets.pipes_transport import DEFAULT_PIPES_PREFIX, pipes_channels, s3_location
 from ckpt_assets.trainer_process import LaunchError
@@ -106,16 +107,21 @@ def test_the_trainer_opens_s3_pipes_only_when_the_params_say_so(aws_env, monkeyp
     assert trainer_channels() == {}
 
 
-def test_a_message_read_half_written_is_handed_on_only_once_its_line_is_whole(tmp_path):
+@pytest.mark.parametrize("unfinished_last", [False, True])
+def test_a_line_read_half_written_is_handed_on_only_once_it_is_whole(tmp_path, unfinished_last):
     """The reader catches up with the writer mid-line (as it can when a write crosses a page):
-    it waits for the newline instead of parsing half a message, and every later message still
-    arrives. A last line the writer never finished is dropped, not parsed."""
+    it waits for the newline instead of handing on half a message, and every later line still
+    arrives. A last line the writer never finished is dropped from messages, kept in output."""
     path = tmp_path / "messages"
-    first = json.dumps({"method": "opened", "params": {}})
+    first = json.dumps({"method": "opened", "params": {}}) + "\n"
     second = json.dumps({"method": "report_custom_message", "params": {"payload": "x" * 300}})
-    path.write_text(first + "\n" + second[:143])
+    path.write_text(first + second[:143])
     done, got = threading.Event(), []
-    reader = threading.Thread(target=lambda: got.extend(whole_lines(str(path), done.is_set)))
+
+    def read() -> None:
+        got.extend(whole_lines(str(path), done.is_set, 0.01, unfinished_last=unfinished_last))
+
+    reader = threading.Thread(target=read)
     reader.start()
     wait_for(lambda: got, 10, what="the whole first line")
     time.sleep(0.05)  # several polls of the half-written line
@@ -124,4 +130,4 @@ def test_a_message_read_half_written_is_handed_on_only_once_its_line_is_whole(tm
         f.write(second[143:] + "\n" + '{"method": "clo')
     done.set()
     reader.join(10)
-    assert [json.loads(line) for line in got] == [json.loads(first), json.loads(second)]
+    assert got == [first, second + "\n"] + (['{"method": "clo'] if unfinished_last else [])
