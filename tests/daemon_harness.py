@@ -201,6 +201,16 @@ class Daemon:
                                                  after=after, statuses=done)
         return ticks
 
+    def tick_in_flight(self, name: str) -> bool:
+        """Whether an evaluation of sensor `name` has started and not yet finished."""
+        from dagster._core.scheduler.instigation import InstigatorType, TickStatus
+
+        return any(
+            self.instance.get_ticks(state.instigator_origin_id, state.selector_id,
+                                    statuses=[TickStatus.STARTED])
+            for state in self.instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
+            if state.instigator_name == name)
+
     def wait_for_ticks(self, counts: dict[str, int], timeout: float = 180) -> None:
         """Return once each named sensor has finished `counts[name]` more evaluations from
         now. A tick that raised, or a deadline that passes, fails the test: "nothing happened"

@@ -49,9 +49,21 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
         daemon.launch("s3run", cfg, tmp_path)
         hb = daemon.wait_for_step("s3run", 12, attempt=1)
         kill(hb["pid"], signal.SIGKILL)  # 1: failure sensor
-        daemon.wait_for_step("s3run", 1, attempt=2)
-        stopped = daemon.dagster("sensor", "stop", "resume_failed_training", "-w", "workspace.yaml")
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        hb = daemon.wait_for_step("s3run", 1, attempt=2)
+        # Held while the failure sensor stops: an evaluation the daemon began before the stop
+        # can still run after it, and on a busy machine one saw the next kill. So the kill
+        # waits for a daemon loop begun after the stop (another sensor's tick) and for no
+        # evaluation of the stopped sensor in flight.
+        kill(hb["pid"], signal.SIGSTOP)
+        try:
+            stopped = daemon.dagster("sensor", "stop", "resume_failed_training", "-w",
+                                     "workspace.yaml")
+            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+            daemon.wait_for_ticks({"resume_terminated_training": 1})
+            daemon.wait_until(lambda: not daemon.tick_in_flight("resume_failed_training"),
+                              "the stopped sensor's last evaluation to end")
+        finally:
+            kill(hb["pid"], signal.SIGCONT)
         hb = daemon.wait_for_step("s3run", 30, attempt=2)
         kill(hb["pid"], signal.SIGKILL)  # 2: only the reconciler can see this one
         daemon.wait_until(lambda: len(daemon.runs("s3run")) == 3, "the reconciler's resume")
