@@ -252,3 +252,13 @@ def _kill(pid: int, sig: int) -> None:
 
 def kill(pid: int, sig: int) -> None:
     _kill(pid, sig)
+
+
+@contextlib.contextmanager
+def held(pid: int):
+    """Process `pid` stopped (SIGSTOP) for the block, continued (SIGCONT) however it ends."""
+    kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        kill(pid, signal.SIGCONT)

@@ -11,11 +11,17 @@ import boto3
 import pytest
 
 from ckpt_assets.settings import Setting
-from tests.daemon_harness import Daemon, kill, training_config
+from tests.daemon_harness import Daemon, held, kill, training_config
 from tests.s3_state import final_state_s3
 from tests.trainer_proc import assert_bitwise_equal, run_trainer, training_state
 
 pytestmark = pytest.mark.slow
+
+
+def _sensor(daemon: Daemon, verb: str) -> None:
+    """`dagster sensor stop|start resume_failed_training`, which must succeed."""
+    res = daemon.dagster("sensor", verb, "resume_failed_training", "-w", "workspace.yaml")
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once_each(
@@ -54,32 +60,22 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
         # can still run after it, and on a busy machine one saw the next kill. So the kill
         # waits for a daemon loop begun after the stop (another sensor's tick) and for no
         # evaluation of the stopped sensor in flight.
-        kill(hb["pid"], signal.SIGSTOP)
-        try:
-            stopped = daemon.dagster("sensor", "stop", "resume_failed_training", "-w",
-                                     "workspace.yaml")
-            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        with held(hb["pid"]):
+            _sensor(daemon, "stop")
             daemon.wait_for_ticks({"resume_terminated_training": 1})
             daemon.wait_until(lambda: not daemon.tick_in_flight("resume_failed_training"),
                               "the stopped sensor's last evaluation to end")
-        finally:
-            kill(hb["pid"], signal.SIGCONT)
         hb = daemon.wait_for_step("s3run", 30, attempt=2)
         kill(hb["pid"], signal.SIGKILL)  # 2: only the reconciler can see this one
         daemon.wait_until(lambda: len(daemon.runs("s3run")) == 3, "the reconciler's resume")
         # The reconciler's resume is attempt 3. It is held (SIGSTOP) while the sensor comes
         # back, so that on a slow machine it cannot train to the end before the kill below.
         now = daemon.wait_for_step("s3run", 1, attempt=3)
-        kill(now["pid"], signal.SIGSTOP)
-        try:
-            started = daemon.dagster("sensor", "start", "resume_failed_training", "-w",
-                                     "workspace.yaml")
-            assert started.returncode == 0, started.stdout + started.stderr
+        with held(now["pid"]):
+            _sensor(daemon, "start")
             # The re-enabled sensor's first tick only sets its cursor: failures before it
             # are not its to see. Wait for that tick, not for a guess at its interval.
             daemon.wait_for_ticks({"resume_failed_training": 1})
-        finally:
-            kill(now["pid"], signal.SIGCONT)
         assert now["step"] < 120, now
         hb = daemon.wait_for_step("s3run", now["step"] + 5, attempt=3)
         kill(hb["pid"], signal.SIGTERM)  # 3: failure sensor again (a preemption)
