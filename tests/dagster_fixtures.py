@@ -6,6 +6,7 @@ written into the repository's dagster_home/ or checkpoints/.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -76,7 +77,9 @@ def migrated_mlflow_db() -> Path:
     tests of making one (test_mlflow_tracker) make theirs."""
     from ckpt_assets.defs.resources import MLflowResource
 
-    db = Path(tempfile.mkdtemp(prefix="ckpt-mlflow-template-")) / MLFLOW_DB
+    folder = tempfile.mkdtemp(prefix="ckpt-mlflow-template-")
+    atexit.register(shutil.rmtree, folder, True)
+    db = Path(folder) / MLFLOW_DB
     MLflowResource(tracking_uri=f"sqlite:///{db}").client()
     return db
 
