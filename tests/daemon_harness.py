@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckpt_assets.settings import Setting
 from tests.dagster_fixtures import MLFLOW_DB, stop_process_group, with_migrated_mlflow_db
 from tests.polling import wait_for
 
@@ -49,10 +50,12 @@ def fresh_instance(workdir: Path, store: str, extra_env: dict | None = None,
     home.mkdir(parents=True)
     shutil.copy(instance_yaml, home / "dagster.yaml")
     with_migrated_mlflow_db(home)
+    # A short back-off; a grace longer than the shipped one: the failure sensors own a failure
+    # for half of it (`failure_sensors_turn_s`), and a busy machine's sensor tick can come late.
     env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
            "MLFLOW_TRACKING_URI": f"sqlite:///{home / MLFLOW_DB}",
-           "PYTHONPATH": str(ROOT), "CKPT_RECONCILE_GRACE_S": "20",
-           "CKPT_BACKOFF_BASE_S": "2", **(extra_env or {})}
+           "PYTHONPATH": str(ROOT), Setting.RECONCILE_GRACE_S.value: "60",
+           Setting.BACKOFF_BASE_S.value: "2", **(extra_env or {})}
     # Create the storage once, here: processes that create it concurrently race on its
     # schema version table. The instance file's `env:` settings resolve from the same
     # environment the daemon gets.
@@ -146,7 +149,7 @@ class Daemon:
 
     def dagster(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN / "dagster"), *args], cwd=ROOT, env=self.env,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=300)
 
     # -- observation ----------------------------------------------------------------------
     def runs(self, partition: str) -> list:
@@ -164,7 +167,7 @@ class Daemon:
         except Exception:
             return None
 
-    def wait_for_step(self, run: str, step: int, attempt: int, timeout: float = 240) -> dict:
+    def wait_for_step(self, run: str, step: int, attempt: int, timeout: float = 420) -> dict:
         def reached():
             hb = self.heartbeat(run)
             return hb if hb and hb.get("attempt") == attempt and hb.get("step", 0) >= step \

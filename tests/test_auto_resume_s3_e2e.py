@@ -49,8 +49,12 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
 
     # The point is the sensors' and the reconciler's resumes, each a new run: a trainer
     # killed while its run worker lives would otherwise be relaunched in its own run.
+    # The trainer is held (SIGSTOP) across `dagster sensor` commands below, each of which
+    # loads the workspace: on a slow machine longer than the heartbeat timeout, and this
+    # test is not about a trainer declared dead.
     daemon = Daemon.start(tmp_path / "d", store,
-                          extra_env={**aws, Setting.IN_RUN_RELAUNCH.value: "0"})
+                          extra_env={**aws, Setting.IN_RUN_RELAUNCH.value: "0",
+                                     Setting.HEARTBEAT_TIMEOUT_S.value: "900"})
     try:
         daemon.launch("s3run", cfg, tmp_path)
         hb = daemon.wait_for_step("s3run", 12, attempt=1)

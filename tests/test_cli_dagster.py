@@ -151,7 +151,7 @@ def test_cli_launch_queues_one_train_job_run_per_partition_that_the_daemon_runs(
                                "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
-        done = _wait(lambda: instance.get_run_by_id(run.run_id).is_finished, 180,
+        done = _wait(lambda: instance.get_run_by_id(run.run_id).is_finished, 420,
                      "the daemon to run the queued run", interval=0.5)
         assert done
         assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS, \
@@ -183,7 +183,7 @@ def test_interrupting_the_run_stops_the_trainer_which_commits_before_it_exits(
     store = Path(store_uri)
     proc = _start_materialize(tmp_path, "stopped", **SLOW_RUN)
     try:
-        _wait(lambda: (pointer_step(store, "default", "stopped") or 0) >= 10, 120,
+        _wait(lambda: (pointer_step(store, "default", "stopped") or 0) >= 10, 300,
               "a committed checkpoint")
         trainer_pid = read_heartbeat_pid(store, "default", "stopped")
         proc.send_signal(sig)
@@ -219,7 +219,7 @@ def test_a_sigkilled_run_process_takes_its_trainer_down_after_a_final_commit(
     store = Path(store_uri)
     proc = _start_materialize(tmp_path, "orphan", **SLOW_RUN)
     try:
-        _wait(lambda: (pointer_step(store, "default", "orphan") or 0) >= 10, 120,
+        _wait(lambda: (pointer_step(store, "default", "orphan") or 0) >= 10, 300,
               "a committed checkpoint")
         trainer_pid = read_heartbeat_pid(store, "default", "orphan")
         proc.kill()  # SIGKILL: no handler runs in the orchestrator

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from datetime import UTC, datetime
 
 import dagster as dg
 import pytest
@@ -364,6 +365,43 @@ def test_a_failure_no_sensor_saw_is_decided_and_resumed_by_the_reconciler_after_
     (req,) = sweep(instance, store)
     assert req.run_key == f"resume-{run.run_id}"
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "preempted"
+
+
+def backdate_end(instance, run: dg.DagsterRun, seconds: float) -> None:
+    """Move the run's end `seconds` into the past, as a daemon down that long finds it."""
+    end = instance.get_run_record_by_id(run.run_id).end_time
+    instance.run_storage.handle_run_event(run.run_id, DagsterEvent(
+        DagsterEventType.RUN_FAILURE.value, job_name=run.job_name),
+        datetime.fromtimestamp(end - seconds, UTC))
+    assert instance.get_run_record_by_id(run.run_id).end_time == pytest.approx(end - seconds)
+
+
+def test_a_failure_past_the_failure_sensors_turn_is_resumed_by_the_reconciler_alone(
+        instance, store):
+    # A daemon back after being down finds a failure older than the grace, and evaluates
+    # all three sensors at once. Dagster launches a run_key once per sensor, so only one of
+    # them may ever launch the resume: the reconciler, which decides it.
+    run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
+    backdate_end(instance, run, ResumeSettings().launch_grace_s + 1)
+    skip = on_failure(instance, run, store)
+    assert isinstance(skip, dg.SkipReason) and "reconciler" in skip.skip_message
+    assert TAG_DECISION not in tags_of(instance, run)
+    (req,) = sweep(instance, store)
+    # Evaluated again on the same failure after the reconciler's decision and before its
+    # resume exists: still nothing from the failure sensor.
+    assert isinstance(on_failure(instance, run, store), dg.SkipReason)
+    assert req.run_key == f"resume-{run.run_id}" and len(decisions(instance)) == 1
+
+
+def test_the_failure_sensors_turn_ends_half_a_grace_before_the_reconciler_decides(
+        instance, store):
+    # In between neither decides: a failure sensor's evaluation begun in its turn records
+    # its decision before the reconciler may decide the same failure.
+    run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
+    backdate_end(instance, run, ResumeSettings().launch_grace_s * 0.75)
+    assert isinstance(on_failure(instance, run, store), dg.SkipReason)
+    assert sweep(instance, store) == []
+    assert TAG_DECISION not in tags_of(instance, run)
 
 
 def test_a_backed_off_resume_is_launched_by_the_reconciler_only_once_it_is_due(

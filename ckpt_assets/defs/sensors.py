@@ -47,9 +47,25 @@ TICK_S = DAEMON_LOOP_S - 1
 RECONCILE_EVERY_S = 15.0
 
 
+def failure_sensors_turn_s(settings: ResumeSettings) -> float:
+    """How long after a run ended the failure sensors act on it. Past it the run is the
+    reconciler's alone, which decides an undecided run only the whole grace after its end.
+
+    One owner per failure at any time: Dagster launches a run_key once per sensor, not once
+    across sensors, so a failure that two sensors acted on would be resumed twice. A daemon
+    back from a downtime evaluates all of them at once on the failures it missed; those are
+    the reconciler's. The half grace between the two turns is the longest a failure
+    sensor's evaluation may take from reading the run to recording its decision."""
+    return settings.launch_grace_s / 2
+
+
 def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
-    run = context.dagster_run
-    req = consider(context.instance, run, store, sweep=False)
+    run, settings = context.dagster_run, ResumeSettings.from_env()
+    ended = context.instance.get_run_record_by_id(run.run_id).end_time
+    if ended is not None and time.time() - ended >= failure_sensors_turn_s(settings):
+        return dg.SkipReason(f"run {run.run_id[:8]} ended {time.time() - ended:.0f}s ago, past "
+                             "the failure sensors' turn: the reconciler decides and resumes it")
+    req = consider(context.instance, run, store, sweep=False, settings=settings)
     reason = context.instance.get_run_by_id(run.run_id).tags.get(TAG_DECISION_REASON)
     if req is None:
         return dg.SkipReason(f"run {run.run_id[:8]}: {reason or 'not a training run'}")
