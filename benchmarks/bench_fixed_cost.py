@@ -83,27 +83,35 @@ def one_run(daemon: Daemon, name: str, work: Path) -> dict[str, float]:
     return row
 
 
-def interpreter_s(module: str, n: int = 3) -> float:
-    """Median wall time of a fresh `python -c "import MODULE"`: what any launch command
-    (dagster) or trainer process (torch) pays before its own first line runs."""
+def interpreter_s(code: str, n: int = 3) -> float:
+    """Median wall time of a fresh `python -c CODE`: what any launch command (dagster) or
+    trainer process (torch) pays before its own first line runs."""
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
+        subprocess.run([sys.executable, "-c", code], check=True)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+# What every trainer runs before its first step, whoever wrote its loop: torch, and the
+# Dynamo and Inductor that torch.optim imports when an optimizer takes its parameters
+# (`torch._disable_dynamo`; about 800 modules).
+TRAINER_FLOOR = ("import torch; torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())")
 
 
 def print_floor(med: dict[str, float]) -> None:
     """What no ckpt-assets change can remove from this machine's fixed cost: Dagster's own
     run machinery (the queue, the run worker's spawn and start, the run's end), measured on
     these runs, and the two fresh interpreters a launch needs (the launch command's, with
-    Dagster imported; the trainer's, with torch imported) unless they are started earlier."""
+    Dagster imported; the trainer's, with torch imported and an optimizer made) unless they
+    are started earlier."""
     dagster_own = med["dequeue"] + med["worker"] + med["succeed"]
-    cli, trainer = interpreter_s("dagster"), interpreter_s("torch")
+    cli, trainer = interpreter_s("import dagster"), interpreter_s(TRAINER_FLOOR)
     print(f"floor: Dagster's run machinery {dagster_own:.2f}s (dequeue + worker + succeed) + "
-          f"a fresh interpreter importing dagster {cli:.2f}s + one importing torch "
-          f"{trainer:.2f}s = {dagster_own + cli + trainer:.2f}s; ckpt-assets' own part of "
+          f"a fresh interpreter importing dagster {cli:.2f}s + one importing torch and "
+          f"making an optimizer {trainer:.2f}s = {dagster_own + cli + trainer:.2f}s; "
+          f"ckpt-assets' own part of "
           f"the median: {med['fixed'] - dagster_own - cli - trainer:.2f}s")
 
 
