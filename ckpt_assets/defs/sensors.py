@@ -59,12 +59,18 @@ def failure_sensors_turn_s(settings: ResumeSettings) -> float:
     return settings.launch_grace_s / 2
 
 
+def _ended_s_ago(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float) -> float:
+    """Seconds since the run ended (0 for a run with no end time recorded yet)."""
+    end = instance.get_run_record_by_id(run.run_id).end_time
+    return now - end if end is not None else 0.0
+
+
 def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
     run, settings = context.dagster_run, ResumeSettings.from_env()
-    ended = context.instance.get_run_record_by_id(run.run_id).end_time
-    if ended is not None and time.time() - ended >= failure_sensors_turn_s(settings):
-        return dg.SkipReason(f"run {run.run_id[:8]} ended {time.time() - ended:.0f}s ago, past "
-                             "the failure sensors' turn: the reconciler decides and resumes it")
+    age = _ended_s_ago(context.instance, run, time.time())
+    if age >= failure_sensors_turn_s(settings):
+        return dg.SkipReason(f"run {run.run_id[:8]} ended {age:.0f}s ago, past the failure "
+                             "sensors' turn: the reconciler decides and resumes it")
     req = consider(context.instance, run, store, sweep=False, settings=settings)
     reason = context.instance.get_run_by_id(run.run_id).tags.get(TAG_DECISION_REASON)
     if req is None:
@@ -166,10 +172,9 @@ def _sweep(context, instance: dg.DagsterInstance, store: CheckpointStore,
     ended = instance.get_runs(filters=dg.RunsFilter(
         statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]), limit=LOOKBACK_RUNS)
     for run in ended:
-        if TAG_DECISION not in run.tags:
-            end = instance.get_run_record_by_id(run.run_id).end_time or now
-            if now - end < settings.launch_grace_s:
-                continue  # the failure sensors have not had their turn yet
+        if TAG_DECISION not in run.tags and \
+                _ended_s_ago(instance, run, now) < settings.launch_grace_s:
+            continue  # within the failure sensors' turn, or the half grace after it
         req = consider(instance, run, store, sweep=True, settings=settings)
         if req is not None:
             requests.append(req)
