@@ -23,7 +23,9 @@ resume), its trainer is retired, in this order:
 3. a trainer on this machine (its beat names this host and boot, and its pid still has the
    start time the beat recorded) is stopped: SIGTERM and SIGCONT to its process group (a
    frozen process acts on SIGTERM only once continued), a grace, SIGKILL, and it is seen
-   gone. A trainer elsewhere, or one that cannot be identified, is asked to stop through the
+   gone; a trainer the fence could not reach (a frozen one holding the local store's
+   pointer lock) gets no grace, in which it could commit: SIGKILL at once, then the fence
+   again. A trainer elsewhere, or one that cannot be identified, is asked to stop through the
    attempt's launcher (Dagster run termination); fencing is the backstop.
 """
 
@@ -106,11 +108,16 @@ def retire(instance: dg.DagsterInstance, run: dg.DagsterRun, store: CheckpointSt
     docstring says why in this order); returns what was done, in words."""
     tag = LIVENESS_TAGS[verdict.outcome]
     instance.add_run_tags(run.run_id, {tag: verdict.reason})
-    attempt = int(run.tags.get(TAG_ATTEMPT, "1") or 1)
-    done = [verdict.reason, fence(store, run.tags[PARTITION_TAG], attempt)]
+    attempt, partition = int(run.tags.get(TAG_ATTEMPT, "1") or 1), run.tags[PARTITION_TAG]
+    fenced, words = fence(store, partition, attempt)
+    done = [verdict.reason, words]
     beat = own_beat(beat, run.run_id)
-    stopped = stop_trainer(beat.process, settings.stop_grace_s) if beat else None
+    # The grace lets a fenced trainer end cleanly; one not fenced could commit in it.
+    grace = settings.stop_grace_s if fenced else None
+    stopped = stop_trainer(beat.process, grace) if beat else None
     done.append(stopped or request_termination(instance, run))
+    if not fenced:  # e.g. the frozen trainer held the pointer's lock until it was killed
+        done.append(f"then: {fence(store, partition, attempt)[1]}")
     words = "; ".join(done)
     # The verdict, and what was done about it: the moment the trainer is gone, its run worker
     # writes the run's tags too (`add_tags_that_stick`).
@@ -124,21 +131,24 @@ def retire(instance: dg.DagsterInstance, run: dg.DagsterRun, store: CheckpointSt
     return words
 
 
-def fence(store: CheckpointStore, partition: str, attempt: int) -> str:
+def fence(store: CheckpointStore, partition: str, attempt: int) -> tuple[bool, str]:
+    """(whether attempts up to `attempt` are fenced off the run now, what happened in
+    words); a fence that failed is no reason not to stop the trainer."""
     try:
         repo = run_repo(store, partition)
         if repo is None:
-            return "not fenced: the run is not registered in the store"
+            return True, "not fenced: the run is not registered in the store"
         ptr = repo.fence(attempt)
-    except Exception as e:  # stopping the trainer still goes ahead
-        return f"NOT fenced ({type(e).__name__}: {e})"
-    return (f"fenced: attempts up to {attempt} can no longer commit or claim the run "
-            f"(pointer generation {ptr.generation})")
+    except Exception as e:
+        return False, f"NOT fenced ({type(e).__name__}: {e})"
+    return True, (f"fenced: attempts up to {attempt} can no longer commit or claim the run "
+                  f"(pointer generation {ptr.generation})")
 
 
-def stop_trainer(proc: ProcessId | None, grace_s: float) -> str | None:
-    """Stop the trainer process `proc` and its process group if it runs on this machine;
-    what happened, in words, or None when it is not ours to signal (another machine, or it
+def stop_trainer(proc: ProcessId | None, grace_s: float | None) -> str | None:
+    """Stop the trainer process `proc` and its process group if it runs on this machine:
+    SIGTERM and `grace_s` seconds, then SIGKILL (at once when `grace_s` is None); what
+    happened, in words, or None when it is not ours to signal (another machine, or it
     cannot be told apart from a process that reuses its pid)."""
     if proc is None or not proc.on_this_machine():
         return None
@@ -150,16 +160,18 @@ def stop_trainer(proc: ProcessId | None, grace_s: float) -> str | None:
     targets = ([("group", group)] if group == proc.pgid and group not in (None, 0, 1)
                and group != os.getpgrp() else [("pid", proc.pid)])
     try:
-        _signal(targets, signal.SIGTERM)
-        _signal(targets, signal.SIGCONT)  # a frozen process acts on SIGTERM once continued
-        if _gone(proc, targets, grace_s):
-            return f"{who} stopped by SIGTERM"
+        if grace_s is not None:
+            _signal(targets, signal.SIGTERM)
+            _signal(targets, signal.SIGCONT)  # a frozen process acts on SIGTERM once continued
+            if _gone(proc, targets, grace_s):
+                return f"{who} stopped by SIGTERM"
         _signal(targets, signal.SIGKILL)
     except PermissionError:
         return None  # not ours: the launcher is asked instead
+    how = "at once" if grace_s is None else f"{grace_s:.0f}s after SIGTERM"
     if _gone(proc, targets, KILL_WAIT_S):
-        return f"{who} killed (SIGKILL {grace_s:.0f}s after SIGTERM)"
-    return f"{who} still running after SIGKILL (fenced: it cannot commit)"
+        return f"{who} killed (SIGKILL {how})"
+    return f"{who} still running after SIGKILL {how}"
 
 
 def _signal(targets: list[tuple[str, int]], sig: int) -> None:

@@ -173,15 +173,27 @@ class Daemon:
             return hb if hb and hb.get("attempt") == attempt and hb.get("step", 0) >= step \
                 else None
 
-        def details() -> str:
-            runs = [(r.run_id[:8], r.status.value) for r in self.runs(run)]
-            return f"heartbeat: {self.heartbeat(run)}; runs: {runs}\n{self.log_tail()}"
-
         return wait_for(reached, timeout, 0.05, f"{run}: attempt {attempt} to reach step {step}",
-                        details)
+                        lambda: self.state_of(run))
 
-    def wait_until(self, pred, what: str, timeout: float = 300, every: float = 0.5):
-        return wait_for(pred, timeout, every, what, self.log_tail)
+    def state_of(self, run: str) -> str:
+        """What a failed wait on `run` prints: its runs with their ckpt tags, its heartbeat,
+        the sensors whose evaluation is in flight, and the daemon log's tail."""
+        lines = [f"heartbeat: {self.heartbeat(run)}"]
+        for r in self.runs(run):
+            ours = {k: v for k, v in r.tags.items() if k.startswith("ckpt/")}
+            lines.append(f"run {r.run_id[:8]} {r.status.value} {ours}")
+        from dagster._core.scheduler.instigation import InstigatorType
+
+        busy = [s.instigator_name for s in self.instance.all_instigator_state(
+            instigator_type=InstigatorType.SENSOR) if self.tick_in_flight(s.instigator_name)]
+        lines.append(f"sensors evaluating now: {busy}")
+        return "\n".join(lines) + "\n" + self.log_tail(120)
+
+    def wait_until(self, pred, what: str, timeout: float = 300, every: float = 0.5,
+                   run: str | None = None):
+        return wait_for(pred, timeout, every, what,
+                        (lambda: self.state_of(run)) if run else self.log_tail)
 
     def wait_done(self, run: str, timeout: float = 400) -> object:
         """Wait until the newest run of the partition succeeded and nothing is queued."""
@@ -190,7 +202,7 @@ class Daemon:
             if runs and runs[-1].status.value == "SUCCESS":
                 return runs[-1]
             return None
-        return self.wait_until(done, f"{run} to finish successfully", timeout)
+        return self.wait_until(done, f"{run} to finish successfully", timeout, run=run)
 
     def sensor_ticks(self, name: str, after: float) -> list:
         """Finished evaluations of sensor `name` that started after `after` (epoch seconds)."""

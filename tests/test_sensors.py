@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict
 from datetime import UTC, datetime
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -578,6 +579,34 @@ def test_a_frozen_trainer_on_this_machine_is_stopped_with_its_group_before_the_r
     assert tags_of(instance, run).get(TAG_DECISION) is None  # the failure sensor decides
     on_failure(instance, run, store)
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
+
+
+@pytest.mark.slow
+def test_a_frozen_trainer_holding_the_pointer_lock_is_killed_at_once_then_fenced(
+        instance, store, processes):
+    # Frozen inside a commit: the fence cannot take the pointer's lock until the trainer is
+    # gone, and a trainer not fenced gets no SIGTERM grace (it could commit in it).
+    repo = _repo(store)
+    lock = repo.store.root / Path(repo.pointer_key).parent / f".{Path(repo.pointer_key).name}.lock"
+    trainer = processes(f"import fcntl, os, time; fd = os.open({str(lock)!r}, os.O_RDWR); "
+                        "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
+                        "time.sleep(600)")
+    assert trainer.stdout.readline().strip() == "locked"
+    os.kill(trainer.pid, signal.SIGSTOP)
+    run = started_run(instance, started_ago=3600)
+    write_beat(store, run, age_s=3600, proc=ProcessId.of(trainer.pid))
+    generation = repo.read_pointer().generation
+    sweep(instance, store)
+    assert trainer.poll() == -signal.SIGKILL
+    said = tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+    assert f"NOT fenced (LockHeldError: {repo.store.uri_for(repo.pointer_key)}" in said, said
+    assert f"locked by process {trainer.pid}, which is stopped" in said, said
+    assert f"trainer pid {trainer.pid} on {socket.gethostname()} killed (SIGKILL at once)" in said
+    assert "then: fenced: attempts up to 1" in said, said
+    assert repo.read_pointer().generation == generation + 1
+    with pytest.raises(PointerConflictError):
+        repo.claim("step-000000020-a1", at_least=1, launched=True)
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
 
 
 @pytest.mark.slow

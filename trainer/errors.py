@@ -58,6 +58,10 @@ class AlreadyExistsError(StorageError):
     """A create-once write found the name taken: never overwrite a committed object."""
 
 
+class LockHeldError(StorageError):
+    """A write that needs a lock found it held by a process that is stopped or stuck."""
+
+
 class PointerConflictError(TrainerError):
     """Another attempt moved latest.json: this writer lost the race and must stop."""
 

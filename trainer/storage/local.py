@@ -12,7 +12,6 @@ with the store's path in the message; temp files of a failed write are always re
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import os
 import stat
@@ -42,6 +41,7 @@ from trainer.storage.local_files import (
     write_all,
 )
 from trainer.storage.local_files import temp_name as _temp_name
+from trainer.storage.pointer_lock import lock_exclusive
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # `_temp_name` is looked up in this module at each write, so a fault-injection harness can
@@ -325,7 +325,7 @@ class LocalStore(ObjectStore):
             lock = os.open(f".{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                            0o644, dir_fd=dfd)
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+                lock_exclusive(lock, f"{self.uri_for(key)} (its lock file .{name}.lock)")
                 yield dfd, name
             finally:
                 os.close(lock)  # releases the flock
