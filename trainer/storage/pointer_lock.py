@@ -51,19 +51,25 @@ def lock_holder(fd: int) -> int | None:
     """The pid holding a flock on the file open at `fd`, from /proc/locks (Linux), or None
     when it cannot be told."""
     st = os.fstat(fd)
-    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
         with open("/proc/locks") as f:
             lines = f.readlines()
     except OSError:
         return None
+    # "1: FLOCK ADVISORY WRITE 4242 08:01:131 0 EOF" (a waiter's line has "->" after "1:").
+    # The device printed is the filesystem's own, which can differ from st_dev (btrfs
+    # subvolumes, overlays): the inode is matched, and the device when one line has it.
+    held = {}
     for line in lines:
         fields = line.split()
-        # "1: FLOCK ADVISORY WRITE 4242 08:01:131 0 EOF"; a waiter's line has "->" after "1:".
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == want:
-            return int(fields[4]) if fields[4].lstrip("-").isdigit() and \
-                int(fields[4]) > 0 else None
-    return None
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[4].isdigit():
+            dev, _, ino = fields[5].rpartition(":")
+            if ino == str(st.st_ino):
+                held[dev] = int(fields[4])
+    ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    if ours in held:
+        return held[ours]
+    return next(iter(held.values())) if len(held) == 1 else None
 
 
 def process_state(pid: int) -> str | None:
