@@ -33,7 +33,7 @@ def held(store: LocalStore):
     would hold it: flock locks belong to the open file, not to the process)."""
     fd = os.open(store.root / Path(KEY).parent / f".{Path(KEY).name}.lock", os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # never waits: nothing else may hold it
         yield fd
     finally:
         os.close(fd)
@@ -42,6 +42,31 @@ def held(store: LocalStore):
 def test_the_holder_of_a_pointer_lock_is_found_by_its_pid(store):
     with held(store) as fd:
         assert pointer_lock.lock_holder(fd) == os.getpid()
+        assert pointer_lock.lock_holder(fd, exact_device=True) == os.getpid()
+
+
+@pytest.mark.slow
+def test_a_child_forked_while_a_commit_holds_the_lock_does_not_hold_it(store):
+    # A DataLoader worker forked while the background commit holds the pointer's lock.
+    dfd = os.open(store.root / "exp" / "run", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pointer_lock.exclusive_lock(dfd, ".latest.json.lock", "the pointer"):
+            read, write = os.pipe()
+            child = os.fork()
+            if child == 0:  # the worker lives on, idle, until the parent is done
+                os.read(read, 1)
+                os._exit(0)
+    finally:
+        os.close(dfd)
+    try:
+        _, token = store.read_versioned(KEY)
+        with held(store) as fd:  # taken at once: the child's copy was closed at the fork
+            assert pointer_lock.lock_holder(fd) == os.getpid()
+        store.write_if(KEY, b"v2", token)
+    finally:
+        os.write(write, b"x")
+        os.waitpid(child, 0)
+        os.close(read), os.close(write)
 
 
 def test_a_pointer_write_waits_for_a_lock_held_briefly_and_then_succeeds(store):
@@ -64,7 +89,7 @@ def test_a_lock_held_past_the_wait_fails_the_write_naming_its_holder_and_writes_
         store.write_if(KEY, b"v2", token)
     said = str(raised.value)
     assert said.startswith(f"{store.uri_for(KEY)} (its lock file .latest.json.lock) is locked "
-                           f"by process {os.getpid()}, which has held it for over 0.3s")
+                           f"by process {os.getpid()}, which still holds it after 0.3s")
     assert "nothing was written" in said and f"kill {os.getpid()}" in said
     assert isinstance(raised.value, StorageError)  # the attempt fails as storage, resumable
     assert store.read_versioned(KEY) == (b"v1", token)

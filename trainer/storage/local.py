@@ -41,7 +41,7 @@ from trainer.storage.local_files import (
     write_all,
 )
 from trainer.storage.local_files import temp_name as _temp_name
-from trainer.storage.pointer_lock import lock_exclusive
+from trainer.storage.pointer_lock import exclusive_lock
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # `_temp_name` is looked up in this module at each write, so a fault-injection harness can
@@ -321,14 +321,9 @@ class LocalStore(ObjectStore):
     @contextmanager
     def _locked(self, key: str) -> Iterator[tuple[int, str]]:
         parts, name = self._split(key)
-        with self._dir(parts, create=True) as dfd:
-            lock = os.open(f".{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                           0o644, dir_fd=dfd)
-            try:
-                lock_exclusive(lock, f"{self.uri_for(key)} (its lock file .{name}.lock)")
-                yield dfd, name
-            finally:
-                os.close(lock)  # releases the flock
+        with self._dir(parts, create=True) as dfd, exclusive_lock(
+                dfd, f".{name}.lock", f"{self.uri_for(key)} (its lock file .{name}.lock)"):
+            yield dfd, name
 
     @staticmethod
     def _token(data: bytes) -> str:

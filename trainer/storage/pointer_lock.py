@@ -1,17 +1,24 @@
 """The local store's pointer lock: an exclusive flock, waited for with a bound.
 
 A writer holds it only to read, compare and replace one small file, so a wait longer than
-`LOCK_WAIT_S` means its holder is stuck. A holder that is stopped (SIGSTOP, a debugger, a
-frozen container) holds it until it is continued and is not waited for at all: the
-orchestrator's fence of a frozen trainer must go on to stop that trainer, which releases
-the lock, rather than wait on it forever (a blocking flock hung the reconciler that way).
+`LOCK_WAIT_S` means its holder is stuck. A holder that is stopped (SIGSTOP, a debugger)
+holds it until it is continued and is not waited for at all: the orchestrator's fence of a
+frozen trainer must go on to stop that trainer, which releases the lock, rather than wait
+on it forever (a blocking flock hung the reconciler that way).
+
+A flock belongs to the open file, which a fork shares: a DataLoader worker forked while a
+background commit held the lock would hold it for as long as it lives. A child closes its
+copies at once (`os.register_at_fork`).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from trainer.errors import LockHeldError
 
@@ -20,6 +27,43 @@ from trainer.errors import LockHeldError
 LOCK_WAIT_S = 20.0
 # Process states (/proc/PID/stat) in which a process runs no code until it is continued.
 _STOPPED_STATES = frozenset("Tt")
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+# The lock files this process has open; the guard keeps a fork from falling between an
+# open and its entry here.
+_open_locks: set[int] = set()
+_guard = threading.Lock()
+
+
+@contextmanager
+def exclusive_lock(dir_fd: int, name: str, what: str, wait_s: float | None = None
+                   ) -> Iterator[None]:
+    """Hold lock file `name` in directory `dir_fd` exclusively for the block (see
+    `lock_exclusive`); it is released when the block ends, in a forked child at once."""
+    with _guard:
+        fd = os.open(name, _LOCK_FLAGS, 0o644, dir_fd=dir_fd)
+        _open_locks.add(fd)
+    try:
+        lock_exclusive(fd, what, wait_s)
+        yield
+    finally:
+        with _guard:
+            _open_locks.discard(fd)
+            os.close(fd)  # releases the flock
+
+
+def _close_in_child() -> None:
+    for fd in _open_locks:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _open_locks.clear()
+    _guard.release()  # held by the thread that forked, which is this child's only thread
+
+
+os.register_at_fork(before=_guard.acquire, after_in_parent=_guard.release,
+                    after_in_child=_close_in_child)
 
 
 def lock_exclusive(fd: int, what: str, wait_s: float | None = None) -> None:
@@ -34,12 +78,15 @@ def lock_exclusive(fd: int, what: str, wait_s: float | None = None) -> None:
             return
         except BlockingIOError:
             pass
-        holder = lock_holder(fd)
-        state = process_state(holder) if holder else None
-        if state in _STOPPED_STATES or time.monotonic() >= deadline:
+        # Only a holder matched on device and inode is judged stopped: acting on another
+        # filesystem's file of the same inode number would fail a healthy write.
+        exact = lock_holder(fd, exact_device=True)
+        stopped = exact is not None and process_state(exact) in _STOPPED_STATES
+        if stopped or time.monotonic() >= deadline:
+            holder = exact or lock_holder(fd)
             who = f"process {holder}" if holder else "another process"
-            why = "is stopped (SIGSTOP or a debugger)" if state in _STOPPED_STATES else \
-                f"has held it for over {wait_s:g}s"
+            why = "is stopped (SIGSTOP or a debugger)" if stopped else \
+                f"still holds it after {wait_s:g}s"
             raise LockHeldError(
                 f"{what} is locked by {who}, which {why}; nothing was written. Continue or "
                 f"end that process (kill -CONT / kill {holder or 'PID'}), then try again.")
@@ -47,29 +94,32 @@ def lock_exclusive(fd: int, what: str, wait_s: float | None = None) -> None:
         pause = min(pause * 2, 0.05)
 
 
-def lock_holder(fd: int) -> int | None:
+def lock_holder(fd: int, exact_device: bool = False) -> int | None:
     """The pid holding a flock on the file open at `fd`, from /proc/locks (Linux), or None
-    when it cannot be told."""
+    when it cannot be told. Unless `exact_device`, a lone holder of a file with the same
+    inode on another device counts: the device printed there is the filesystem's own,
+    which can differ from st_dev (btrfs subvolumes, overlays)."""
     st = os.fstat(fd)
     try:
         with open("/proc/locks") as f:
             lines = f.readlines()
     except OSError:
         return None
-    # "1: FLOCK ADVISORY WRITE 4242 08:01:131 0 EOF" (a waiter's line has "->" after "1:").
-    # The device printed is the filesystem's own, which can differ from st_dev (btrfs
-    # subvolumes, overlays): the inode is matched, and the device when one line has it.
-    held = {}
+    # "1: FLOCK ADVISORY WRITE 4242 08:01:131 0 EOF" (a waiter's line has "->" after "1:";
+    # a holder in another pid namespace shows pid 0 or -1).
+    held = []
     for line in lines:
         fields = line.split()
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[4].isdigit():
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[4].isdigit() and \
+                int(fields[4]) > 0:
             dev, _, ino = fields[5].rpartition(":")
             if ino == str(st.st_ino):
-                held[dev] = int(fields[4])
+                held.append((dev, int(fields[4])))
     ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    if ours in held:
-        return held[ours]
-    return next(iter(held.values())) if len(held) == 1 else None
+    exact = [pid for dev, pid in held if dev == ours]
+    if exact or exact_device:
+        return exact[0] if exact else None
+    return held[0][1] if len({pid for _, pid in held}) == 1 else None
 
 
 def process_state(pid: int) -> str | None:
