@@ -49,24 +49,27 @@ def test_the_holder_of_a_pointer_lock_is_found_by_its_pid(store):
 def test_a_child_forked_while_a_commit_holds_the_lock_does_not_hold_it(store):
     # A DataLoader worker forked while the background commit holds the pointer's lock.
     dfd = os.open(store.root / "exp" / "run", os.O_RDONLY | os.O_DIRECTORY)
+    (go, go_w), (up, up_w) = os.pipe(), os.pipe()
     try:
         with pointer_lock.exclusive_lock(dfd, ".latest.json.lock", "the pointer"):
-            read, write = os.pipe()
             child = os.fork()
-            if child == 0:  # the worker lives on, idle, until the parent is done
-                os.read(read, 1)
+            if child == 0:  # past its fork hooks: it says so, and idles until told to end
+                os.write(up_w, b"r")
+                os.read(go, 1)
                 os._exit(0)
     finally:
         os.close(dfd)
     try:
+        assert os.read(up, 1) == b"r"
         _, token = store.read_versioned(KEY)
         with held(store) as fd:  # taken at once: the child's copy was closed at the fork
             assert pointer_lock.lock_holder(fd) == os.getpid()
         store.write_if(KEY, b"v2", token)
     finally:
-        os.write(write, b"x")
+        os.write(go_w, b"x")
         os.waitpid(child, 0)
-        os.close(read), os.close(write)
+        for fd in (go, go_w, up, up_w):
+            os.close(fd)
 
 
 def test_a_pointer_write_waits_for_a_lock_held_briefly_and_then_succeeds(store):
