@@ -57,11 +57,10 @@ class Verdict:
 
 
 def read_beat(store: CheckpointStore, partition: str) -> Beat | None:
-    try:
-        repo = run_repo(store, partition)
-        return repo.read_beat() if repo else None
-    except Exception:  # an unreadable store is no evidence either way; the timeout decides
-        return None
+    """The newest heartbeat of training run `partition`, None if it has none; a store that
+    cannot be read raises (no evidence either way: the caller judges nothing)."""
+    repo = run_repo(store, partition)
+    return repo.read_beat() if repo else None
 
 
 def own_beat(beat: Beat | None, run_id: str) -> Beat | None:

@@ -55,7 +55,7 @@ from ckpt_assets.tags import (
     TAG_STALLED,
 )
 from tests import dagster_runs
-from trainer.errors import PointerConflictError
+from trainer.errors import PointerConflictError, StorageError
 from trainer.liveness import Beat, ProcessId
 from trainer.outcomes import Kind, Outcome
 from trainer.repo import CheckpointRepo
@@ -437,6 +437,23 @@ def test_a_started_run_with_a_fresh_heartbeat_is_left_alone(instance, store):
     beat(store, age_s=0)
     assert sweep(instance, store) == []
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+
+
+def test_a_run_whose_heartbeat_cannot_be_read_is_not_judged_dead(instance, store, monkeypatch):
+    # A store that does not answer is no evidence: "no heartbeat" would kill a healthy trainer.
+    def store_down(self):
+        raise StorageError("s3://bucket/e/run-a/heartbeat.json: endpoint did not answer")
+
+    run = started_run(instance, started_ago=3600)
+    monkeypatch.setattr(CheckpointRepo, "read_beat", store_down)
+    skipped = reconcile_training_runs(dg.build_sensor_context(
+        instance=instance, resources={"checkpoint_store": store}))
+    assert isinstance(skipped, dg.SkipReason)
+    assert f"{run.run_id[:8]}: not judged, its heartbeat could not be read from the store " \
+           "(StorageError: s3://bucket/e/run-a/heartbeat.json: endpoint did not answer)" \
+           in skipped.skip_message
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+    assert TAG_HEARTBEAT_LOST not in tags_of(instance, run)
 
 
 def test_a_run_that_just_started_is_given_time_before_its_first_heartbeat(instance, store):

@@ -115,7 +115,12 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
         if not is_training_run(run):
             continue
         started = instance.get_run_record_by_id(run.run_id).start_time or now
-        beat = read_beat(store, run.tags[PARTITION_TAG])
+        try:
+            beat = read_beat(store, run.tags[PARTITION_TAG])
+        except Exception as e:  # "no beat" would declare a healthy trainer dead
+            notes.append(f"{run.run_id[:8]}: not judged, its heartbeat could not be read from "
+                         f"the store ({type(e).__name__}: {e})")
+            continue
         verdict = judge(beat, run.run_id, started, now, settings)
         if verdict is not None:
             notes.append(f"{run.run_id[:8]}: {retire(instance, run, store, beat, verdict, settings)}")
