@@ -137,7 +137,7 @@ class Daemon:
             time.sleep(0.2)
 
     # -- actions --------------------------------------------------------------------------
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ckpt_assets", *args], cwd=ROOT, env=self.env,
                               capture_output=True, text=True, timeout=timeout)
 
@@ -226,7 +226,7 @@ class Daemon:
             for state in self.instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
             if state.instigator_name == name)
 
-    def wait_for_ticks(self, counts: dict[str, int], timeout: float = 180) -> None:
+    def wait_for_ticks(self, counts: dict[str, int], timeout: float = 300) -> None:
         """Return once each named sensor has finished `counts[name]` more evaluations from
         now. A tick that raised, or a deadline that passes, fails the test: "nothing happened"
         is only evidence once the sensors have demonstrably looked."""

@@ -220,7 +220,7 @@ class TrainerKiller(threading.Thread):
     heartbeat file): a real signal to the real process, from outside, like a preemption."""
 
     def __init__(self, store_dir: Path, experiment: str, run: str, at_step: int,
-                 sig: int = signal.SIGKILL, timeout: float = 120):
+                 sig: int = signal.SIGKILL, timeout: float = 300):
         super().__init__(daemon=True)
         self.args_ = (store_dir, experiment, run)
         self.at_step, self.sig, self.timeout = at_step, sig, timeout
@@ -251,7 +251,7 @@ class TrainerKiller(threading.Thread):
         self._halt.set()
 
 
-def cli(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m ckpt_assets ...` from the repository root, as a user would run it."""
     full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([PYTHON, "-m", "ckpt_assets", *args], cwd=ROOT, env=full,

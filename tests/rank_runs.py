@@ -83,7 +83,7 @@ def ranks_under(launcher_pid: int) -> dict[int, int]:
     return {r: pid for pid in _children(launcher_pid) if (r := _rank_of(pid)) is not None}
 
 
-def rank_pids(launcher: subprocess.Popen, nproc: int, timeout: float = 180) -> dict[int, int]:
+def rank_pids(launcher: subprocess.Popen, nproc: int, timeout: float = 300) -> dict[int, int]:
     """rank -> pid of the launcher's rank processes, once all of them run."""
     def found() -> dict[int, int] | None:
         ranks = ranks_under(launcher.pid)
@@ -109,6 +109,6 @@ def wait_for_step(store: Path, experiment: str, run: str, step: int,
     return wait_for(reached, timeout, what=f"a checkpoint at step {step} or later")
 
 
-def gone(pids: list[int], timeout: float = 120) -> None:
+def gone(pids: list[int], timeout: float = 300) -> None:
     """Wait until none of `pids` runs (orphaned ranks are reaped by init, not by us)."""
     wait_for(lambda: not any(map(pid_alive, pids)), timeout, what=f"processes {pids} to exit")

@@ -84,7 +84,7 @@ def _run_steps(tmp_path: Path, steps: str) -> subprocess.CompletedProcess:
     script = tmp_path / "loop.py"
     script.write_text(STEPS_SCRIPT)
     return subprocess.run([sys.executable, str(script), str(tmp_path / "store"), steps],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -155,7 +155,7 @@ def test_the_highest_thread_count_allowed_is_one_torch_takes():
 @pytest.mark.parametrize("raw, key", OUT_OF_RANGE[:3])
 def test_the_trainer_exits_2_naming_the_key_for_values_torch_would_refuse(tmp_path, raw, key):
     cfg = write_config(tmp_path / "cfg.json", max_steps=3, **raw)
-    res = run_trainer(cfg, str(tmp_path / "store"), timeout=120)
+    res = run_trainer(cfg, str(tmp_path / "store"), timeout=300)
     assert res.returncode == Outcome.BAD_INPUT.exit_code, res.log
     assert f"bad_input: config key '{key}'" in res.log and "Traceback" not in res.log
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("MANIFEST.json"))
@@ -173,7 +173,7 @@ def test_the_edges_of_every_range_train_or_diverge_but_never_fail_as_a_bug(
                               "betas": [0.9999999999999999, 0.9999999999999999],
                               "warmup_steps": warmup_steps, "grad_clip": 1e300},
                        checkpoint={"every_steps": 2, "every_seconds": 1e300})
-    res = run_trainer(cfg, str(tmp_path / "store"), timeout=180)
+    res = run_trainer(cfg, str(tmp_path / "store"), timeout=300)
     assert res.returncode in (Outcome.SUCCESS.exit_code, Outcome.DIVERGED.exit_code), res.log
 
 

@@ -45,7 +45,7 @@ def _wait(predicate, timeout: float, what: str, interval: float = 0.1):
 
 @pytest.mark.slow
 def test_dagster_definitions_validate_accepts_the_workspace_from_the_repo_root(dagster_home):
-    proc = dagster_cli("definitions", "validate", "-w", "workspace.yaml", timeout=180)
+    proc = dagster_cli("definitions", "validate", "-w", "workspace.yaml", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "All code locations passed validation" in proc.stdout + proc.stderr
 
@@ -92,7 +92,7 @@ def test_cli_register_refuses_a_typod_cwd_with_exit_2_then_takes_the_corrected_c
         return subprocess.run([PYTHON, "-m", "ckpt_assets", "register", "first-day",
                                "--config", "train.json"], cwd=tmp_path,
                               env={**os.environ, "PYTHONPATH": str(ROOT)},
-                              capture_output=True, text=True, timeout=180)
+                              capture_output=True, text=True, timeout=300)
 
     proc = register()
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -138,7 +138,7 @@ def test_a_writer_sigkilled_between_payload_and_manifest_leaves_nothing_visible(
                            run_config={{"ops": {{"blob": {{"config": {{"n": 42}}}}}}}})
     """))
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (base / "v-000002" / "value.json").exists()  # the payload made it to disk ...
     assert not (base / "v-000002" / "MANIFEST.json").exists()  # ... the manifest did not

@@ -50,12 +50,12 @@ def test_a_run_recorded_on_the_team_instance_is_found_by_another_process_from_th
     read = ("from dagster import DagsterInstance; "
             "print(*[r.run_id for r in DagsterInstance.get().get_runs()])")
     found = subprocess.run([sys.executable, "-c", read], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=300)
     assert found.returncode == 0, found.stderr
     assert found.stdout.split() == [run.run_id]
     without = {k: v for k, v in env.items() if k not in env_vars}
     missing = subprocess.run([sys.executable, "-c", read], cwd=ROOT, env=without,
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0
     assert instance_env_names()["password"] in missing.stderr
     instance.dispose()

@@ -110,7 +110,7 @@ def test_a_zombie_attempt_cannot_advance_a_run_after_a_newer_attempt_claimed_it(
                         task_args={"n_train": 1024, "hidden": 48},
                         checkpoint={"every_steps": 5})
     res = run_trainer(fast, str(store))
-    out, _ = zombie.communicate(timeout=120)
+    out, _ = zombie.communicate(timeout=300)
     assert res.returncode == 0, res.log
     assert zombie.returncode == 6, out
     assert "another attempt took over" in out
