@@ -25,8 +25,9 @@ resume), its trainer is retired, in this order:
    frozen process acts on SIGTERM only once continued), a grace, SIGKILL, and it is seen
    gone; a trainer the fence could not reach (whatever the store's error; a frozen one
    holding the local store's pointer lock is one) gets no grace, in which it could commit:
-   SIGKILL at once, then the fence again. A trainer elsewhere, or one that cannot be identified, is asked to stop through the
-   attempt's launcher (Dagster run termination); fencing is the backstop.
+   SIGKILL at once, then the fence again. A trainer elsewhere, or one that cannot be
+   identified, is asked to stop through the attempt's launcher (Dagster run termination);
+   fencing is the backstop.
 """
 
 from __future__ import annotations
