@@ -155,6 +155,26 @@ def test_a_half_made_mlflow_database_is_named_with_what_to_do_and_training_goes_
                             "next run creates a new one")
 
 
+def test_a_stopped_run_worker_holding_the_mlflow_lock_costs_mlflow_not_a_hung_run(
+        tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    import trainer.storage.pointer_lock as pointer_lock
+
+    db = tmp_path / "mlflow.db"
+    monkeypatch.setattr(pointer_lock, "process_state", lambda pid: "T")  # the holder: stopped
+    with open(tmp_path / "mlflow.db.lock", "a") as lock:  # its own open file, as another process
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        log = Log()
+        t = MlflowTracker(MLflowResource(tracking_uri=f"sqlite:///{db}"), "exp", "r", log)
+        assert t.start({"attempt": 1}) is None
+    (warning,) = log.warnings
+    assert "training is not affected" in warning
+    assert f"LockHeldError: the MLflow database {db} is locked by process {os.getpid()}, " \
+           "which is stopped" in warning
+
+
 def test_an_mlflow_run_link_exists_only_for_an_http_tracking_server():
     assert mlflow_run_url("http://mlflow:5000/", "3", "abc") == (
         "http://mlflow:5000/#/experiments/3/runs/abc")

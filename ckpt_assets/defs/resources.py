@@ -6,7 +6,6 @@ takes effect without reloading the code location.
 """
 
 
-import fcntl
 import os
 import sys
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from ckpt_assets.warm_start import WarmTrainer
 from trainer.contract import Env, PipesTransport
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore, open_store
+from trainer.storage.pointer_lock import lock_exclusive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # ckpt_assets/defs/resources.py
 S3_MAX_ATTEMPTS = 5  # the trainer's too (trainer.storage.s3.default_client)
@@ -197,6 +197,10 @@ def sqlite_file(uri: str) -> Path | None:
     return Path(uri[len(SQLITE):]).absolute() if uri.startswith(SQLITE) else None
 
 
+# Run workers migrating a new database take turns; each can take a minute on a busy machine.
+MLFLOW_LOCK_WAIT_S = 600.0
+
+
 @contextmanager
 def creating_tables(db: Path) -> Iterator[None]:
     """One process at a time on this machine: MLflow creates a new database's tables (its
@@ -206,7 +210,9 @@ def creating_tables(db: Path) -> Iterator[None]:
     already exists"): the first two runs of a fresh instance trained without MLflow."""
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        # Bounded, and not waited for at all behind a stopped run worker: the caller goes on
+        # without MLflow rather than hang (released when the file is closed).
+        lock_exclusive(lock.fileno(), f"the MLflow database {db}", wait_s=MLFLOW_LOCK_WAIT_S)
         yield
 
 
