@@ -96,8 +96,9 @@ def test_a_zombie_attempt_cannot_advance_a_run_after_a_newer_attempt_claimed_it(
     import os
 
     store = tmp_path / "store"
+    # Slow enough (120 s in all) that it is still training when the newer attempt claims.
     slow = write_config(tmp_path / "slow.json", max_steps=400,
-                        task_args={"n_train": 1024, "hidden": 48, "step_delay": 0.03},
+                        task_args={"n_train": 1024, "hidden": 48, "step_delay": 0.3},
                         checkpoint={"every_steps": 5})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     zombie = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(slow), "--store",
