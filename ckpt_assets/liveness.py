@@ -132,8 +132,9 @@ def retire(instance: dg.DagsterInstance, run: dg.DagsterRun, store: CheckpointSt
 
 
 def fence(store: CheckpointStore, partition: str, attempt: int) -> tuple[bool, str]:
-    """(whether attempts up to `attempt` are fenced off the run now, what happened in
-    words); a fence that failed is no reason not to stop the trainer."""
+    """(whether attempts up to `attempt` can no longer commit to the run: fenced, or the
+    run has nothing registered to commit to; what happened, in words). A fence that failed
+    is no reason not to stop the trainer."""
     try:
         repo = run_repo(store, partition)
         if repo is None:

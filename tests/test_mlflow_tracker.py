@@ -160,10 +160,10 @@ def test_a_stopped_run_worker_holding_the_mlflow_lock_costs_mlflow_not_a_hung_ru
     import fcntl
     import os
 
-    import trainer.storage.pointer_lock as pointer_lock
+    import trainer.storage.file_lock as file_lock
 
     db = tmp_path / "mlflow.db"
-    monkeypatch.setattr(pointer_lock, "process_state", lambda pid: "T")  # the holder: stopped
+    monkeypatch.setattr(file_lock, "process_state", lambda pid: "T")  # the holder: stopped
     with open(tmp_path / "mlflow.db.lock", "a") as lock:  # its own open file, as another process
         fcntl.flock(lock, fcntl.LOCK_EX)
         log = Log()

@@ -22,7 +22,7 @@ from ckpt_assets.warm_start import WarmTrainer
 from trainer.contract import Env, PipesTransport
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore, open_store
-from trainer.storage.pointer_lock import lock_exclusive
+from trainer.storage.file_lock import lock_exclusive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # ckpt_assets/defs/resources.py
 S3_MAX_ATTEMPTS = 5  # the trainer's too (trainer.storage.s3.default_client)

@@ -30,6 +30,7 @@ from trainer.storage.base import (
     digest_file,
     validate_key,
 )
+from trainer.storage.file_lock import exclusive_lock
 from trainer.storage.local_files import (
     DISK_FULL_ERRNOS,
     NEW_FILE_FLAGS,
@@ -41,7 +42,6 @@ from trainer.storage.local_files import (
     write_all,
 )
 from trainer.storage.local_files import temp_name as _temp_name
-from trainer.storage.pointer_lock import exclusive_lock
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # `_temp_name` is looked up in this module at each write, so a fault-injection harness can

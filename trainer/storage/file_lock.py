@@ -1,7 +1,8 @@
-"""The local store's pointer lock: an exclusive flock, waited for with a bound.
+"""An exclusive flock, waited for with a bound: the local store's pointer lock, and the
+MLflow database's creation lock (`ckpt_assets.defs.resources.creating_tables`).
 
-A writer holds it only to read, compare and replace one small file, so a wait longer than
-`LOCK_WAIT_S` means its holder is stuck. A holder that is stopped (SIGSTOP, a debugger)
+A pointer writer holds it only to read, compare and replace one small file, so a wait
+longer than `LOCK_WAIT_S` means its holder is stuck. A holder that is stopped (SIGSTOP, a debugger)
 holds it until it is continued and is not waited for at all: the orchestrator's fence of a
 frozen trainer must go on to stop that trainer, which releases the lock, rather than wait
 on it forever (a blocking flock hung the reconciler that way).
@@ -80,10 +81,10 @@ def lock_exclusive(fd: int, what: str, wait_s: float | None = None) -> None:
             pass
         # Only a holder matched on device and inode is judged stopped: acting on another
         # filesystem's file of the same inode number would fail a healthy write.
-        exact = lock_holder(fd, exact_device=True)
+        exact, named = lock_holders(fd)
         stopped = exact is not None and process_state(exact) in _STOPPED_STATES
         if stopped or time.monotonic() >= deadline:
-            holder = exact or lock_holder(fd)
+            holder = exact or named
             who = f"process {holder}" if holder else "another process"
             why = "is stopped (SIGSTOP or a debugger)" if stopped else \
                 f"still holds it after {wait_s:g}s"
@@ -94,17 +95,17 @@ def lock_exclusive(fd: int, what: str, wait_s: float | None = None) -> None:
         pause = min(pause * 2, 0.05)
 
 
-def lock_holder(fd: int, exact_device: bool = False) -> int | None:
-    """The pid holding a flock on the file open at `fd`, from /proc/locks (Linux), or None
-    when it cannot be told. Unless `exact_device`, a lone holder of a file with the same
-    inode on another device counts: the device printed there is the filesystem's own,
-    which can differ from st_dev (btrfs subvolumes, overlays)."""
+def lock_holders(fd: int) -> tuple[int | None, int | None]:
+    """(exact, lone): the pid holding a flock on the file open at `fd`, from /proc/locks
+    (Linux), matched on device and inode; and the lone holder of a file with that inode on
+    any device, since the device printed there is the filesystem's own, which can differ
+    from st_dev (btrfs subvolumes, overlays). None where it cannot be told."""
     st = os.fstat(fd)
     try:
         with open("/proc/locks") as f:
             lines = f.readlines()
     except OSError:
-        return None
+        return None, None
     # "1: FLOCK ADVISORY WRITE 4242 08:01:131 0 EOF" (a waiter's line has "->" after "1:";
     # a holder in another pid namespace shows pid 0 or -1).
     held = []
@@ -116,10 +117,9 @@ def lock_holder(fd: int, exact_device: bool = False) -> int | None:
             if ino == str(st.st_ino):
                 held.append((dev, int(fields[4])))
     ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    exact = [pid for dev, pid in held if dev == ours]
-    if exact or exact_device:
-        return exact[0] if exact else None
-    return held[0][1] if len({pid for _, pid in held}) == 1 else None
+    exact = next((pid for dev, pid in held if dev == ours), None)
+    pids = {pid for _, pid in held}
+    return exact, exact or (pids.pop() if len(pids) == 1 else None)
 
 
 def process_state(pid: int) -> str | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import trainer.storage.pointer_lock as pointer_lock
+import trainer.storage.file_lock as file_lock
 from trainer.errors import LockHeldError, StorageError
 from trainer.storage.local import LocalStore
 
@@ -41,8 +41,7 @@ def held(store: LocalStore):
 
 def test_the_holder_of_a_pointer_lock_is_found_by_its_pid(store):
     with held(store) as fd:
-        assert pointer_lock.lock_holder(fd) == os.getpid()
-        assert pointer_lock.lock_holder(fd, exact_device=True) == os.getpid()
+        assert file_lock.lock_holders(fd) == (os.getpid(), os.getpid())
 
 
 @pytest.mark.slow
@@ -51,7 +50,7 @@ def test_a_child_forked_while_a_commit_holds_the_lock_does_not_hold_it(store):
     dfd = os.open(store.root / "exp" / "run", os.O_RDONLY | os.O_DIRECTORY)
     (go, go_w), (up, up_w) = os.pipe(), os.pipe()
     try:
-        with pointer_lock.exclusive_lock(dfd, ".latest.json.lock", "the pointer"):
+        with file_lock.exclusive_lock(dfd, ".latest.json.lock", "the pointer"):
             child = os.fork()
             if child == 0:  # past its fork hooks: it says so, and idles until told to end
                 os.write(up_w, b"r")
@@ -63,7 +62,7 @@ def test_a_child_forked_while_a_commit_holds_the_lock_does_not_hold_it(store):
         assert os.read(up, 1) == b"r"
         _, token = store.read_versioned(KEY)
         with held(store) as fd:  # taken at once: the child's copy was closed at the fork
-            assert pointer_lock.lock_holder(fd) == os.getpid()
+            assert file_lock.lock_holders(fd) == (os.getpid(), os.getpid())
         store.write_if(KEY, b"v2", token)
     finally:
         os.write(go_w, b"x")
@@ -86,7 +85,7 @@ def test_a_pointer_write_waits_for_a_lock_held_briefly_and_then_succeeds(store):
 
 def test_a_lock_held_past_the_wait_fails_the_write_naming_its_holder_and_writes_nothing(
         store, monkeypatch):
-    monkeypatch.setattr(pointer_lock, "LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(file_lock, "LOCK_WAIT_S", 0.3)
     _, token = store.read_versioned(KEY)
     with held(store), pytest.raises(LockHeldError) as raised:
         store.write_if(KEY, b"v2", token)
@@ -100,8 +99,8 @@ def test_a_lock_held_past_the_wait_fails_the_write_naming_its_holder_and_writes_
 
 def test_a_lock_held_by_a_stopped_process_is_not_waited_for(store, monkeypatch):
     # The wait is long; the message says the holder is stopped, so the wait did not run out.
-    monkeypatch.setattr(pointer_lock, "LOCK_WAIT_S", 3600)
-    monkeypatch.setattr(pointer_lock, "process_state", lambda pid: "T")
+    monkeypatch.setattr(file_lock, "LOCK_WAIT_S", 3600)
+    monkeypatch.setattr(file_lock, "process_state", lambda pid: "T")
     _, token = store.read_versioned(KEY)
     with held(store), pytest.raises(LockHeldError, match="which is stopped"):
         store.write_if(KEY, b"v2", token)
@@ -109,5 +108,5 @@ def test_a_lock_held_by_a_stopped_process_is_not_waited_for(store, monkeypatch):
 
 
 def test_the_state_of_a_running_process_and_of_none_are_told():
-    assert pointer_lock.process_state(os.getpid()) in ("R", "S")
-    assert pointer_lock.process_state(2**22 + 1) is None
+    assert file_lock.process_state(os.getpid()) in ("R", "S")
+    assert file_lock.process_state(2**22 + 1) is None
