@@ -57,8 +57,8 @@ def marks(daemon: Daemon, run_id: str) -> dict[str, float]:
     return out
 
 
-def one_run(daemon: Daemon, name: str, work: Path) -> dict[str, float]:
-    cfg = training_config(name, max_steps=20, eval_every=0, task_args={"step_delay": 0.05},
+def one_run(daemon: Daemon, name: str, work: Path, step_s: float) -> dict[str, float]:
+    cfg = training_config(name, max_steps=20, eval_every=0, task_args={"step_delay": step_s},
                           checkpoint={"every_steps": 10, "heartbeat_seconds": 0})
     t0 = time.time()
     daemon.launch(name, cfg, work)
@@ -118,14 +118,19 @@ def print_floor(med: dict[str, float]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--step-s", type=float, default=0.05,
+                    help="seconds per training step (20 steps): 0.5 gives the run worker the "
+                         "10 s of training a real run gives it to import the run's last "
+                         "steps' libraries in the background (ckpt_assets.prefetch)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench_fixed_"))
     daemon = Daemon.start(work, str(work / "store"))
     try:
-        print(f"bench_fixed_cost: {args.runs} runs of 20 steps of 50 ms, each launched with "
+        print(f"bench_fixed_cost: {args.runs} runs of 20 steps of {args.step_s * 1000:.0f} ms, "
+              f"each launched with "
               f"--config, after one warm-up run; workdir {work}")
-        one_run(daemon, "warm-up", work)
-        rows = [one_run(daemon, f"fixed-{i}", work) for i in range(args.runs)]
+        one_run(daemon, "warm-up", work, args.step_s)
+        rows = [one_run(daemon, f"fixed-{i}", work, args.step_s) for i in range(args.runs)]
         keys = list(rows[0])
         print("run " + " ".join(f"{k:>13}" for k in keys))
         for i, r in enumerate(rows):
