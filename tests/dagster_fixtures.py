@@ -6,17 +6,17 @@ written into the repository's dagster_home/ or checkpoints/.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
+import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
+from collections.abc import Callable, Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import dagster as dg
 import pytest
 
 from tests.polling import WaitTimeout, wait_for
+from trainer.storage.file_lock import exclusive_lock
 
 # `from tests.dagster_fixtures import *` brings in the fixtures only; import helpers by name.
 __all__ = ["blank_dagster_home", "dagster_home", "instance", "mlflow_uri", "shared_mlflow_db",
@@ -55,33 +56,60 @@ def training_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-@pytest.fixture(scope="session")
-def blank_dagster_home(tmp_path_factory) -> Path:
-    """A DAGSTER_HOME with a copy of the project's dagster_home/dagster.yaml and its SQLite
-    storage created: creating it runs schema migrations (seconds), copying it takes
-    milliseconds. Never used directly: `dagster_home` gives each test its own copy."""
-    home = tmp_path_factory.mktemp("blank") / "dagster_home"
+# What the suite makes once per machine and versions, and every worker and later run reuses.
+TEST_CACHE = ROOT / ".test-cache"
+
+
+def made_once(name: str, make: Callable[[Path], None]) -> Path:
+    """TEST_CACHE/`name`, made by `make(path)` in the first process that needs it while the
+    others wait for it: a file or folder never changed once made, so `name` says everything it
+    depends on (versions, the hash of its input)."""
+    path = TEST_CACHE / name
+    if path.exists():
+        return path
+    TEST_CACHE.mkdir(exist_ok=True)
+    dir_fd = os.open(TEST_CACHE, os.O_RDONLY)
+    try:
+        with exclusive_lock(dir_fd, f"{name}.lock", f"the test cache's {name}", wait_s=600):
+            if not path.exists():
+                part = TEST_CACHE / f"{name}.{os.getpid()}.part"  # a killed maker's stays apart
+                shutil.rmtree(part, ignore_errors=True)
+                make(part)
+                os.replace(part, path)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def _make_dagster_home(home: Path) -> None:
     home.mkdir()
     shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
     with dg.DagsterInstance.from_config(str(home)) as instance:
         instance.get_runs(limit=1)
         instance.all_instigator_state()
-    return home
 
 
-@functools.cache
-def migrated_mlflow_db() -> Path:
-    """An empty MLflow sqlite database with all of MLflow's migrations applied, made once per
-    process. Making one costs seconds of CPU (9 s on a busy 2-core machine); a copy is
-    exactly what MLflow would make. The suite's homes and daemons start with a copy; the
-    tests of making one (test_mlflow_tracker) make theirs."""
+@pytest.fixture(scope="session")
+def blank_dagster_home() -> Path:
+    """A DAGSTER_HOME with a copy of the project's dagster_home/dagster.yaml and its SQLite
+    storage created: creating it runs schema migrations (seconds), copying it takes
+    milliseconds. Never used directly: `dagster_home` gives each test its own copy."""
+    yaml = hashlib.sha256((ROOT / "dagster_home" / "dagster.yaml").read_bytes()).hexdigest()
+    return made_once(f"dagster_home-{version('dagster')}-{yaml[:12]}", _make_dagster_home)
+
+
+def _make_mlflow_db(db: Path) -> None:
     from ckpt_assets.defs.resources import MLflowResource
 
-    folder = tempfile.mkdtemp(prefix="ckpt-mlflow-template-")
-    atexit.register(shutil.rmtree, folder, True)
-    db = Path(folder) / MLFLOW_DB
     MLflowResource(tracking_uri=f"sqlite:///{db}").client()
-    return db
+
+
+def migrated_mlflow_db() -> Path:
+    """An empty MLflow sqlite database with all of MLflow's migrations applied. Making one
+    costs seconds of CPU (9 s on a busy 2-core machine); a copy is exactly what MLflow would
+    make. The suite's homes and daemons start with a copy; the tests of making one
+    (test_mlflow_tracker) make theirs."""
+    return made_once(f"mlflow-{version('mlflow')}-{version('sqlalchemy')}.db", _make_mlflow_db)
 
 
 def made_mlflow_db(path: Path) -> str:
@@ -131,6 +159,23 @@ def mlflow_uri(shared_mlflow_db, monkeypatch) -> str:
 @pytest.fixture
 def instance() -> dg.DagsterInstance:
     with dg.DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+# Step output is not what the fast tests read, and capturing it would start a `tail` process
+# per run: no compute logs.
+NO_COMPUTE_LOGS = {"compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
+                                    "class": "NoOpComputeLogManager"}}
+
+
+@contextlib.contextmanager
+def instance_in(home: Path, overrides: dict | None = None) -> Iterator[dg.DagsterInstance]:
+    """The on-disk instance of DAGSTER_HOME `home` (a test's copy of `blank_dagster_home`, so
+    no migration runs), its dagster.yaml overridden by `overrides`."""
+    from dagster._core.instance.ref import InstanceRef
+
+    ref = InstanceRef.from_dir(str(home), overrides=overrides or {})
+    with dg.DagsterInstance.from_ref(ref) as inst:
         yield inst
 
 

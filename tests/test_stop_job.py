@@ -21,22 +21,18 @@ from ckpt_assets.tags import (
     TAG_RESUME_AT,
     TAG_STOP_REASON,
 )
+from tests.dagster_fixtures import *  # noqa: F403
+from tests.dagster_fixtures import NO_COMPUTE_LOGS, instance_in
 from tests.dagster_runs import run_in_status
 
 S = dg.DagsterRunStatus
 
 
-# Step output is not what these tests read, and capturing it would start a `tail` process
-# per run: no compute logs.
-NO_COMPUTE_LOGS = {"compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
-                                    "class": "NoOpComputeLogManager"}}
-
-
 @pytest.fixture
-def instance():
+def instance(dagster_home):
     # On disk, with the DefaultRunLauncher a deployment has (an ephemeral instance's
     # in-memory launcher cannot terminate anything).
-    with dg.instance_for_test(overrides=NO_COMPUTE_LOGS) as inst:
+    with instance_in(dagster_home, NO_COMPUTE_LOGS) as inst:
         yield inst
 
 

@@ -33,6 +33,7 @@ from ckpt_assets.tags import (
 )
 from tests import dagster_runs
 from tests.dagster_fixtures import *  # noqa: F403
+from tests.dagster_fixtures import NO_COMPUTE_LOGS, instance_in
 from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord, Lineage
 
@@ -165,14 +166,11 @@ def test_a_bug_keeps_its_plain_description_and_no_failure_is_retried_by_dagster(
 # -- 14: a new run from the launchpad ---------------------------------------------------------
 
 @pytest.fixture
-def queue_instance():
-    """An instance with the run queue (a launched run waits; nothing trains), and no compute
-    log capture (it would start a `tail` process per run)."""
-    with dg.instance_for_test(overrides={
-            "run_coordinator": {"module": "dagster._core.run_coordinator",
-                                "class": "QueuedRunCoordinator"},
-            "compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
-                             "class": "NoOpComputeLogManager"}}) as inst:
+def queue_instance(dagster_home):
+    """The project's instance: the run queue (a launched run waits; nothing trains), and no
+    compute log capture."""
+    with instance_in(dagster_home, NO_COMPUTE_LOGS) as inst:
+        assert isinstance(inst.run_coordinator, dg.QueuedRunCoordinator)
         yield inst
 
 
