@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -24,11 +26,13 @@ from pathlib import Path
 import dagster as dg
 import pytest
 from dagster._core.events import DagsterEvent, DagsterEventType
+from dagster._core.events.log import EventLogEntry
 from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets import events
 from ckpt_assets.attempt_end import AttemptEnd
 from ckpt_assets.clock import iso, parse_time
+from ckpt_assets.defs import sensors
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.defs.sensors import (
     reconcile_training_runs,
@@ -260,6 +264,59 @@ def test_a_lost_run_worker_counts_as_killed_and_resumes_from_the_stores_latest(i
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
     assert req.tags[TAG_RESUME_FROM] == _repo(store).uri("step-000000020-a1")
     assert carried_budget(req)["resumed_from_step"] == 20
+
+
+def _end_event_stored_before_its_record(instance, run: dg.DagsterRun) -> DagsterEvent:
+    """A worker's RUN_FAILURE as the sensor first meets it: in the event log, the run's record
+    not yet updated (Dagster stores the event, then rewrites the record)."""
+    event = DagsterEvent(DagsterEventType.RUN_FAILURE.value, job_name="train_job",
+                         message="run worker lost")
+    instance.event_log_storage.store_event(EventLogEntry(
+        error_info=None, level=logging.ERROR, user_message="", run_id=run.run_id,
+        timestamp=time.time(), dagster_event=event))
+    return event
+
+
+def _on_failure_event(instance, run: dg.DagsterRun, event: DagsterEvent, store):
+    return resume_failed_training(dg.build_run_status_sensor_context(
+        sensor_name=resume_failed_training.name, dagster_event=event,
+        dagster_instance=instance, dagster_run=instance.get_run_by_id(run.run_id),
+        resources={"checkpoint_store": store}))
+
+
+def test_a_decision_is_recorded_only_after_dagster_rewrote_the_ended_runs_record(
+        instance, store, monkeypatch):
+    """Dagster reads the run's record, then (late, on a busy machine) writes it back whole
+    with the end status: a decision written between the two would be overwritten."""
+    run = started_run(instance)
+    event = _end_event_stored_before_its_record(instance, run)
+    storage, read = instance.run_storage, instance.run_storage._get_run_by_id
+    late_writer = threading.Thread(target=storage.handle_run_event, args=(run.run_id, event))
+
+    def read_then_stall(run_id):
+        got = read(run_id)
+        if threading.current_thread() is late_writer:
+            time.sleep(1.0)  # read before the sensor's decision, written after it
+        return got
+
+    monkeypatch.setattr(storage, "_get_run_by_id", read_then_stall)
+    late_writer.start()
+    req = _on_failure_event(instance, run, event, store)
+    late_writer.join()
+    assert isinstance(req, dg.RunRequest), req
+    tags = tags_of(instance, run)
+    assert (tags[TAG_DECISION], tags[TAG_FAILURE_KIND]) == ("resume", "killed")
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+
+
+def test_a_run_whose_record_never_says_it_ended_is_left_to_the_reconciler(
+        instance, store, monkeypatch):
+    monkeypatch.setattr(sensors, "ROW_SETTLE_S", 0.3)
+    run = started_run(instance)
+    skip = _on_failure_event(instance, run, _end_event_stored_before_its_record(instance, run),
+                             store)
+    assert isinstance(skip, dg.SkipReason) and "the reconciler" in skip.skip_message, skip
+    assert TAG_DECISION not in tags_of(instance, run)
 
 
 @pytest.mark.parametrize("exit_code,failure_class,kind", [

@@ -65,9 +65,38 @@ def _ended_s_ago(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float) -
     return now - end if end is not None else 0.0
 
 
+# How long a failure sensor waits for an ended run's record to say so (see `_settled`).
+ROW_SETTLE_S = 10.0
+
+
+def _settled(instance: dg.DagsterInstance, run_id: str, timeout_s: float):
+    """The run's record once it says the run ended, or None if it does not within `timeout_s`.
+
+    Dagster stores a run's end event first, which is what the sensor sees, and then updates
+    the run's record: it reads the record and writes it back whole with the new status and
+    end time. A decision recorded on the run's tags between that read and that write is
+    overwritten with the old tags (seen on a busy machine: the sensor's decision vanished,
+    and the reconciler resumed the run a whole grace later). Once the record is terminal,
+    that write has landed and nothing else of the run worker's rewrites it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rec = instance.get_run_record_by_id(run_id)
+        if rec is not None and rec.dagster_run.is_finished:
+            return rec
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
 def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
-    run, settings = context.dagster_run, ResumeSettings.from_env()
-    age = _ended_s_ago(context.instance, run, time.time())
+    settings = ResumeSettings.from_env()
+    rec = _settled(context.instance, context.dagster_run.run_id, ROW_SETTLE_S)
+    if rec is None:
+        return dg.SkipReason(
+            f"run {context.dagster_run.run_id[:8]}: its record did not say it ended within "
+            f"{ROW_SETTLE_S:g}s of its end event; the reconciler decides and resumes it")
+    run = rec.dagster_run
+    age = time.time() - rec.end_time if rec.end_time is not None else 0.0
     if age >= failure_sensors_turn_s(settings):
         return dg.SkipReason(f"run {run.run_id[:8]} ended {age:.0f}s ago, past the failure "
                              "sensors' turn: the reconciler decides and resumes it")
