@@ -8,7 +8,7 @@ bash scripts/setup.sh
 # The whole suite mostly waits (on daemons, trainers, servers): in one process it keeps two
 # cores a third busy, so it runs on three workers (pytest-xdist). The fast tests alone wait
 # on nothing: a worker per core, as a third worker's share of CPU only adds its start-up (on
-# 2 cores, 98 s on three workers, 74 s on two). `-n 0` runs it in one process.
+# 2 cores: 44 s on two workers, 47 s on three, 69 s in one process). `-n 0` runs one.
 workers=3
 for arg in "$@"; do
   if [[ "$arg" == "not slow" ]]; then workers=$(nproc); fi

@@ -277,13 +277,6 @@ def _end_event_stored_before_its_record(instance, run: dg.DagsterRun) -> Dagster
     return event
 
 
-def _on_failure_event(instance, run: dg.DagsterRun, event: DagsterEvent, store):
-    return resume_failed_training(dg.build_run_status_sensor_context(
-        sensor_name=resume_failed_training.name, dagster_event=event,
-        dagster_instance=instance, dagster_run=instance.get_run_by_id(run.run_id),
-        resources={"checkpoint_store": store}))
-
-
 def test_a_decision_is_recorded_only_after_dagster_rewrote_the_ended_runs_record(
         instance, store, monkeypatch):
     """Dagster reads the run's record, then (late, on a busy machine) writes it back whole
@@ -292,16 +285,19 @@ def test_a_decision_is_recorded_only_after_dagster_rewrote_the_ended_runs_record
     event = _end_event_stored_before_its_record(instance, run)
     storage, read = instance.run_storage, instance.run_storage._get_run_by_id
     late_writer = threading.Thread(target=storage.handle_run_event, args=(run.run_id, event))
+    has_read = threading.Event()
 
     def read_then_stall(run_id):
         got = read(run_id)
         if threading.current_thread() is late_writer:
+            has_read.set()
             time.sleep(1.0)  # read before the sensor's decision, written after it
         return got
 
     monkeypatch.setattr(storage, "_get_run_by_id", read_then_stall)
     late_writer.start()
-    req = _on_failure_event(instance, run, event, store)
+    assert has_read.wait(60)
+    req = on_failure(instance, run, store)
     late_writer.join()
     assert isinstance(req, dg.RunRequest), req
     tags = tags_of(instance, run)
@@ -313,8 +309,8 @@ def test_a_run_whose_record_never_says_it_ended_is_left_to_the_reconciler(
         instance, store, monkeypatch):
     monkeypatch.setattr(sensors, "ROW_SETTLE_S", 0.3)
     run = started_run(instance)
-    skip = _on_failure_event(instance, run, _end_event_stored_before_its_record(instance, run),
-                             store)
+    _end_event_stored_before_its_record(instance, run)
+    skip = on_failure(instance, run, store)
     assert isinstance(skip, dg.SkipReason) and "the reconciler" in skip.skip_message, skip
     assert TAG_DECISION not in tags_of(instance, run)
 
