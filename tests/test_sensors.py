@@ -353,7 +353,7 @@ def test_a_failed_run_that_is_not_the_newest_of_its_partition_is_ignored(instanc
     older = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
     started_run(instance)  # a newer run of the same training run (a resume, a relaunch)
     skip = on_failure(instance, older, store)
-    assert isinstance(skip, dg.SkipReason)
+    assert isinstance(skip, dg.SkipReason) and "a newer run" in skip.skip_message, skip
     assert TAG_DECISION not in tags_of(instance, older)
     assert decisions(instance) == []
     assert sweep(instance, store) == []

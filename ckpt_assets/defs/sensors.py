@@ -102,8 +102,10 @@ def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
                              "sensors' turn: the reconciler decides and resumes it")
     req = consider(context.instance, run, store, sweep=False, settings=settings)
     reason = context.instance.get_run_by_id(run.run_id).tags.get(TAG_DECISION_REASON)
-    if req is None:
-        return dg.SkipReason(f"run {run.run_id[:8]}: {reason or 'not a training run'}")
+    if req is None:  # decided against, or a back-off (the reason says), or not this run's turn
+        why = reason or ("not a training run" if not is_training_run(run)
+                         else "a newer run of the same training run exists")
+        return dg.SkipReason(f"run {run.run_id[:8]}: {why}")
     context.log.info(f"resuming {req.partition_key}: {reason}")
     return req
 
