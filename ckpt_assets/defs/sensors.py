@@ -59,10 +59,9 @@ def failure_sensors_turn_s(settings: ResumeSettings) -> float:
     return settings.launch_grace_s / 2
 
 
-def _ended_s_ago(instance: dg.DagsterInstance, run: dg.DagsterRun, now: float) -> float:
-    """Seconds since the run ended (0 for a run with no end time recorded yet)."""
-    end = instance.get_run_record_by_id(run.run_id).end_time
-    return now - end if end is not None else 0.0
+def _ended_s_ago(record, now: float) -> float:
+    """Seconds since the run of `record` ended (0 for one with no end time recorded yet)."""
+    return now - record.end_time if record.end_time is not None else 0.0
 
 
 # How long a failure sensor waits for an ended run's record to say so (see `_settled`).
@@ -96,7 +95,7 @@ def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
             f"run {context.dagster_run.run_id[:8]}: its record did not say it ended within "
             f"{ROW_SETTLE_S:g}s of its end event; the reconciler decides and resumes it")
     run = rec.dagster_run
-    age = time.time() - rec.end_time if rec.end_time is not None else 0.0
+    age = _ended_s_ago(rec, time.time())
     if age >= failure_sensors_turn_s(settings):
         return dg.SkipReason(f"run {run.run_id[:8]} ended {age:.0f}s ago, past the failure "
                              "sensors' turn: the reconciler decides and resumes it")
@@ -209,7 +208,7 @@ def _sweep(context, instance: dg.DagsterInstance, store: CheckpointStore,
         statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]), limit=LOOKBACK_RUNS)
     for run in ended:
         if TAG_DECISION not in run.tags and \
-                _ended_s_ago(instance, run, now) < settings.launch_grace_s:
+                _ended_s_ago(instance.get_run_record_by_id(run.run_id), now) < settings.launch_grace_s:
             continue  # within the failure sensors' turn, or the half grace after it
         req = consider(instance, run, store, sweep=True, settings=settings)
         if req is not None:
