@@ -190,6 +190,32 @@ class Daemon:
         lines.append(f"sensors evaluating now: {busy}")
         return "\n".join(lines) + "\n" + self.log_tail(120)
 
+    def _failure_events(self, run_id: str) -> list:
+        from dagster import DagsterEventType
+
+        kinds = {DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE}
+        return [e.dagster_event for e in self.instance.all_logs(run_id)
+                if e.is_dagster_event and e.dagster_event.event_type in kinds]
+
+    def failures_of(self, run: str) -> str:
+        """Why each failed run of the partition failed, as its failure events say."""
+        def why(e) -> str:
+            data = e.step_failure_data if e.is_step_failure else None
+            told = data and (data.user_failure_data and data.user_failure_data.description
+                             or data.error and data.error.message)
+            return f"{e.message} {told or ''}".strip()
+
+        return "\n".join(f"run {r.run_id[:8]} {e.event_type.value}: {why(e)}"
+                         for r in self.runs(run) for e in self._failure_events(r.run_id))
+
+    def start_timed_out(self, run_id: str) -> bool:
+        """Whether Dagster's run monitoring failed run `run_id` for starting too late."""
+        from dagster._core.events import DagsterEventType, RunFailureReason
+
+        return any(e.event_type == DagsterEventType.RUN_FAILURE
+                   and e.job_failure_data.failure_reason == RunFailureReason.START_TIMEOUT
+                   for e in self._failure_events(run_id))
+
     def wait_until(self, pred, what: str, timeout: float = 300, every: float = 0.5,
                    run: str | None = None):
         return wait_for(pred, timeout, every, what,

@@ -74,13 +74,18 @@ def _resumes_of(daemon: Daemon, run_id: str) -> list:
 def _check_resumed_once_and_identical(daemon, name, uninterrupted, failed_runs: int):
     final = daemon.wait_done(name)
     runs = daemon.runs(name)
-    assert len(runs) == failed_runs + 1, [(r.run_id[:8], r.status.value) for r in runs]
+    # A resume whose run worker took longer than run monitoring's start timeout to start (a
+    # busy machine) is failed by Dagster and resumed in turn, as dagster.yaml documents: a
+    # failure of its own, not one of the test's, and still resumed exactly once.
+    started_late = [r for r in runs[1:-1] if daemon.start_timed_out(r.run_id)]
+    assert len(runs) == failed_runs + len(started_late) + 1, \
+        daemon.state_of(name) + "\n" + daemon.failures_of(name)
     for failed in runs[:-1]:
         assert len(_resumes_of(daemon, failed.run_id)) == 1
         assert failed.tags.get("ckpt/decision") == "resume"
     assert final.tags["ckpt/parent_run_id"] == runs[-2].run_id
     assert final.tags["ckpt/root_run_id"] == runs[0].run_id
-    assert final.tags["ckpt/attempt"] == str(failed_runs + 1)
+    assert final.tags["ckpt/attempt"] == str(len(runs))
     assert daemon.max_active[name] == 1
     got = training_state(final_state(Path(daemon.store), run=name))
     assert_bitwise_equal(uninterrupted, got)
@@ -90,7 +95,7 @@ def _check_resumed_once_and_identical(daemon, name, uninterrupted, failed_runs: 
     names = {m["name"] for m in recorded}
     dangling = [(m["name"], m["parent"]) for m in recorded if m["parent"] and m["parent"] not in names]
     assert dangling == [], dangling
-    _check_one_mlflow_run(daemon, name, final, attempts=failed_runs + 1)
+    _check_one_mlflow_run(daemon, name, final, attempts=len(runs))
 
 
 def _check_one_mlflow_run(daemon, name, final, attempts: int):
