@@ -212,7 +212,7 @@ class Daemon:
         """Whether Dagster's run monitoring failed run `run_id` for starting too late."""
         from dagster._core.events import DagsterEventType, RunFailureReason
 
-        return any(e.event_type == DagsterEventType.RUN_FAILURE
+        return any(e.event_type == DagsterEventType.RUN_FAILURE and e.job_failure_data
                    and e.job_failure_data.failure_reason == RunFailureReason.START_TIMEOUT
                    for e in self._failure_events(run_id))
 
