@@ -59,7 +59,7 @@ def failure_sensors_turn_s(settings: ResumeSettings) -> float:
     return settings.launch_grace_s / 2
 
 
-def _ended_s_ago(record, now: float) -> float:
+def _ended_s_ago(record: dg.RunRecord, now: float) -> float:
     """Seconds since the run of `record` ended (0 for one with no end time recorded yet)."""
     return now - record.end_time if record.end_time is not None else 0.0
 
@@ -204,11 +204,11 @@ def reconcile_training_runs(context: dg.SensorEvaluationContext,
 def _sweep(context, instance: dg.DagsterInstance, store: CheckpointStore,
            settings: ResumeSettings, now: float):
     requests, notes = [], fail_silent_runs(instance, store, settings, now)
-    ended = instance.get_runs(filters=dg.RunsFilter(
+    ended = instance.get_run_records(filters=dg.RunsFilter(
         statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]), limit=LOOKBACK_RUNS)
-    for run in ended:
-        if TAG_DECISION not in run.tags and \
-                _ended_s_ago(instance.get_run_record_by_id(run.run_id), now) < settings.launch_grace_s:
+    for rec in ended:
+        run = rec.dagster_run
+        if TAG_DECISION not in run.tags and _ended_s_ago(rec, now) < settings.launch_grace_s:
             continue  # within the failure sensors' turn, or the half grace after it
         req = consider(instance, run, store, sweep=True, settings=settings)
         if req is not None:
