@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt_assets.trainer_process import PROCESS_STARTED  # noqa: E402
+from ckpt_assets.attempt.process import PROCESS_STARTED  # noqa: E402
 from tests.daemon_harness import Daemon, training_config  # noqa: E402
 from tests.polling import wait_for  # noqa: E402
 
@@ -121,7 +121,7 @@ def main() -> int:
     ap.add_argument("--step-s", type=float, default=0.05,
                     help="seconds per training step (20 steps): 0.5 gives the run worker the "
                          "10 s of training a real run gives it to import the run's last "
-                         "steps' libraries in the background (ckpt_assets.prefetch)")
+                         "steps' libraries in the background (ckpt_assets.attempt.prefetch)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench_fixed_"))
     daemon = Daemon.start(work, str(work / "store"))

@@ -49,8 +49,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt_assets.events import CHECKPOINT, partition_events  # noqa: E402
-from ckpt_assets.settings import Setting  # noqa: E402
+from ckpt_assets.runs.events import CHECKPOINT, partition_events  # noqa: E402
+from ckpt_assets.runs.settings import Setting  # noqa: E402
 from tests.daemon_harness import ROOT, Daemon, trainer_parent, training_config  # noqa: E402
 from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
 from trainer.interval import young_daly  # noqa: E402

@@ -3,7 +3,7 @@
 Before: the launch that spawned `dagster job launch -w workspace.yaml` (a second process that
 loads the workspace and starts a code server), run from that revision's own tree (`git
 archive`, default: the last revision whose cli.py did so). After: this tree's launch, which
-submits through the instance in-process (ckpt_assets.submit). Both run as real processes
+submits through the instance in-process (ckpt_assets.runs.submit). Both run as real processes
 against one temporary DAGSTER_HOME (the project's dagster.yaml: the run queue) and store,
 interleaved, each launch a new training run name, in two cases: the first launch (with
 --config: it registers the run, and validating the config imports torch) and the launch of
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import dagster as dg  # noqa: E402
 
-from ckpt_assets.tags import PARTITION_TAG  # noqa: E402
+from ckpt_assets.runs.tags import PARTITION_TAG  # noqa: E402
 from tests.daemon_harness import fresh_instance, training_config  # noqa: E402
 
 POLL_S = 0.02
@@ -46,9 +46,9 @@ def _git(*args: str) -> bytes:
 
 def before_revision() -> str:
     removed = _git("log", "-1", "--format=%H", f"-S{OLD_SUBMISSION}", "--",
-                   "ckpt_assets/cli.py").decode().strip()
+                   "ckpt_assets/cli/main.py").decode().strip()
     if not removed:
-        raise SystemExit("no revision of ckpt_assets/cli.py launches through `dagster job "
+        raise SystemExit("no revision of ckpt_assets/cli/main.py launches through `dagster job "
                          "launch`; pass --before REV")
     return f"{removed}^"
 

@@ -21,7 +21,7 @@ history to lose), then applies one fault and resumes until the run finishes:
                   CKPT_ATTEMPT), is launched as model_checkpoint launches a command; expect
                   it to write its own run only, this run's pointer and checkpoints untouched
     long-step     the attempt's first step lasts 3x a shortened heartbeat timeout (a
-                  compiled first step); the reconciler's own judgement (ckpt_assets.liveness)
+                  compiled first step); the reconciler's own judgement (ckpt_assets.lifecycle.liveness)
                   reads the heartbeat every 0.1 s throughout; expect it never to find the
                   trainer dead or stalled, and the attempt to finish (0)
 
@@ -52,8 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ckpt_assets.liveness import judge  # noqa: E402
-from ckpt_assets.settings import ResumeSettings  # noqa: E402
+from ckpt_assets.lifecycle.liveness import judge  # noqa: E402
+from ckpt_assets.runs.settings import ResumeSettings  # noqa: E402
 from tests.polling import WaitTimeout, wait_for  # noqa: E402
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
 from trainer.checkpointer import load_verified_state  # noqa: E402
@@ -161,8 +161,8 @@ def kill(proc) -> None:
 
 def fork_and_exit(work: Path, store: str, env: dict) -> str:
     """One attempt of a forking launcher, run and classified as the orchestrator does."""
-    from ckpt_assets.attempt import exit_outcome
-    from ckpt_assets.trainer_process import run_to_end
+    from ckpt_assets.attempt.messages import exit_outcome
+    from ckpt_assets.attempt.process import run_to_end
 
     # Slow steps (not state) so that the run is far from its end when the launcher exits.
     slow = write_config(work / "slow.json", max_steps=MAX_STEPS,
@@ -197,9 +197,9 @@ def env_override(work: Path, store: str, env: dict) -> str:
     """An attempt of another run, `attacker`, whose registered config's env names this run
     (written past the registration check, which refuses it), launched as `model_checkpoint`
     launches a command: it must train its own run and leave this one untouched."""
+    from ckpt_assets.attempt.command import AttemptIds, base_env, command_launch, contract
     from ckpt_assets.defs.resources import TrainerResource
-    from ckpt_assets.launch import AttemptIds, base_env, command_launch, contract
-    from ckpt_assets.registration import Registration
+    from ckpt_assets.runs.registration import Registration
     from trainer.config import config_from_dict
 
     victim = CheckpointRepo(open_store(store), EXPERIMENT, RUN)
@@ -224,7 +224,7 @@ def env_override(work: Path, store: str, env: dict) -> str:
 
 
 def _no_dataset():
-    from ckpt_assets.datasets import DatasetRecord
+    from ckpt_assets.runs.datasets import DatasetRecord
 
     return DatasetRecord(kind="generated", version="soak")
 

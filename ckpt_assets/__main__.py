@@ -1,5 +1,5 @@
 import sys
 
-from ckpt_assets.cli import main
+from ckpt_assets.cli.main import main
 
 sys.exit(main())

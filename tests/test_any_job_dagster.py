@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_assets.attempt_end import AttemptEnd
+from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.policy import decide
+from ckpt_assets.lifecycle.policy import decide
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     ROOT,

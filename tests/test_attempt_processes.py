@@ -26,23 +26,21 @@ import dagster as dg
 import pytest
 import torch
 
-from ckpt_assets.attempt import AttemptReport, exit_outcome
-from ckpt_assets.attempt_end import AttemptEnd
-from ckpt_assets.policy import decide
-from ckpt_assets.resume_decision import failure_of
-from ckpt_assets.run_state import State, run_state
-from ckpt_assets.tags import TAG_PROCESSES, TAG_WORKER_LOST
-from ckpt_assets.trainer_process import (
+from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.attempt.messages import AttemptReport, exit_outcome
+from ckpt_assets.attempt.process import leftover_output, output_prefix, start_process
+from ckpt_assets.attempt.process_group import (
     AttemptProcesses,
     ProcessRef,
     group_members,
-    leftover_output,
-    output_prefix,
-    start_process,
     stop_group,
     stoppable,
     this_machine,
 )
+from ckpt_assets.lifecycle.decision import failure_of
+from ckpt_assets.lifecycle.policy import decide
+from ckpt_assets.lifecycle.state import State, run_state
+from ckpt_assets.runs.tags import TAG_PROCESSES, TAG_WORKER_LOST
 from tests import dagster_runs
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
@@ -362,7 +360,7 @@ def test_a_command_that_forks_and_exits_0_fails_unfinished_and_leaves_no_process
 
 @pytest.mark.slow
 def test_an_attempt_interrupted_during_mlflows_start_up_ends_only_once_the_start_up_is_done():
-    from ckpt_assets.trainer_process import run_under_pipes
+    from ckpt_assets.attempt.process import run_under_pipes
 
     opened, seen = threading.Event(), {}
 
@@ -390,7 +388,7 @@ def test_an_attempt_interrupted_during_mlflows_start_up_ends_only_once_the_start
 @pytest.mark.slow
 def test_a_printing_command_whose_dagster_process_is_sigkilled_commits_and_exits_143(
         tmp_path, dagster_home, store_uri, mlflow_uri):
-    from ckpt_assets.cli import main as cli_main
+    from ckpt_assets.cli.main import main as cli_main
 
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"command": _never_finishing(), "max_steps": 5000}))

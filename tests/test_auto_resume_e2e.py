@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_assets.settings import Setting
-from ckpt_assets.trainer_process import AttemptProcesses
+from ckpt_assets.attempt.process_group import AttemptProcesses
+from ckpt_assets.runs.settings import Setting
 from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
 from tests.postgres_server import team_instance
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
@@ -103,7 +103,7 @@ def _check_one_mlflow_run(daemon, name, final, attempts: int):
     attempts continued, with one step axis."""
     from mlflow.tracking import MlflowClient
 
-    from ckpt_assets.mlflow_tracking import TRAINING_RUN_TAG
+    from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
 
     client = MlflowClient(tracking_uri=daemon.env["MLFLOW_TRACKING_URI"])
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
@@ -118,7 +118,7 @@ def _check_one_mlflow_run(daemon, name, final, attempts: int):
 
 
 def _checkpoint_events(daemon, name) -> list[dict]:
-    from ckpt_assets.events import CHECKPOINT, partition_events
+    from ckpt_assets.runs.events import CHECKPOINT, partition_events
 
     return [md for md, _ in partition_events(daemon.instance, name, CHECKPOINT)]
 
@@ -150,7 +150,7 @@ def test_sigkill_of_the_run_worker_stops_its_trainer_and_is_resumed_once(
     assert lost is not None and not Path(lost.output).exists(), lost
     # What it committed on the way out was recorded by the next attempt, and the lineage
     # report numbers the lost attempt and says how it ended.
-    from ckpt_assets.lineage import format_lineage, lineage_report
+    from ckpt_assets.records.lineage import format_lineage, lineage_report
     from trainer.storage import open_store
 
     late = [m for m in _checkpoint_events(daemon, "kill-worker")

@@ -10,7 +10,7 @@ import uuid
 import boto3
 import pytest
 
-from ckpt_assets.settings import Setting
+from ckpt_assets.runs.settings import Setting
 from tests.daemon_harness import Daemon, held, kill, training_config
 from tests.s3_state import final_state_s3
 from tests.trainer_proc import assert_bitwise_equal, run_trainer, training_state

@@ -9,11 +9,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ckpt_assets.defs.resources import MLflowResource
-from ckpt_assets.listing import run_summary
-from ckpt_assets.metadata import checkpoint_metadata
-from ckpt_assets.mlflow_metrics import CHECKPOINT_BYTES
-from ckpt_assets.mlflow_tracking import MlflowTracker
-from ckpt_assets.registration import register_training_run
+from ckpt_assets.mlflow.metrics import CHECKPOINT_BYTES
+from ckpt_assets.mlflow.tracking import MlflowTracker
+from ckpt_assets.records.listing import run_summary
+from ckpt_assets.records.metadata import checkpoint_metadata
+from ckpt_assets.runs.registration import register_training_run
 from tests.dagster_fixtures import made_mlflow_db
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo

@@ -164,7 +164,7 @@ def test_cli_launch_queues_one_train_job_run_per_partition_that_the_daemon_runs(
 
 
 def _start_materialize(tmp_path, name: str, **overrides) -> subprocess.Popen:
-    from ckpt_assets.cli import main as cli_main
+    from ckpt_assets.cli.main import main as cli_main
 
     assert cli_main(["register", name, "--config", str(_write_config(tmp_path, **overrides))]) == 0
     return subprocess.Popen(
@@ -237,7 +237,7 @@ def test_a_sigkilled_run_process_takes_its_trainer_down_after_a_final_commit(
 @pytest.mark.slow
 def test_cli_stop_cancels_a_queued_run_and_marks_it_not_to_be_resumed(
         tmp_path, dagster_home, store_uri, capsys):
-    from ckpt_assets.cli import main as cli_main
+    from ckpt_assets.cli.main import main as cli_main
 
     assert cli_main(["launch", "to-stop", "--config", str(_write_config(tmp_path))]) == 0
     instance = dg.DagsterInstance.get()

@@ -14,11 +14,11 @@ import dagster as dg
 import pytest
 import torch
 
-from ckpt_assets.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.defs.io_managers import CheckpointIOManager
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.registration import register_training_run
+from ckpt_assets.records.asset_versions import StoredObjectError, VersionedRepo
+from ckpt_assets.runs.registration import register_training_run
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import ROOT, training_config
 from trainer.errors import InvalidNameError
@@ -125,7 +125,7 @@ def test_a_writer_sigkilled_between_payload_and_manifest_leaves_nothing_visible(
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
         import dagster as dg
-        from ckpt_assets.asset_versions import VersionedRepo
+        from ckpt_assets.records.asset_versions import VersionedRepo
         from tests.test_io_manager import blob, _resources
 
         def die(self, pending, meta):

@@ -16,11 +16,10 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from ckpt_assets.datasets import DatasetRecord
-from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
-from ckpt_assets.events import CHECKPOINT, MODEL_CHECKPOINT_KEY
-from ckpt_assets.k8s_launch import KILLED, _create, _read, _Watch
-from ckpt_assets.k8s_pod import (
+from ckpt_assets.attempt.command import AttemptIds, base_env, command_launch, contract, task_launch
+from ckpt_assets.attempt.errors import TrainerStartError
+from ckpt_assets.attempt.k8s_launch import KILLED, _create, _read, _Watch
+from ckpt_assets.attempt.k8s_pod import (
     POD_WORKDIR,
     SHM_VOLUME,
     K8sTrainerConfig,
@@ -29,9 +28,10 @@ from ckpt_assets.k8s_pod import (
     pod_plan,
     termination_grace,
 )
-from ckpt_assets.launch import AttemptIds, base_env, command_launch, contract, task_launch
-from ckpt_assets.registration import Registration
-from ckpt_assets.trainer_process import LaunchError
+from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
+from ckpt_assets.runs.datasets import DatasetRecord
+from ckpt_assets.runs.events import CHECKPOINT, MODEL_CHECKPOINT_KEY
+from ckpt_assets.runs.registration import Registration
 from trainer.config import config_from_dict
 from trainer.contract import Env, Progress, Stopped, to_message
 from trainer.outcomes import Outcome
@@ -180,7 +180,7 @@ def test_the_grace_is_the_configured_one_until_a_recorded_save_needs_more():
 def test_a_pod_launch_that_cannot_work_is_refused_before_any_pod_saying_what_to_set(
         trainer, store_uri, says):
     reg = _reg("bad", {"task": "trainer.tasks.toy:build"})
-    with pytest.raises(LaunchError, match=says):
+    with pytest.raises(TrainerStartError, match=says):
         attempt_trainer(_context(dg.DagsterInstance.ephemeral()), reg, trainer, store_uri)
 
 
@@ -227,7 +227,7 @@ def test_a_pod_gone_before_its_status_was_seen_is_preempted_only_if_its_trainer_
 
 
 def test_a_container_that_can_never_start_is_bad_input_naming_the_reason():
-    with pytest.raises(LaunchError, match="CreateContainerConfigError: no such Secret"):
+    with pytest.raises(TrainerStartError, match="CreateContainerConfigError: no such Secret"):
         _Watch().exit_code(_pod(waiting="CreateContainerConfigError"))
 
 
@@ -245,9 +245,9 @@ class _Refusing:
 
 def test_a_refused_pod_is_bad_input_saying_what_to_grant_and_an_api_hiccup_is_waited_out():
     plan = SimpleNamespace(name="p", namespace="training")
-    with pytest.raises(LaunchError, match="give the run worker's identity create/get/delete"):
+    with pytest.raises(TrainerStartError, match="give the run worker's identity create/get/delete"):
         _create(_Refusing(403), plan, body=None)
-    with pytest.raises(LaunchError, match="refused to read pod training/p: 403"):
+    with pytest.raises(TrainerStartError, match="refused to read pod training/p: 403"):
         _read(_Refusing(403), plan, None)
     assert _Watch().exit_code(_read(_Refusing(503), plan, None)) is None  # still running
     assert _read(_Refusing(404), plan, None) is None  # gone
@@ -259,5 +259,5 @@ def test_a_run_on_several_nodes_is_refused_as_one_pod_cannot_hold_it(store, tmp_
                                              "rdzv_endpoint": "node0:29400"}})
     trainer = _trainer()
     launch = task_launch(reg, _told(reg), base_env(trainer, store.aws_env()), trainer, tmp_path)
-    with pytest.raises(LaunchError, match="launcher: k8s starts one pod per attempt"):
+    with pytest.raises(TrainerStartError, match="launcher: k8s starts one pod per attempt"):
         _plan(launch, reg, trainer)

@@ -3,7 +3,7 @@ in process, in milliseconds.
 
 What the operating system answers when a process cannot start (no such command, no such
 working directory, not executable) is put in Popen's place; everything after it is the
-real code: `start_process`'s LaunchError, `model_checkpoint`'s bad_input failure through
+real code: `start_process`'s TrainerStartError, `model_checkpoint`'s bad_input failure through
 `materialize()`, the record the resume sensor reads back, and the policy's decision. The
 real processes behind the same classes run in tests/test_assets.py and
 tests/test_any_job_dagster.py.
@@ -18,13 +18,14 @@ import os
 import dagster as dg
 import pytest
 
-from ckpt_assets import trainer_process
-from ckpt_assets.attempt import AttemptReport, failure_description
-from ckpt_assets.attempt_end import AttemptEnd, bad_input
-from ckpt_assets.cli import main as cli_main
+from ckpt_assets.attempt import process as trainer_process
+from ckpt_assets.attempt.end import AttemptEnd, bad_input
+from ckpt_assets.attempt.errors import TrainerStartError
+from ckpt_assets.attempt.messages import AttemptReport, failure_description
+from ckpt_assets.attempt.process import ProcessOutcome, start_process
+from ckpt_assets.cli.main import main as cli_main
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.policy import decide
-from ckpt_assets.trainer_process import LaunchError, ProcessOutcome, start_process
+from ckpt_assets.lifecycle.policy import decide
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, step_failure_metadata, training_config
 from trainer.outcomes import Outcome
@@ -53,7 +54,7 @@ def _os_refuses(error: type[OSError], code: int, on: str):
 def test_a_process_that_cannot_start_is_a_launch_error_that_says_what_to_fix(
         monkeypatch, tmp_path, error, code, on, says):
     monkeypatch.setattr(trainer_process.subprocess, "Popen", _os_refuses(error, code, on))
-    with pytest.raises(LaunchError) as err:
+    with pytest.raises(TrainerStartError) as err:
         start_process(["no-such-binary", "--epochs", "3"], {}, "/no/such/dir", str(tmp_path / "out"))
     assert says in str(err.value)
 

@@ -12,9 +12,14 @@ import pytest
 from pydantic import BaseModel
 
 from ckpt_assets.defs.jobs import DEMO_CONFIG, JOBS
-from ckpt_assets.launch_form import LAUNCH_DECIDES, TrainingForm, form_class, training_from_form
-from ckpt_assets.registration import normalize_training_config
-from ckpt_assets.runs import TrainingRunConfig
+from ckpt_assets.runs.launch_form import (
+    LAUNCH_DECIDES,
+    TrainingForm,
+    form_class,
+    training_from_form,
+)
+from ckpt_assets.runs.registration import normalize_training_config
+from ckpt_assets.runs.training_run import TrainingRunConfig
 from trainer.config import TrainConfig
 
 

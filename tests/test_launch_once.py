@@ -1,6 +1,6 @@
 """`ckpt-assets launch` queues one train_job run per launch, however many launches race.
 
-Fast: `ckpt_assets.submit` on a temporary SQLite instance made from the project's
+Fast: `ckpt_assets.runs.submit` on a temporary SQLite instance made from the project's
 dagster_home/dagster.yaml (the run queue: a submitted run waits, nothing trains).
 Slow: real `python -m ckpt_assets launch` processes, and `dagster job launch` for the run
 the in-process launch must reproduce."""
@@ -17,16 +17,16 @@ import dagster as dg
 import pytest
 from dagster._core.instance.ref import InstanceRef
 
-from ckpt_assets.defs.names import PARTITIONS_NAME
-from ckpt_assets.registration import add_partition
-from ckpt_assets.submit import (
+from ckpt_assets.runs.names import PARTITIONS_NAME
+from ckpt_assets.runs.registration import add_partition
+from ckpt_assets.runs.submit import (
     launch_run_id,
     launch_training_run,
     open_training_location,
     plan_launch,
     submit,
 )
-from ckpt_assets.tags import PARTITION_TAG
+from ckpt_assets.runs.tags import PARTITION_TAG
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import DAGSTER, PYTHON, ROOT, cli, training_config
 
@@ -94,7 +94,7 @@ def test_a_rival_launch_that_lands_between_a_launchs_two_reads_is_the_only_run(
         queue_instance, monkeypatch):
     """A launch reads the partition twice (its newest run, its active runs). Eight CLI
     launchers once queued two runs: a rival created its run between one launcher's reads."""
-    import ckpt_assets.submit as submit_module
+    import ckpt_assets.runs.submit as submit_module
 
     rival, started = [], []
 
@@ -173,7 +173,7 @@ def test_concurrent_registrations_add_the_partition_once(queue_instance, dagster
 
 def test_a_launch_tag_that_names_another_partition_is_refused(tmp_path, dagster_home,
                                                              store_uri, capsys):
-    from ckpt_assets.cli import main as cli_main
+    from ckpt_assets.cli.main import main as cli_main
 
     config = tmp_path / "train.json"
     config.write_text(json.dumps(training_config()))

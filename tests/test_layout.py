@@ -1,5 +1,7 @@
-"""The shape of the code: the README's module table is the files, `dg check defs` passes,
-and no function or module outgrows what reads in one sitting."""
+"""The shape of the code: docs/architecture.md's module table is the files, the layers of
+`ckpt_assets/` import each other without a cycle and only `defs/`'s users import `defs/`,
+Dagster's private API sits in one module, `dg check defs` passes, and no function or module
+outgrows what reads in one sitting."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 400
 
 
-def _readme_modules() -> set[str]:
-    text = (ROOT / "README.md").read_text()
+def _documented_modules() -> set[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
     table = text.split("<!-- modules -->", 1)[1].split("<!-- /modules -->", 1)[0]
     names = set()
     for row in table.splitlines()[2:]:
@@ -28,10 +30,110 @@ def _readme_modules() -> set[str]:
     return names
 
 
-def test_the_readmes_module_table_lists_every_module_of_ckpt_assets_and_no_other():
+def test_the_architecture_pages_module_table_lists_every_module_of_ckpt_assets_and_no_other():
     files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
              if p.name != "__init__.py"}
-    assert _readme_modules() == files
+    assert _documented_modules() == files
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The modules `path` imports when it runs: top-level and lazy (inside functions) alike;
+    only `if TYPE_CHECKING:` blocks, never executed, are left out."""
+    tree = ast.parse(path.read_text())
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in _runtime_imports(path) if m in modules and m != name
+                   and m != "ckpt_assets"}
+            for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_of_ckpt_assets_imports_another_in_a_cycle_lazy_imports_included():
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+DEFS_USERS = ("ckpt_assets.defs", "ckpt_assets.definitions", "ckpt_assets.cli")
+
+
+def test_only_definitions_the_cli_and_defs_itself_import_defs():
+    offenders = sorted(f"{name} imports {dep}" for name, deps in _import_graph().items()
+                       for dep in deps
+                       if dep.startswith(("ckpt_assets.defs", "ckpt_assets.definitions"))
+                       and not name.startswith(DEFS_USERS))
+    assert offenders == []
+
+
+def test_dagsters_private_api_is_imported_in_one_module_only():
+    private = sorted(_module_name(p) for p in PACKAGE.rglob("*.py")
+                     if any(m.startswith("dagster._") for m in _runtime_imports(p)
+                            | _type_only_imports(p)))
+    assert private == ["ckpt_assets.runs.dagster_private"]
+
+
+def _type_only_imports(path: Path) -> set[str]:
+    return {node.module for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_defs_holds_only_dagster_definitions_and_the_cli_is_its_own_package():
+    assert {p.name for p in (PACKAGE / "defs").glob("*.py")} == {
+        "__init__.py", "assets.py", "checks.py", "check_runs.py", "io_managers.py",
+        "jobs.py", "partitions.py", "resources.py", "sensors.py"}
 
 
 def _python_files():
@@ -50,9 +152,15 @@ def test_no_function_is_longer_than_reads_in_one_sitting():
     assert long == []
 
 
-def test_a_module_over_400_lines_says_at_its_top_why():
+def test_no_module_of_ckpt_assets_is_over_400_lines():
+    long = [f"{p.relative_to(ROOT)} ({n})" for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert long == []
+
+
+def test_a_trainer_module_over_400_lines_says_at_its_top_why():
     unexplained = []
-    for path in _python_files():
+    for path in sorted((ROOT / "trainer").rglob("*.py")):
         text = path.read_text()
         if len(text.splitlines()) > MAX_MODULE_LINES:
             doc = ast.get_docstring(ast.parse(text)) or ""

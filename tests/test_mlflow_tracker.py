@@ -8,7 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ckpt_assets.defs.resources import MLflowResource
-from ckpt_assets.mlflow_tracking import MlflowTracker, flatten_params, mlflow_run_url
+from ckpt_assets.mlflow.tracking import MlflowTracker, flatten_params, mlflow_run_url
 from trainer.contract import Started
 
 
@@ -189,10 +189,10 @@ def test_an_attempt_stopped_for_good_is_stopped_by_user_with_its_reason_not_pree
 
     import dagster as dg
 
-    from ckpt_assets.attempt import AttemptReport
-    from ckpt_assets.attempt_end import AttemptEnd
+    from ckpt_assets.attempt.end import AttemptEnd
+    from ckpt_assets.attempt.messages import AttemptReport
     from ckpt_assets.defs.assets import _record_end
-    from ckpt_assets.stop import stop_training_run
+    from ckpt_assets.lifecycle.stop import stop_training_run
     from tests.dagster_runs import started_run
     from trainer.outcomes import Outcome
 
@@ -228,7 +228,7 @@ def test_the_mlflow_run_links_to_the_ui_named_for_a_tracking_store_that_is_a_fil
 
 
 def test_the_loss_plot_with_its_resume_marks_is_an_artifact_of_the_mlflow_run(resource):
-    from ckpt_assets.mlflow_tracking import LOSS_PLOT
+    from ckpt_assets.mlflow.tracking import LOSS_PLOT
 
     t = tracker(resource, "plotted")
     t.log_loss_plot(b"\x89PNG not really")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_assets.attempt import newest_progress_only
+from ckpt_assets.attempt.messages import newest_progress_only
 from trainer import errors
 from trainer.config import config_from_dict
 from trainer.contract import (
@@ -149,7 +149,7 @@ def test_the_run_workers_end_of_run_imports_start_once_and_load_in_the_backgroun
         monkeypatch):
     import sys
 
-    from ckpt_assets import prefetch
+    from ckpt_assets.attempt import prefetch
 
     # Light stand-ins: matplotlib's first import may build its font cache with a subprocess.
     monkeypatch.setattr(prefetch, "_thread", None)

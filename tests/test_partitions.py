@@ -8,10 +8,10 @@ import json
 import dagster as dg
 import pytest
 
-from ckpt_assets.cli import main as cli_main
-from ckpt_assets.defs.names import PARTITIONS_NAME
+from ckpt_assets.cli.main import main as cli_main
 from ckpt_assets.defs.partitions import training_runs
-from ckpt_assets.registration import (
+from ckpt_assets.runs.names import PARTITIONS_NAME
+from ckpt_assets.runs.registration import (
     RegistrationConflict,
     read_registration,
     register_training_run,

@@ -18,12 +18,12 @@ from dagster_pipes import (
     encode_param,
 )
 
+from ckpt_assets.attempt.errors import TrainerStartError
+from ckpt_assets.attempt.file_tail import whole_lines
+from ckpt_assets.attempt.pipes_file import WholeLineTempFileMessageReader
+from ckpt_assets.attempt.pipes_s3 import S3ContextInjector, S3MessageReader
+from ckpt_assets.attempt.transport import DEFAULT_PIPES_PREFIX, pipes_channels, s3_location
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
-from ckpt_assets.file_tail import whole_lines
-from ckpt_assets.pipes_file import WholeLineTempFileMessageReader
-from ckpt_assets.pipes_s3 import S3ContextInjector, S3MessageReader
-from ckpt_assets.pipes_transport import DEFAULT_PIPES_PREFIX, pipes_channels, s3_location
-from ckpt_assets.trainer_process import LaunchError
 from tests.polling import wait_for
 from trainer.contract import PipesS3Params, PipesTransport
 from trainer.report import pipes_channels as trainer_channels
@@ -64,7 +64,7 @@ def test_the_default_trainer_keeps_pipes_in_local_files():
      "invalid S3 bucket name"),
 ])
 def test_a_bad_pipes_setting_is_a_bad_launch_that_says_what_to_set(trainer, store, says):
-    with pytest.raises(LaunchError, match=says):
+    with pytest.raises(TrainerStartError, match=says):
         pipes_channels(trainer, store)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_assets.attempt_end import AttemptEnd
-from ckpt_assets.policy import Budget, PolicyConfig, decide
+from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
 from trainer.outcomes import Outcome
 
 

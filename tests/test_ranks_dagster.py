@@ -34,7 +34,7 @@ TWO_RANKS = {"nproc_per_node": 2}
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    from ckpt_assets.settings import Setting
+    from ckpt_assets.runs.settings import Setting
 
     work = tmp_path_factory.mktemp("ranks-e2e")
     d = Daemon.start(work, str(work / "store"), extra_env={Setting.IN_RUN_RELAUNCH: "0"})

@@ -13,14 +13,19 @@ import dagster as dg
 import pytest
 from dagster._core.test_utils import create_run_for_test
 
-from ckpt_assets.attempt import AttemptReport, attempt_failure, checkpoint_event, link_resume
-from ckpt_assets.attempt_end import AttemptEnd
-from ckpt_assets.history import history_frame, history_metadata
-from ckpt_assets.metadata import checkpoint_metadata
-from ckpt_assets.policy import Budget, Decision
-from ckpt_assets.resume_decision import record as record_decision
-from ckpt_assets.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
-from ckpt_assets.trainer_process import _pump
+from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.attempt.messages import (
+    AttemptReport,
+    attempt_failure,
+    checkpoint_event,
+    link_resume,
+)
+from ckpt_assets.attempt.process import _pump
+from ckpt_assets.lifecycle.decision import record as record_decision
+from ckpt_assets.lifecycle.policy import Budget, Decision
+from ckpt_assets.records.history import history_frame, history_metadata
+from ckpt_assets.records.metadata import checkpoint_metadata
+from ckpt_assets.runs.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from tests import dagster_runs
 from trainer.contract import Failed
 from trainer.outcomes import Kind, Outcome
@@ -80,7 +85,7 @@ def test_a_checkpoints_uri_stays_a_string_and_is_also_a_path_link_for_a_local_st
 
 
 def test_typed_values_such_as_links_pass_through_plain_values_to_metadata():
-    from ckpt_assets.metadata import links, to_metadata
+    from ckpt_assets.records.metadata import links, to_metadata
 
     md = to_metadata({"n": None, **links({"checkpoint_uri": "/tmp/x", "mlflow_run": None})})
     assert md == {"n": dg.MetadataValue.null(),

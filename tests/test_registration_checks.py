@@ -13,9 +13,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from ckpt_assets.cli import main as cli_main
-from ckpt_assets.defs.names import PARTITIONS_NAME
-from ckpt_assets.registration import (
+from ckpt_assets.cli.main import main as cli_main
+from ckpt_assets.runs.names import PARTITIONS_NAME
+from ckpt_assets.runs.registration import (
     RegistrationConflict,
     normalize_training_config,
     read_registration,

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.registration import (
+from ckpt_assets.runs.registration import (
     canonical_json,
     config_key,
     normalize_training_config,

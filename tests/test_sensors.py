@@ -29,9 +29,7 @@ from dagster._core.events import DagsterEvent, DagsterEventType
 from dagster._core.events.log import EventLogEntry
 from dagster._core.test_utils import create_run_for_test
 
-from ckpt_assets import events
-from ckpt_assets.attempt_end import AttemptEnd
-from ckpt_assets.clock import iso, parse_time
+from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.defs import sensors
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.defs.sensors import (
@@ -39,10 +37,12 @@ from ckpt_assets.defs.sensors import (
     resume_failed_training,
     resume_terminated_training,
 )
-from ckpt_assets.policy import Budget
-from ckpt_assets.run_queries import is_training_run
-from ckpt_assets.settings import ResumeSettings, Setting
-from ckpt_assets.tags import (
+from ckpt_assets.lifecycle.policy import Budget
+from ckpt_assets.runs import events
+from ckpt_assets.runs.clock import iso, parse_time
+from ckpt_assets.runs.queries import is_training_run
+from ckpt_assets.runs.settings import ResumeSettings, Setting
+from ckpt_assets.runs.tags import (
     PARTITION_TAG,
     TAG_ATTEMPT,
     TAG_BUDGET,

@@ -10,10 +10,10 @@ import time
 import dagster as dg
 import pytest
 
-from ckpt_assets.clock import iso
 from ckpt_assets.defs.jobs import stop_training_run_job
-from ckpt_assets.resume_decision import consider
-from ckpt_assets.tags import (
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.runs.clock import iso
+from ckpt_assets.runs.tags import (
     PARTITION_TAG,
     TAG_DECIDED_AT,
     TAG_DECISION,
@@ -104,7 +104,7 @@ def test_stopping_a_training_run_that_does_not_exist_fails_with_its_name(instanc
 
 
 def test_a_check_run_of_the_partition_is_neither_stopped_nor_in_the_way(instance):
-    from ckpt_assets.stop import active_runs
+    from ckpt_assets.runs.queries import active_runs
 
     check = run_in_status(instance, "checked", S.QUEUED, job="check_training_run")
     assert active_runs(instance, "checked") == []

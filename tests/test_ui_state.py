@@ -12,19 +12,19 @@ import dagster as dg
 import pytest
 from dagster._core.storage.event_log.base import PartitionKeyFilter
 
-from ckpt_assets.attempt import attempt_failure, failure_description
-from ckpt_assets.attempt_end import AttemptEnd
+from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.attempt.messages import attempt_failure, failure_description
 from ckpt_assets.defs.jobs import new_training_run_job
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.events import MODEL_CHECKPOINT_KEY, STATE, partition_events
-from ckpt_assets.history import history_frame, loss_history
-from ckpt_assets.lineage import format_lineage, lineage_report
-from ckpt_assets.registration import read_registration, register_training_run
-from ckpt_assets.resume_decision import consider
-from ckpt_assets.run_queries import newest_training_run
-from ckpt_assets.run_state import STATE_CHECK, State, run_state
-from ckpt_assets.stop import stop_request, stop_training_run
-from ckpt_assets.tags import (
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.state import STATE_CHECK, State, run_state
+from ckpt_assets.lifecycle.stop import stop_request, stop_training_run
+from ckpt_assets.records.history import history_frame, loss_history
+from ckpt_assets.records.lineage import format_lineage, lineage_report
+from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY, STATE, partition_events
+from ckpt_assets.runs.queries import newest_training_run
+from ckpt_assets.runs.registration import read_registration, register_training_run
+from ckpt_assets.runs.tags import (
     PARTITION_TAG,
     TAG_ATTEMPT,
     TAG_NEW_RUN_TARGET,
@@ -84,7 +84,7 @@ def test_a_run_stopped_for_good_fails_its_state_check_with_the_reason_and_a_new_
 
 
 def test_a_run_the_policy_stopped_fails_its_state_check_as_an_error(instance, tmp_path):
-    from ckpt_assets.tags import TAG_DECISION, TAG_DECISION_REASON
+    from ckpt_assets.runs.tags import TAG_DECISION, TAG_DECISION_REASON
 
     dagster_runs.run_in_status(instance, KEY, S.FAILURE, {
         TAG_DECISION: "stop", TAG_DECISION_REASON: "not resumed: a bug in user code"})
@@ -132,8 +132,8 @@ PREEMPTED = AttemptEnd(Outcome.PREEMPTED, KEY, 143, attempt=1, last_committed_st
 
 
 def test_a_preempted_step_fails_with_one_line_naming_the_preemption_and_its_resume(instance):
-    from ckpt_assets.attempt import AttemptReport
-    from ckpt_assets.resume_decision import recorded_end
+    from ckpt_assets.attempt.messages import AttemptReport
+    from ckpt_assets.lifecycle.decision import recorded_end
 
     @dg.asset(name="model_checkpoint")
     def preempted():
@@ -155,7 +155,7 @@ def test_a_preempted_step_fails_with_one_line_naming_the_preemption_and_its_resu
 
 
 def test_a_bug_keeps_its_plain_description_and_no_failure_is_retried_by_dagster():
-    from ckpt_assets.attempt import AttemptReport
+    from ckpt_assets.attempt.messages import AttemptReport
 
     bug = AttemptEnd(Outcome.USER_CODE_ERROR, KEY, 1, attempt=2, last_committed_step=10)
     assert failure_description(bug).startswith("training process exited 1 (user_code_error)")

@@ -1,4 +1,4 @@
-"""A warm trainer (`ckpt_assets.warm_start`, `trainer.standby`): a standby interpreter with
+"""A warm trainer (`ckpt_assets.attempt.warm_start`, `trainer.standby`): a standby interpreter with
 torch imported becomes the next attempt exactly as a fresh `python` would have started it,
 and only when nothing the interpreter or torch read at start-up has changed since.
 
@@ -17,10 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_assets.datasets import DatasetRecord
-from ckpt_assets.definitions import make_resources
-from ckpt_assets.defs.resources import TrainerResource
-from ckpt_assets.launch import (
+from ckpt_assets.attempt.command import (
     AttemptIds,
     base_env,
     command_launch,
@@ -28,10 +25,13 @@ from ckpt_assets.launch import (
     standing_launch,
     task_launch,
 )
-from ckpt_assets.registration import Registration
-from ckpt_assets.settings import ResumeSettings
-from ckpt_assets.trainer_process import PROCESS_STARTED, WARM_STARTED
-from ckpt_assets.warm_start import WarmTrainer
+from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
+from ckpt_assets.attempt.warm_start import WarmTrainer
+from ckpt_assets.definitions import make_resources
+from ckpt_assets.defs.resources import TrainerResource
+from ckpt_assets.runs.datasets import DatasetRecord
+from ckpt_assets.runs.registration import Registration
+from ckpt_assets.runs.settings import ResumeSettings
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, training_config
 from tests.polling import pid_alive

@@ -1,7 +1,7 @@
 """The three assets of a training run: training_dataset -> model_checkpoint -> final_model.
 
 All are partitioned by `training_runs` (partition key = run name). The training config of
-a run is registered once (`ckpt_assets.registration`); every asset of every attempt reads the
+a run is registered once (`ckpt_assets.runs.registration`); every asset of every attempt reads the
 registered config. A run's first launch may carry it in the run config:
 
     ops:
@@ -23,29 +23,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from ckpt_assets.attempt import (
-    AttemptReport,
-    attempt_failure,
-    failure_description,
-    link_resume,
-    record_end,
-    record_unseen_checkpoints,
-)
-from ckpt_assets.attempt_end import (
-    AttemptEnd,
-    bad_input,
-    checkpoint_unloadable,
-    storage_unavailable,
-)
-from ckpt_assets.datasets import DatasetRecord, describe_dataset, refuse_changed_data
-from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, LoadedCheckpoint
-from ckpt_assets.defs.partitions import training_runs
-from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
-from ckpt_assets.events import MODEL_CHECKPOINT_KEY
-from ckpt_assets.history import history_metadata, loss_history
-from ckpt_assets.in_run import consider_relaunch, record_relaunch, serve_backoff
-from ckpt_assets.k8s_pod import attempt_trainer
-from ckpt_assets.launch import (
+from ckpt_assets.attempt.command import (
     AttemptIds,
     attempt_mtbf,
     base_env,
@@ -54,17 +32,40 @@ from ckpt_assets.launch import (
     standing_launch,
     task_launch,
 )
-from ckpt_assets.metadata import checkpoint_metadata, links, to_metadata
-from ckpt_assets.mlflow_tracking import MlflowTracker
-from ckpt_assets.pipes_transport import pipes_channels
-from ckpt_assets.prefetch import prefetch_end_of_run_imports
-from ckpt_assets.run_state import RunState, State, run_state, state_observation
-from ckpt_assets.runs import TrainingRunConfig, attempt_number, resolve_registration
-from ckpt_assets.settings import ResumeSettings
-from ckpt_assets.stop import stop_request
-from ckpt_assets.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
-from ckpt_assets.trainer_process import LaunchError, run_under_pipes
-from ckpt_assets.warm_start import WarmTrainer
+from ckpt_assets.attempt.end import (
+    AttemptEnd,
+    bad_input,
+    checkpoint_unloadable,
+    storage_unavailable,
+)
+from ckpt_assets.attempt.errors import TrainerStartError
+from ckpt_assets.attempt.k8s_pod import attempt_trainer
+from ckpt_assets.attempt.messages import (
+    AttemptReport,
+    attempt_failure,
+    failure_description,
+    link_resume,
+    record_end,
+    record_unseen_checkpoints,
+)
+from ckpt_assets.attempt.prefetch import prefetch_end_of_run_imports
+from ckpt_assets.attempt.process import run_under_pipes
+from ckpt_assets.attempt.transport import pipes_channels
+from ckpt_assets.attempt.warm_start import WarmTrainer
+from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, LoadedCheckpoint
+from ckpt_assets.defs.partitions import training_runs
+from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
+from ckpt_assets.lifecycle.in_run import consider_relaunch, record_relaunch, serve_backoff
+from ckpt_assets.lifecycle.state import RunState, State, run_state, state_observation
+from ckpt_assets.lifecycle.stop import stop_request
+from ckpt_assets.mlflow.tracking import MlflowTracker
+from ckpt_assets.records.history import history_metadata, loss_history
+from ckpt_assets.records.metadata import checkpoint_metadata, links, to_metadata
+from ckpt_assets.runs.datasets import DatasetRecord, describe_dataset, refuse_changed_data
+from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY
+from ckpt_assets.runs.settings import ResumeSettings
+from ckpt_assets.runs.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
+from ckpt_assets.runs.training_run import TrainingRunConfig, attempt_number, resolve_registration
 from trainer.errors import ConfigError, StorageError
 from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord
@@ -153,7 +154,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
             if relaunch is None:
                 break
             # The trainer died, its worker (this step) lives, and the policy resumes it:
-            # the next attempt starts here, in this run (`ckpt_assets.in_run`).
+            # the next attempt starts here, in this run (`ckpt_assets.lifecycle.in_run`).
             record_relaunch(context, ended, relaunch)
             serve_backoff(relaunch)
             ids = replace(ids, attempt=_next_attempt(repo, ended.attempt))
@@ -178,7 +179,7 @@ def _warm_up(context, reg, checkpoint_store: CheckpointStore,
              trainer: TrainerResource) -> WarmTrainer:
     """The run's warm trainer, with a standby for the first attempt started as soon as the
     run knows what it launches: its interpreter imports torch while the run worker prepares
-    the attempt (`ckpt_assets.warm_start`). No standby for a pod: its interpreter is the
+    the attempt (`ckpt_assets.attempt.warm_start`). No standby for a pod: its interpreter is the
     image's."""
     warm = trainer.warm_trainer(context.log)
     if not trainer.in_pod:
@@ -246,8 +247,8 @@ def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
                       if reg.config.command
                       else task_launch(reg, told, env, trainer, Path(workdir)))
             channels = pipes_channels(trainer, checkpoint_store)
-            if trainer.in_pod:  # a Kubernetes pod (ckpt_assets.k8s_launch)
-                from ckpt_assets.k8s_launch import run_in_pod
+            if trainer.in_pod:  # a Kubernetes pod (ckpt_assets.attempt.k8s_launch)
+                from ckpt_assets.attempt.k8s_launch import run_in_pod
 
                 return run_in_pod(context, launch, reg, trainer, store.uri, channels,
                                   on_messages, after_start, extras)
@@ -255,7 +256,7 @@ def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
                 context, launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
                 on_messages=on_messages, after_start=after_start, extras=extras,
                 channels=channels, warm=warm)
-        except LaunchError as e:
+        except TrainerStartError as e:
             raise bad_input(str(e), reg.run, attempt=ids.attempt) from e
         except StorageError as e:
             raise storage_unavailable(str(e), reg.run) from e
@@ -336,7 +337,7 @@ def _final_output(repo: CheckpointRepo, ended: AttemptEnd, tracker: MlflowTracke
 def final_model(context: dg.AssetExecutionContext, config: TrainingRunConfig,
                 model_checkpoint: dict, checkpoint_store: CheckpointStore,
                 mlflow_tracking: MLflowResource):
-    from ckpt_assets.export import evaluate_final, export_weights
+    from ckpt_assets.records.export import evaluate_final, export_weights
 
     reg = resolve_registration(context, checkpoint_store, config)
     loaded: LoadedCheckpoint = model_checkpoint[CHECKPOINT_KEY]

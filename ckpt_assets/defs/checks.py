@@ -12,7 +12,7 @@ partition; the evaluations are recorded on that partition.
 * `latest_checkpoint_loss_is_finite`: that checkpoint's training loss is a finite number.
 * `final_model_meets_eval_loss_threshold`: the stored final model's held-out loss is at
   most `max_eval_loss` (check config; default: chance level, ln(number of classes)).
-* `training_run_state`: the run's state and its reason (`ckpt_assets.run_state`); fails for
+* `training_run_state`: the run's state and its reason (`ckpt_assets.lifecycle.state`); fails for
   a run stopped for good. The resume sensors and stops also record it when they end a run.
 """
 
@@ -22,12 +22,12 @@ import warnings
 import dagster as dg
 from pydantic import Field
 
-from ckpt_assets.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.defs.assets import final_model, model_checkpoint
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.registration import read_registration, validate_partition_key
-from ckpt_assets.run_state import STATE_CHECK, run_state, state_check_result
+from ckpt_assets.lifecycle.state import STATE_CHECK, run_state, state_check_result
+from ckpt_assets.records.asset_versions import StoredObjectError, VersionedRepo
+from ckpt_assets.runs.registration import read_registration, validate_partition_key
 from trainer.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from trainer.repo import CheckpointRepo
 

@@ -1,7 +1,7 @@
 """CheckpointIOManager: asset outputs stored with the trainer's own commit protocol.
 
 Each output is a new create-once version of the asset's value in the checkpoint store
-(`ckpt_assets.asset_versions`, which also says where versions live and how they commit):
+(`ckpt_assets.records.asset_versions`, which also says where versions live and how they commit):
 nothing is overwritten in place, and a writer killed halfway leaves the previous version
 current.
 
@@ -25,9 +25,9 @@ from typing import Any
 
 import dagster as dg
 
-from ckpt_assets.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.registration import read_registration, validate_partition_key
+from ckpt_assets.records.asset_versions import StoredObjectError, VersionedRepo
+from ckpt_assets.runs.registration import read_registration, validate_partition_key
 from trainer.contract import Skipped
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo

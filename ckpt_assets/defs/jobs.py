@@ -26,11 +26,11 @@ ckpt_assets.defs.check_runs). It has no partitions definition (Dagster 1.13 infe
 selection of checks alone, and ignores one given): its run's `dagster/partition` tag is the
 partition the partitioned checks evaluate on. By hand: launch it with that tag.
 
-`stop_training_run` stops a training run for good from the UI (ckpt_assets.stop).
+`stop_training_run` stops a training run for good from the UI (ckpt_assets.lifecycle.stop).
 
 `new_training_run` starts a new training run from the launchpad: a name and a typed training
 config (the same form as train_job's), registered as `ckpt-assets register` does, then
-train_job queued for it as `ckpt-assets launch` does (`ckpt_assets.submit`).
+train_job queued for it as `ckpt-assets launch` does (`ckpt_assets.runs.submit`).
 
 No `from __future__ import annotations`: Dagster reads the op's config annotation as a
 class, not a string.
@@ -43,12 +43,19 @@ from pydantic import Field, ValidationError
 
 from ckpt_assets.defs.assets import TRAINING_ASSETS
 from ckpt_assets.defs.checks import TRAINING_CHECKS
-from ckpt_assets.defs.names import CHECK_JOB, NEW_RUN_JOB, STOP_JOB, TRAIN_DEMO_JOB, TRAIN_JOB
-from ckpt_assets.defs.resources import REPO_ROOT, CheckpointStore
-from ckpt_assets.launch_form import TrainingForm, training_from_form
-from ckpt_assets.registration import register_training_run
-from ckpt_assets.stop import is_known, stop_training_run
-from ckpt_assets.tags import TAG_NEW_RUN_TARGET, TAG_STOP_TARGET
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.lifecycle.stop import is_known, stop_training_run
+from ckpt_assets.runs.launch_form import TrainingForm, training_from_form
+from ckpt_assets.runs.names import (
+    CHECK_JOB,
+    NEW_RUN_JOB,
+    REPO_ROOT,
+    STOP_JOB,
+    TRAIN_DEMO_JOB,
+    TRAIN_JOB,
+)
+from ckpt_assets.runs.registration import register_training_run
+from ckpt_assets.runs.tags import TAG_NEW_RUN_TARGET, TAG_STOP_TARGET
 from trainer.config import read_config_file
 from trainer.errors import ConfigError, StorageError
 
@@ -155,8 +162,8 @@ class NewTrainingRunConfig(dg.Config):
                    "train_job run for it (as `ckpt-assets launch`).")
 def new_training_run_op(context: dg.OpExecutionContext, config: NewTrainingRunConfig,
                         checkpoint_store: CheckpointStore) -> dg.Output:
-    from ckpt_assets.ci_run import rerun_tags
-    from ckpt_assets.submit import LaunchError, launch_training_run
+    from ckpt_assets.lifecycle.rerun import rerun_tags
+    from ckpt_assets.runs.submit import SubmitError, launch_training_run
 
     name = config.name
     try:
@@ -166,7 +173,7 @@ def new_training_run_op(context: dg.OpExecutionContext, config: NewTrainingRunCo
         launch = launch_training_run(context.instance, name, rerun_tags(context.instance, name))
     except ConfigError as e:  # a bad name or config, or one that contradicts the registered
         raise dg.Failure(description=str(e), allow_retries=False) from None
-    except (StorageError, LaunchError) as e:
+    except (StorageError, SubmitError) as e:
         raise dg.Failure(description=f"training run {name!r} was not launched: {e}",
                          allow_retries=False) from None
     context.instance.add_run_tags(context.run_id, {TAG_NEW_RUN_TARGET: name})

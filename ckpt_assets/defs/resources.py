@@ -16,15 +16,15 @@ from urllib.parse import urlparse
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from ckpt_assets.k8s_pod import POD_WORKDIR, K8sTrainerConfig, Launcher
-from ckpt_assets.settings import ResumeSettings
-from ckpt_assets.warm_start import WarmTrainer
+from ckpt_assets.attempt.k8s_pod import POD_WORKDIR, K8sTrainerConfig, Launcher
+from ckpt_assets.attempt.warm_start import WarmTrainer
+from ckpt_assets.runs.names import REPO_ROOT
+from ckpt_assets.runs.settings import ResumeSettings
 from trainer.contract import Env, PipesTransport
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore, open_store
 from trainer.storage.file_lock import lock_exclusive
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # ckpt_assets/defs/resources.py
 S3_MAX_ATTEMPTS = 5  # the trainer's too (trainer.storage.s3.default_client)
 
 
@@ -151,7 +151,7 @@ class TrainerResource(dg.ConfigurableResource):
     _warm: WarmTrainer | None = PrivateAttr(default=None)
 
     def warm_trainer(self, log) -> WarmTrainer:
-        """This run's warm trainer (`ckpt_assets.warm_start`), logging to `log`."""
+        """This run's warm trainer (`ckpt_assets.attempt.warm_start`), logging to `log`."""
         if self._warm is None:
             self._warm = WarmTrainer(ResumeSettings.from_env(), log)
         self._warm.log = log

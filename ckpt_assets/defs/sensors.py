@@ -2,12 +2,12 @@
 
 `resume_failed_training` (failed runs) and `resume_terminated_training` (runs terminated
 from Dagster, which end CANCELED, not FAILED) see each ended training run once and hand it
-to `ckpt_assets.resume_decision.consider`, which decides once and returns the resume.
+to `ckpt_assets.lifecycle.decision.consider`, which decides once and returns the resume.
 `reconcile_training_runs` launches delayed (backed-off) resumes once due (it ticks on
 every loop of the daemon, every 5 s: one cheap query), and every 15 s sweeps for what the
 others cannot see: failures from before they were enabled or whose tick errored, and runs
 stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats without completing
-a step (stalled); `ckpt_assets.liveness` judges those and retires their trainer
+a step (stalled); `ckpt_assets.lifecycle.liveness` judges those and retires their trainer
 before the run is marked failed.
 """
 
@@ -17,14 +17,14 @@ import time
 
 import dagster as dg
 
-from ckpt_assets.clock import iso, parse_time
 from ckpt_assets.defs.jobs import train_job
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.liveness import judge, read_beat, retire
-from ckpt_assets.resume_decision import consider
-from ckpt_assets.run_queries import is_training_run
-from ckpt_assets.settings import ResumeSettings
-from ckpt_assets.tags import (
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.liveness import judge, read_beat, retire
+from ckpt_assets.runs.clock import iso, parse_time
+from ckpt_assets.runs.queries import is_training_run
+from ckpt_assets.runs.settings import ResumeSettings
+from ckpt_assets.runs.tags import (
     PARTITION_TAG,
     TAG_DECISION,
     TAG_DECISION_REASON,

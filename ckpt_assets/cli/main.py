@@ -1,0 +1,392 @@
+"""`python -m ckpt_assets` / `ckpt-assets`: register, launch and inspect training runs.
+
+    register NAME --config FILE [--experiment E]   record the run's config, add the partition
+    launch   NAME [--config FILE] [--experiment E] register if needed, queue a train_job run
+                                                   (none if one is active: exit 0, says which)
+    list     [--json] [--experiment E]             runs: state, attempts, latest step/checkpoint
+                                                   (standalone runs too, found in the store)
+    lineage  NAME [--json] [--experiment E]        attempts, checkpoints (parent links), model
+    run      NAME [--config FILE] [--experiment E] register if needed, train it in this
+                                                   process (no daemon); exit with the
+                                                   attempt's code (143: preempted; run it
+                                                   again to resume)
+    stop     NAME                                  terminate its active run; do not resume it
+
+Common options: --store URI (default $CKPT_STORE_URI, else ./checkpoints under the repo;
+the same default as the code location's CheckpointStore). The Dagster instance is
+$DAGSTER_HOME (default: dagster_home/ under the repository root).
+
+A command run's config is checked at registration, before the name is taken: its `cwd`
+must be a directory, `python` is this interpreter and its script must exist in `cwd`, a
+program path must be an executable file, a bare program must be on PATH. Relative paths
+(`cwd`, and the script or program relative to `cwd`) are relative to the directory the
+CLI runs in (not this checkout), and are recorded absolute; no `cwd` means that directory.
+Absolute paths are taken as they are. A run with no committed checkpoint (and no active Dagster run)
+may be registered again with a corrected config: there is nothing it could contradict, and
+`register` says it replaced the config; once a checkpoint is committed the config is fixed.
+
+Exit codes (the trainer's): 0 ok; 2 bad input (name, config, arguments, an unusable
+local store path; nothing was written); 5 store unavailable (S3 endpoint, bucket or
+credentials; nothing was written); 1 anything else (e.g. the launch failed). `launch` of a
+run that already has a queued or running Dagster run queues nothing, names that run and
+exits 0; of several concurrent launches of one name exactly one queues a run, and the
+others name it and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ckpt_assets.runs.names import REPO_ROOT
+from trainer import strict_json
+from trainer.outcomes import Outcome
+
+# The CLI answers with the trainer's codes: 2 bad input, 5 store unavailable, 1 otherwise.
+EXIT_OK = Outcome.SUCCESS.exit_code
+EXIT_ERROR = Outcome.USER_CODE_ERROR.exit_code
+EXIT_BAD_INPUT = Outcome.BAD_INPUT.exit_code
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_BAD_INPUT):
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"ckpt-assets: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m ckpt_assets", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", default=None, help="checkpoint store URI")
+    common = argparse.ArgumentParser(add_help=False)  # --store after the command works too
+    common.add_argument("--store", default=argparse.SUPPRESS, help="checkpoint store URI")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("register", parents=[common], help="record a run's training config and add its partition")
+    r.add_argument("name", help="training run name = partition key")
+    r.add_argument("--config", required=True, help="training config file (JSON or YAML)")
+    r.add_argument("--experiment", default=None)
+
+    la = sub.add_parser("launch", parents=[common], help="register if needed, then queue a train_job run")
+    la.add_argument("name")
+    la.add_argument("--config", default=None, help="training config (needed the first time)")
+    la.add_argument("--experiment", default=None)
+    la.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra run tag (repeatable)")
+    la.add_argument("--force", action="store_true",
+                    help="queue another run even if the run already has a queued or running "
+                         "Dagster run")
+
+    ru = sub.add_parser("run", parents=[common],
+                        help="register if needed, then train the run in this process (no "
+                             "daemon); exit with the attempt's exit code")
+    ru.add_argument("name")
+    ru.add_argument("--config", default=None, help="training config (needed the first time)")
+    ru.add_argument("--experiment", default=None)
+
+    st = sub.add_parser("stop", parents=[common],
+                        help="terminate the run's active Dagster run and mark it not to be resumed")
+    st.add_argument("name")
+    st.add_argument("--reason", default=None, help="why (recorded on the run)")
+    st.add_argument("--force", action="store_true",
+                    help="also mark runs canceled whose run worker cannot be reached")
+
+    li = sub.add_parser("list", parents=[common], help="training runs with state, attempts and latest checkpoint")
+    li.add_argument("--json", action="store_true")
+    li.add_argument("--experiment", action="append", default=[],
+                    help="also look for standalone runs in this experiment (repeatable; "
+                         "the registered runs' experiments and 'default' always are)")
+
+    lg = sub.add_parser("lineage", parents=[common], help="attempts, checkpoints and final model of one run")
+    lg.add_argument("name")
+    lg.add_argument("--json", action="store_true")
+    lg.add_argument("--experiment", default=None,
+                    help="a standalone run's experiment (default: 'default')")
+    return p
+
+
+def _instance():
+    if not os.environ.get("DAGSTER_HOME"):
+        home = REPO_ROOT / "dagster_home"
+        os.environ["DAGSTER_HOME"] = str(home)
+        print(f"note: DAGSTER_HOME is not set; using {home}", file=sys.stderr)
+    import dagster as dg
+
+    try:
+        return dg.DagsterInstance.get()
+    except Exception as e:
+        raise CliError(f"cannot open the Dagster instance at DAGSTER_HOME="
+                       f"{os.environ['DAGSTER_HOME']}: {e}", EXIT_ERROR) from e
+
+
+def _store(uri: str | None):
+    from ckpt_assets.defs.resources import default_store_uri
+    from trainer.storage import open_store
+
+    return open_store(uri or default_store_uri())
+
+
+def _read_config(path: str) -> dict:
+    from trainer.config import read_config_file
+    from trainer.errors import ConfigError
+
+    try:
+        raw = read_config_file(path)
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+    if not isinstance(raw, dict):
+        raise CliError(f"config file {path} must hold a mapping, not {type(raw).__name__}")
+    return raw
+
+
+def _registered_from() -> Path:
+    """What a command's relative paths are relative to: the directory the user registers
+    from, as for any program they start from a shell (the examples' configs name their
+    scripts from the repository root, where the README runs them)."""
+    return Path.cwd()
+
+
+def cmd_register(args) -> int:
+    from ckpt_assets.runs.registration import (
+        normalize_training_config,
+        register_training_run,
+        validate_partition_key,
+    )
+
+    validate_partition_key(args.name)
+    raw = _read_config(args.config)
+    base = _registered_from()
+    store = _store(args.store)
+    # Validate before touching the instance, so that bad input creates nothing anywhere.
+    normalize_training_config(raw, args.name, args.experiment, base)
+    instance = _instance()
+    reg = register_training_run(store, args.name, raw, args.experiment, instance=instance,
+                                base_dir=base, may_correct=True)
+    _print_registered(reg)
+    return EXIT_OK
+
+
+def _print_registered(reg) -> None:
+    if reg.corrected:
+        print(f"re-registered: training run {reg.run} had no committed checkpoint, so its "
+              f"config was replaced ({reg.corrected}); config {reg.config_uri}")
+        return
+    what = "registered" if reg.created else "already registered (same config)"
+    print(f"{what}: training run {reg.run} in experiment {reg.experiment}; config {reg.config_uri}")
+
+
+def _launch_tags(args) -> dict[str, str]:
+    from ckpt_assets.runs.tags import PARTITION_TAG
+
+    tags = {}
+    for t in args.tag:
+        k, sep, v = t.partition("=")
+        if not sep or not k:
+            raise CliError(f"--tag {t!r}: expected KEY=VALUE")
+        if k == PARTITION_TAG:
+            raise CliError(f"--tag {t!r}: the partition is the training run's name; "
+                           "drop this tag")
+        tags[k] = v
+    return tags
+
+
+def cmd_launch(args) -> int:
+    """Register if needed, then queue a train_job run (`ckpt_assets.runs.submit`): once, even
+    when launches of the name race. A run that is active already is what the user asked
+    for: that is reported, and the launch succeeds without queuing another."""
+    from ckpt_assets.lifecycle.rerun import rerun_tags
+    from ckpt_assets.runs.submit import SubmitError, launch_training_run
+
+    tags = _launch_tags(args)
+    instance, store = _validated(args)
+    reg = _registered(args, instance, store)
+    try:
+        launch = launch_training_run(instance, args.name,
+                                     {**rerun_tags(instance, args.name), **tags},
+                                     force=args.force)
+    except SubmitError as e:
+        raise CliError(str(e), EXIT_ERROR) from e
+    _print_launch(reg, launch)
+    return EXIT_OK
+
+
+def _print_launch(reg, launch) -> None:
+    from dagster import DagsterRunStatus
+
+    from ckpt_assets.runs.queries import ACTIVE_STATUSES
+
+    run_id, status = launch.run.run_id, launch.run.status
+    if launch.created:
+        print(f"launched train_job for training run {reg.run} (experiment {reg.experiment}): "
+              f"Dagster run {run_id} {status.value}")
+        if status == DagsterRunStatus.QUEUED:
+            print("the run waits in the queue until a dagster-daemon (or `dagster dev`) "
+                  "dequeues it")
+    elif status in ACTIVE_STATUSES:
+        print(f"training run {reg.run} already has an active Dagster run: {run_id} "
+              f"({status.value}); nothing else queued (it resumes by itself; --force queues "
+              "another)")
+    else:  # a concurrent launch created it, and it has ended since
+        print(f"training run {reg.run}: Dagster run {run_id} ({status.value}) was launched by "
+              "another launch at the same moment; nothing else queued")
+
+
+def _validated(args):
+    """(instance, store) once the name and the config (if given) are valid: bad input
+    creates nothing anywhere, not even the instance."""
+    from ckpt_assets.runs.registration import normalize_training_config, validate_partition_key
+
+    validate_partition_key(args.name)
+    store = _store(args.store)
+    if args.config is not None:
+        normalize_training_config(_read_config(args.config), args.name, args.experiment,
+                                  _registered_from())
+    return _instance(), store
+
+
+def _registered(args, instance, store):
+    """`launch` and `run`: register the config if one is given, else read the registration."""
+    from ckpt_assets.runs.registration import (
+        add_partition,
+        read_registration,
+        register_training_run,
+    )
+
+    if args.config is not None:
+        reg = register_training_run(store, args.name, _read_config(args.config),
+                                    args.experiment, instance=instance,
+                                    base_dir=_registered_from(), may_correct=True)
+        if reg.corrected:
+            _print_registered(reg)
+        return reg
+    reg = read_registration(store, args.name)
+    if reg is None:
+        raise CliError(f"training run {args.name!r} is not registered in {store.uri}; "
+                       "pass --config FILE the first time")
+    add_partition(instance, args.name)
+    return reg
+
+
+def cmd_run(args) -> int:
+    """Train the run here, through the assets, and exit with its attempt's code
+    (`ckpt_assets.cli.run_here`): the daemon-less path for CI."""
+    from ckpt_assets.cli.run_here import run_in_process
+    from ckpt_assets.lifecycle.rerun import rerun_tags
+    from ckpt_assets.runs.tags import TAG_ATTEMPT
+
+    instance, store = _validated(args)
+    reg = _registered(args, instance, store)
+    tags = rerun_tags(instance, args.name)
+    what = f"attempt {tags[TAG_ATTEMPT]}" if tags else "training"
+    print(f"{what} of training run {reg.run} (experiment {reg.experiment}) in this process",
+          flush=True)
+    return run_in_process(instance, args.name, tags)
+
+
+def cmd_list(args) -> int:
+    from ckpt_assets.records.listing import (
+        DEFAULT_EXPERIMENT,
+        run_summary,
+        standalone_runs,
+        standalone_summary,
+    )
+    from ckpt_assets.runs.names import PARTITIONS_NAME
+    from trainer.storage import validate_name
+
+    for e in args.experiment:
+        validate_name(e, "experiment name")
+    store = _store(args.store)
+    instance = _instance()
+    keys = sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))
+    rows = [run_summary(instance, store, key) for key in keys]
+    experiments = {*args.experiment, DEFAULT_EXPERIMENT, *(r["experiment"] for r in rows
+                                                           if r["experiment"])}
+    rows += [standalone_summary(store, e, run)
+             for e, run in standalone_runs(store, experiments, set(keys))]
+    if args.json:
+        print(strict_json.dumps(rows, indent=1))
+        return EXIT_OK
+    if not rows:
+        print("no training runs (register one: python -m ckpt_assets register NAME --config FILE)")
+        return EXIT_OK
+    header = ("RUN", "EXPERIMENT", "STATE", "ATTEMPTS", "STEP", "LATEST CHECKPOINT")
+    table = [header] + [(r["run"], r["experiment"] or "-", r["state"], str(r["attempts"]),
+                         f"{r['latest_step'] if r['latest_step'] is not None else '-'}"
+                         f"/{r['max_steps'] or '?'}", r["latest_checkpoint"] or "-")
+                        for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    for row, r in zip(table, [None, *rows], strict=True):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+        if r and r["detail"]:  # the reason, or what happens next, under the run's line
+            print(f"    {r['detail']}")
+    return EXIT_OK
+
+
+def cmd_lineage(args) -> int:
+    from ckpt_assets.records.lineage import format_lineage, lineage_report, standalone_report
+    from ckpt_assets.records.listing import DEFAULT_EXPERIMENT
+    from ckpt_assets.runs.registration import validate_partition_key
+
+    validate_partition_key(args.name)
+    store = _store(args.store)
+    instance = _instance()
+    experiment = args.experiment or DEFAULT_EXPERIMENT
+    try:
+        rep = lineage_report(instance, store, args.name)
+    except KeyError:
+        try:
+            rep = standalone_report(store, experiment, args.name)
+        except KeyError:
+            raise CliError(f"training run {args.name!r} is not registered in {store.uri}, "
+                           f"and experiment {experiment!r} has no standalone run of that "
+                           "name (a script's run: pass --experiment)") from None
+    print(strict_json.dumps(rep, indent=1) if args.json else format_lineage(rep))
+    return EXIT_OK
+
+
+def cmd_stop(args) -> int:
+    """Stop the training run for good (`ckpt_assets.lifecycle.stop`): its active runs are tagged not to
+    be resumed, then canceled or terminated (the trainer commits a checkpoint and exits)."""
+    from ckpt_assets.lifecycle.stop import NOT_REACHED, stop_training_run
+
+    actions = stop_training_run(_instance(), args.name, args.reason, force=args.force)
+    if not actions:
+        raise CliError(f"training run {args.name!r} has no queued or running Dagster run")
+    for action in actions:
+        print(action)
+    if any(a.action == NOT_REACHED for a in actions):
+        raise CliError("a run worker could not be reached; retry with --force, or terminate "
+                       "it from the Dagster UI", EXIT_ERROR)
+    return EXIT_OK
+
+
+COMMANDS = {"register": cmd_register, "launch": cmd_launch, "run": cmd_run, "list": cmd_list,
+            "lineage": cmd_lineage, "stop": cmd_stop}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from trainer.errors import ConfigError, StorageError, TrainerError
+
+    try:
+        return COMMANDS[args.command](args)
+    except CliError as e:
+        print(f"ckpt-assets: error: {e}", file=sys.stderr)
+        return e.code
+    except (ConfigError, StorageError, TrainerError) as e:
+        # The trainer's own classification: ConfigError -> 2, StorageError -> 5.
+        print(f"ckpt-assets: error: {e}", file=sys.stderr)
+        passed_on = (Outcome.BAD_INPUT, Outcome.STORAGE_UNAVAILABLE)
+        return e.exit_code if e.outcome in passed_on else EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""`ckpt-assets run NAME --config FILE`: train a registered run in this process, no daemon.
+
+A CI job (or a user without a daemon) registers the run and runs `train_job` for its
+partition in-process (`JobDefinition.execute_in_process`, the same assets, resources and
+event log as a launched run), then exits with the attempt's exit code: the trainer's (0
+finished, 143 preempted, 2 bad input, ...). Run again after a failure it continues the
+chain exactly as the resume sensors would (the failed run as parent, the chain's root, the
+next attempt: `rerun_tags`, which `launch` uses too) and the trainer resumes from the
+newest checkpoint that verifies. SIGTERM and SIGINT reach the step as an interrupt, as under `dagster asset
+materialize`: the trainer commits a checkpoint and exits 143.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from ckpt_assets.runs.events import ATTEMPT_ENDED, partition_events
+from trainer.outcomes import Outcome
+
+# What the command exits with when the attempt recorded no exit of its own.
+INTERRUPTED = Outcome.PREEMPTED.exit_code
+UNKNOWN = Outcome.USER_CODE_ERROR.exit_code
+
+
+def run_in_process(instance: dg.DagsterInstance, name: str, tags: dict[str, str]) -> int:
+    """Run `train_job` for partition `name` here; return the attempt's exit code."""
+    from ckpt_assets.runs.dagster_private import capture_interrupts
+
+    from ckpt_assets.definitions import defs
+    from ckpt_assets.defs.jobs import train_job
+
+    job = defs.resolve_job_def(train_job.name)
+    interrupted = False
+    with capture_interrupts():
+        try:
+            result = job.execute_in_process(instance=instance, partition_key=name, tags=tags,
+                                            raise_on_error=False)
+            run_id = result.run_id
+        except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError):
+            interrupted, run_id = True, None
+    return attempt_exit_code(instance, name, run_id, interrupted)
+
+
+def attempt_exit_code(instance: dg.DagsterInstance, name: str, run_id: str | None,
+                      interrupted: bool) -> int:
+    """The exit code the run's attempt recorded (its `attempt_ended` observation); the
+    newest training run's when `run_id` is unknown (the interrupt cut the call short)."""
+    from ckpt_assets.runs.queries import newest_training_run
+
+    if run_id is None:
+        newest = newest_training_run(instance, name)
+        run_id = newest.run_id if newest else None
+    run = instance.get_run_by_id(run_id) if run_id else None
+    if run is not None and run.status == dg.DagsterRunStatus.SUCCESS:
+        return Outcome.SUCCESS.exit_code
+    for md, rec in partition_events(instance, name, ATTEMPT_ENDED):
+        if rec.run_id == run_id and isinstance(md.get("exit_code"), int):
+            return md["exit_code"]
+    return INTERRUPTED if interrupted else UNKNOWN

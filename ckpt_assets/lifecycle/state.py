@@ -1,0 +1,264 @@
+"""A training run's state at a glance, derived from its newest Dagster run and its tags.
+
+One function, `run_state`, answers "what is this training run doing?" for `ckpt-assets
+list`, and each change of state is also written as a `state` observation on the run's
+`model_checkpoint` partition (`state_observation`), so the partition's event history in
+the Dagster UI reads as a sequence of states with the reason for each. The state is never
+stored as the truth: it is derived every time from the runs, so it cannot go stale.
+
+| state                | the newest training run of the partition                         |
+|----------------------|------------------------------------------------------------------|
+| not launched         | there is none                                                     |
+| queued               | queued or starting, and it is a first attempt                    |
+| resuming             | queued or starting as a resume; or failed, resume due, not launched yet |
+| training             | running (one whose run worker is found dead is failed first)      |
+| stopping             | canceling                                                         |
+| waiting for back-off | failed; the policy resumes it after a back-off that has not ended |
+| deciding             | failed; the resume sensors have not decided yet (seconds)        |
+| finished             | succeeded                                                         |
+| stopped by policy    | failed; the policy does not resume it (the reason says why)      |
+| stopped by user      | stopped with `ckpt-assets stop` or the `stop_training_run` job   |
+
+What comes next in `deciding`, `waiting for back-off`, `resuming` after a failure and
+`queued` is a daemon's to do (the sensors, the run queue). `without_daemon` rewrites such a
+state's detail when no dagster-daemon has sent a heartbeat lately, so that `list` never
+promises what nobody will do, and says what to run instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+import dagster as dg
+
+from ckpt_assets.runs.clock import iso, parse_time
+from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY, STATE
+from ckpt_assets.runs.queries import newest_training_run
+from ckpt_assets.runs.tags import (
+    PARTITION_TAG,
+    TAG_ATTEMPT,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_NO_RESUME,
+    TAG_PARENT_RUN_ID,
+    TAG_RESUME_AT,
+    TAG_RESUME_FROM,
+    TAG_STOP_REASON,
+    TAG_WORKER_LOST,
+)
+
+
+class State(StrEnum):
+    NOT_LAUNCHED = "not launched"
+    QUEUED = "queued"
+    RESUMING = "resuming"
+    TRAINING = "training"
+    STOPPING = "stopping"
+    WAITING = "waiting for back-off"
+    DECIDING = "deciding"
+    FINISHED = "finished"
+    STOPPED_BY_POLICY = "stopped by policy"
+    STOPPED_BY_USER = "stopped by user"
+
+
+ENDED = frozenset({State.NOT_LAUNCHED, State.FINISHED, State.STOPPED_BY_POLICY,
+                   State.STOPPED_BY_USER})
+
+
+@dataclass(frozen=True)
+class RunState:
+    training_run: str
+    state: State
+    detail: str  # one line: the reason, or what happens next
+    dagster_run_id: str | None = None
+    attempt: int | None = None
+    resume_at: str | None = None  # ISO 8601 UTC, while waiting for a back-off
+    ended: bool = False  # the newest training run ended unsuccessfully (failed or canceled)
+
+    def __str__(self) -> str:
+        return f"{self.state.value}: {self.detail}" if self.detail else self.state.value
+
+    def to_dict(self) -> dict:
+        return {"state": self.state.value, "detail": self.detail,
+                "dagster_run_id": self.dagster_run_id, "attempt": self.attempt,
+                "resume_at": self.resume_at}
+
+
+def run_state(instance: dg.DagsterInstance, partition: str,
+              now: float | None = None) -> RunState:
+    run = newest_training_run(instance, partition)
+    if run is None:
+        return RunState(partition, State.NOT_LAUNCHED, "no Dagster run yet")
+    return state_of(record_lost_worker(instance, run), time.time() if now is None else now)
+
+
+def record_lost_worker(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dg.DagsterRun:
+    """`run` as it is once looked at: a STARTED run whose run worker is known dead (it ran
+    on this machine, and its process is gone) ended without recording how; it is failed
+    now (the sensors see a lost worker and decide), and what its attempt left running is
+    asked to stop (the trainer commits and exits 143). Anything else is left as it is: a
+    worker elsewhere is the heartbeat reconciler's to judge."""
+    from ckpt_assets.attempt.process_group import AttemptProcesses
+
+    if run.status != dg.DagsterRunStatus.STARTED:
+        return run
+    procs = AttemptProcesses.of_run(run)
+    if procs is None or procs.ended or not procs.worker_gone():
+        return run
+    msg = (f"its run worker (pid {procs.worker.pid}) is gone: the attempt ended without "
+           f"recording how its training process exited (its output: {procs.output})")
+    instance.add_run_tags(run.run_id, {TAG_WORKER_LOST: msg})
+    instance.report_run_failed(run, msg)
+    procs.stop(0.0, logging.getLogger(__name__), wait=False)
+    return instance.get_run_by_id(run.run_id) or run
+
+
+def state_of(run: dg.DagsterRun, now: float) -> RunState:
+    """The state of the training run whose newest training run is `run`."""
+    tags, status = run.tags, run.status
+    attempt = int(tags[TAG_ATTEMPT]) if tags.get(TAG_ATTEMPT, "").isdigit() else 1
+    partition = tags.get(PARTITION_TAG, "")
+
+    def made(state: State, detail: str, resume_at: str | None = None) -> RunState:
+        return RunState(partition, state, detail, run.run_id, attempt, resume_at,
+                        status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED))
+
+    resumed = f", resuming run {tags[TAG_PARENT_RUN_ID]} from " \
+              f"{tags.get(TAG_RESUME_FROM) or 'the latest checkpoint'}" \
+        if tags.get(TAG_PARENT_RUN_ID) else ""
+    S = dg.DagsterRunStatus
+    if status in (S.QUEUED, S.NOT_STARTED, S.STARTING):
+        return made(State.RESUMING if resumed else State.QUEUED,
+                    f"attempt {attempt} {status.value.lower()}{resumed}")
+    if status == S.STARTED:
+        return made(State.TRAINING, f"attempt {attempt}{resumed}")
+    if status == S.CANCELING:
+        return made(State.STOPPING, "stopping for good" if tags.get(TAG_NO_RESUME) == "true"
+                    else "terminating; a termination is a preemption, resumed once it ends")
+    if status == S.SUCCESS:
+        # A resumed run reads apart from one never interrupted.
+        interrupted = (f", after {attempt - 1} interrupted attempt(s): it resumed from "
+                       f"{tags.get(TAG_RESUME_FROM) or 'the latest checkpoint'}"
+                       if tags.get(TAG_PARENT_RUN_ID) and attempt > 1 else "")
+        return made(State.FINISHED, f"attempt {attempt} finished the run{interrupted}")
+    return _ended_unsuccessfully(run, now, made)
+
+
+def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made) -> RunState:
+    tags = run.tags
+    if tags.get(TAG_NO_RESUME) == "true":
+        reason = tags.get(TAG_STOP_REASON)
+        return made(State.STOPPED_BY_USER, f"stopped on request ({reason})" if reason
+                    else "stopped on request")
+    decision, reason = tags.get(TAG_DECISION), tags.get(TAG_DECISION_REASON, "")
+    if decision == "stop":
+        return made(State.STOPPED_BY_POLICY, reason)
+    if decision == "resume":
+        due = parse_time(tags.get(TAG_RESUME_AT))
+        if due is not None and now < due:
+            return made(State.WAITING, f"resumes at {iso(due)} (in {due - now:.0f}s); {reason}",
+                        iso(due))
+        return made(State.RESUMING, f"launching the resume; {reason}")
+    lost = f": {tags[TAG_WORKER_LOST]}" if tags.get(TAG_WORKER_LOST) else ""
+    return made(State.DECIDING, f"attempt {run.status.value.lower()}{lost}; the resume "
+                                "sensors decide within seconds")
+
+
+# A daemon beats every 30 s (dagster's DEFAULT_HEARTBEAT_INTERVAL_SECONDS); missing three
+# beats in a row means none is running (dagster's own tolerance, 30 min, is for alerting).
+DAEMON_SILENT_AFTER_S = 90.0
+RERUN_HINT = "python -m ckpt_assets run {run}"  # ckpt_assets.cli.run_here: resumes, in-process
+
+
+def daemon_running(instance: dg.DagsterInstance, daemon_type: str,
+                   now: float | None = None) -> bool:
+    """Whether a dagster-daemon running `daemon_type` beat within DAEMON_SILENT_AFTER_S."""
+    beat = instance.get_daemon_heartbeats().get(daemon_type)
+    now = time.time() if now is None else now
+    return beat is not None and now - beat.timestamp <= DAEMON_SILENT_AFTER_S
+
+
+def without_daemon(instance: dg.DagsterInstance, state: RunState,
+                   now: float | None = None) -> RunState:
+    """`state`, its detail rewritten when what comes next needs a daemon that is not running."""
+    from ckpt_assets.runs.dagster_private import daemon_types
+
+    sensor_daemon, queue_daemon = daemon_types()
+    failed = state.ended and state.state in (State.DECIDING, State.WAITING, State.RESUMING)
+    if failed and not daemon_running(instance, sensor_daemon, now):
+        rerun = RERUN_HINT.format(run=state.training_run)
+        return replace(state, detail=(
+            f"attempt {state.attempt} failed, no daemon is running: run `dagster-daemon run`, "
+            f"or run the same command again to resume (e.g. {rerun})"))
+    if state.state in (State.QUEUED, State.RESUMING) and not state.ended \
+            and not daemon_running(instance, queue_daemon, now):
+        return replace(state, detail=(
+            f"{state.detail}; no daemon is running: it stays queued until `dagster-daemon run` "
+            "(or `dagster dev`) dequeues it"))
+    return state
+
+
+def state_observation(state: RunState, extra: dict[str, Any] | None = None
+                      ) -> dg.AssetObservation:
+    """`state` as an observation on the training run's partition (what the UI shows), with
+    `extra` metadata (the decision that led to it)."""
+    return dg.AssetObservation(
+        asset_key=MODEL_CHECKPOINT_KEY, partition=state.training_run,
+        description=f"state: {state}",
+        metadata={"event": STATE, **_state_metadata(state),
+                  **({"resume_at": state.resume_at} if state.resume_at else {}),
+                  **(extra or {})})
+
+
+# The partition's asset check that reads the state (`ckpt_assets.defs.checks`): Dagster's
+# partitions view counts a run stopped for good as "Missing", like one never launched, and
+# its events list shows no text; a check's partitions show a status and a description.
+STATE_CHECK = "training_run_state"
+STOPPED = frozenset({State.STOPPED_BY_USER, State.STOPPED_BY_POLICY})
+
+
+def state_check_result(state: RunState) -> dg.AssetCheckResult:
+    """The state as the check's result: failed for a run stopped for good (a warning when a
+    user stopped it, an error when the policy did), passed otherwise; the state and its
+    reason are the description."""
+    return dg.AssetCheckResult(
+        check_name=STATE_CHECK, passed=state.state not in STOPPED,
+        severity=(dg.AssetCheckSeverity.WARN if state.state == State.STOPPED_BY_USER
+                  else dg.AssetCheckSeverity.ERROR),
+        description=str(state), metadata=_state_metadata(state))
+
+
+def state_check_evaluation(state: RunState) -> dg.AssetCheckEvaluation:
+    """`state_check_result` as an evaluation recorded outside any run (a sensor, a stop)."""
+    result = state_check_result(state)
+    return dg.AssetCheckEvaluation(
+        asset_key=MODEL_CHECKPOINT_KEY, check_name=STATE_CHECK, passed=result.passed,
+        severity=result.severity, description=result.description, metadata=result.metadata,
+        partition=state.training_run)
+
+
+def _state_metadata(state: RunState) -> dict[str, Any]:
+    return {"state": state.state.value, "detail": state.detail,
+            **({"attempt": state.attempt} if state.attempt else {}),
+            # A link to the run the state is about.
+            **({"dagster_run": dg.MetadataValue.dagster_run(state.dagster_run_id)}
+               if state.dagster_run_id else {})}
+
+
+def report_state(instance: dg.DagsterInstance, partition: str,
+                 extra: dict[str, Any] | None = None) -> RunState | None:
+    """Derive the partition's state now and record it as an observation (with `extra`
+    metadata), and a state that ends the run as the partition's `training_run_state` check.
+    Best-effort: it is what people read, never what a decision rests on."""
+    try:
+        state = run_state(instance, partition)
+        instance.report_runless_asset_event(state_observation(state, extra))
+        if state.state in STOPPED or state.state == State.FINISHED:
+            instance.report_runless_asset_event(state_check_evaluation(state))
+        return state
+    except Exception:  # an event-log hiccup must not fail a sensor tick or a stop
+        return None

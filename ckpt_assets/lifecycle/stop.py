@@ -1,0 +1,142 @@
+"""Stop a training run for good: end its active Dagster runs so that nothing resumes it.
+
+Terminating a run from the Dagster UI is a preemption notice (the trainer commits and
+exits 143) and the resume sensors resume it. Stopping is different: every active run of
+the partition is tagged `ckpt/no_resume=true` (the sensors' `TAG_NO_RESUME`) BEFORE it is
+terminated, so the sensor that sees it end already reads the tag and records "stop".
+
+A run that already ended with a resume still pending (a backed-off resume the reconciler
+launches later, or a failure not decided yet) is withdrawn as well: without that, a stop
+issued during the back-off would be undone by the reconciler minutes later.
+
+Used by the `stop_training_run` job (ckpt_assets.defs.jobs) and by `ckpt-assets stop`. The
+partition's new state ("stopping" or "stopped by user") is recorded on it as an observation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dagster as dg
+
+from ckpt_assets.lifecycle.state import report_state
+from ckpt_assets.runs.names import PARTITIONS_NAME
+from ckpt_assets.runs.queries import (
+    ENDED_UNSUCCESSFULLY,
+    active_runs,
+    newest_training_run,
+)
+from ckpt_assets.runs.registration import validate_partition_key
+from ckpt_assets.runs.tags import (
+    PARTITION_TAG,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_NO_RESUME,
+    TAG_STOP_REASON,
+)
+
+# What happened to one run (StopAction.action):
+CANCELED = "canceled from the queue"
+TERMINATING = "terminating: the trainer commits a checkpoint and exits"
+ALREADY_CANCELING = "already canceling"
+NOT_REACHED = ("termination requested, but its run worker could not be reached; run "
+               "monitoring marks it canceled (or stop again with force)")
+MARKED_CANCELED = "marked canceled (forced)"
+RESUME_WITHDRAWN = "ended already: its pending resume is withdrawn"
+
+
+@dataclass(frozen=True)
+class StopAction:
+    run_id: str
+    status: str  # the run's status when it was found
+    action: str
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} ({self.status}): {self.action}"
+
+
+def stop_reason_text(reason: str | None) -> str:
+    return f"not resumed: stopped on request ({reason})" if reason else \
+        "not resumed: stopped on request"
+
+
+def stop_request(instance: dg.DagsterInstance, run_id: str) -> str | None:
+    """Why run `run_id` was stopped for good (`stop_reason_text`), read fresh: the stop tags
+    a run before ending it, after its step read its tags; None if it was not stopped."""
+    run = instance.get_run_by_id(run_id)
+    if run is None or run.tags.get(TAG_NO_RESUME) != "true":
+        return None
+    return stop_reason_text(run.tags.get(TAG_STOP_REASON))
+
+
+def stop_training_run(instance: dg.DagsterInstance, partition: str, reason: str | None = None,
+                      *, force: bool = False) -> list[StopAction]:
+    """Stop training run `partition` for good; one StopAction per run acted on (none: there
+    was nothing to stop). Raises ConfigError for a malformed name.
+
+    `force`: a run whose termination was requested is also marked canceled at once (as the
+    UI's "force termination" does), for a run worker that is gone.
+    """
+    validate_partition_key(partition)
+    tags = {TAG_NO_RESUME: "true", **({TAG_STOP_REASON: reason[:400]} if reason else {})}
+    # First the newest ended run, then the active ones: a resume launched in between is
+    # active by the time they are listed.
+    actions = _withdraw_pending_resume(instance, partition, tags, reason)
+    for run in active_runs(instance, partition):
+        instance.add_run_tags(run.run_id, tags)  # before terminating: the sensors read it
+        actions.append(StopAction(run.run_id, run.status.value, _end(instance, run, force)))
+    if actions:
+        report_state(instance, partition)
+    return actions
+
+
+def _end(instance: dg.DagsterInstance, run: dg.DagsterRun, force: bool) -> str:
+    if run.status == dg.DagsterRunStatus.QUEUED:
+        # What QueuedRunCoordinator.cancel_run does for a queued run; done here so that it
+        # holds for any run coordinator (a queued run has no process to stop).
+        instance.report_run_canceling(run, message="Stopping the training run for good.")
+        instance.report_run_canceled(run, message="Stopped for good; it will not be resumed.")
+        return CANCELED
+    if run.status == dg.DagsterRunStatus.CANCELING:
+        action = ALREADY_CANCELING
+    else:
+        action = TERMINATING if _terminate(instance, run) else NOT_REACHED
+    if force:
+        current = instance.get_run_by_id(run.run_id)
+        if current is not None and not current.is_finished:
+            instance.report_run_canceled(
+                current, message="Stopped for good and forcibly marked canceled; the run "
+                                 "worker's resources may not have been cleaned up.")
+            return MARKED_CANCELED
+    return action
+
+
+def _terminate(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    try:
+        return bool(instance.run_launcher.terminate(run.run_id))
+    except Exception as e:  # a launcher that cannot terminate: the tag still stops resumes
+        instance.report_engine_event(f"Could not request termination: {e}", dagster_run=run)
+        return False
+
+
+def _withdraw_pending_resume(instance: dg.DagsterInstance, partition: str,
+                             tags: dict[str, str], reason: str | None) -> list[StopAction]:
+    newest = newest_training_run(instance, partition)
+    if newest is None or newest.status not in ENDED_UNSUCCESSFULLY:
+        return []
+    decision = newest.tags.get(TAG_DECISION)
+    if decision == "stop" or newest.tags.get(TAG_NO_RESUME) == "true":
+        return []  # nothing pending: it was stopped already, or will never be resumed
+    # Undecided: the sensors decide "stop" when they see the tag. Decided "resume" but not
+    # launched (only the newest run of a partition is ever resumed): overwrite the decision.
+    withdraw = dict(tags)
+    if decision == "resume":
+        withdraw.update({TAG_DECISION: "stop", TAG_DECISION_REASON: stop_reason_text(reason)})
+    instance.add_run_tags(newest.run_id, withdraw)
+    return [StopAction(newest.run_id, newest.status.value, RESUME_WITHDRAWN)]
+
+
+def is_known(instance: dg.DagsterInstance, partition: str) -> bool:
+    """The partition exists or has runs (a typo in the name is neither)."""
+    return instance.has_dynamic_partition(PARTITIONS_NAME, partition) or bool(
+        instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition}), limit=1))

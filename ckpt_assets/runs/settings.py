@@ -1,0 +1,104 @@
+"""The orchestrator's own settings: read from its environment each time they are needed, so
+a changed variable takes effect at the daemon's next tick or the next step, not at import.
+
+Apart from the decision that uses most of them (`ckpt_assets.lifecycle.decision`), so that the
+assets and the in-run relaunch read them without importing the job and the sensors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ckpt_assets.lifecycle.policy import PolicyConfig
+
+
+class Setting(StrEnum):
+    """The orchestrator's own settings (the daemon's environment), read by `from_env`."""
+
+    MAX_PREEMPTIONS = "CKPT_MAX_PREEMPTIONS"
+    MAX_TRANSIENT = "CKPT_MAX_TRANSIENT_FAILURES"
+    CRASH_LOOP_BUDGET = "CKPT_CRASH_LOOP_BUDGET"
+    BACKOFF_BASE_S = "CKPT_BACKOFF_BASE_S"
+    BACKOFF_MAX_S = "CKPT_BACKOFF_MAX_S"
+    RECONCILE_GRACE_S = "CKPT_RECONCILE_GRACE_S"
+    HEARTBEAT_TIMEOUT_S = "CKPT_HEARTBEAT_TIMEOUT_S"
+    WORKER_GRACE_S = "CKPT_WORKER_GRACE_S"
+    STALL_TIMEOUT_S = "CKPT_STALL_TIMEOUT_S"
+    STOP_GRACE_S = "CKPT_STOP_GRACE_S"
+    IN_RUN_RELAUNCH = "CKPT_IN_RUN_RELAUNCH"
+    IN_RUN_MAX_DELAY_S = "CKPT_IN_RUN_MAX_DELAY_S"
+    WARM_TRAINER = "CKPT_WARM_TRAINER"
+
+
+@dataclass(frozen=True)
+class ResumeSettings:
+    """The orchestrator's resume settings, read from its environment when a sensor runs
+    (so a changed variable takes effect at the daemon's next tick, not at import)."""
+
+    policy: PolicyConfig = PolicyConfig()
+    # A resume the failure sensors decided and did not launch within this long was lost
+    # (their tick errored): the reconciler launches it.
+    launch_grace_s: float = 45.0
+    # A STARTED run whose trainer's heartbeat is older than this has lost its trainer.
+    heartbeat_timeout_s: float = 120.0
+    # ... and one that has had no live trainer for this long: none has beaten since the run
+    # started, or its trainer ended this long ago. Apart from the timeout: the run worker's
+    # own work before and after its trainer (the dataset's manifest, hashing a large local
+    # dataset takes minutes; the trainer's imports; evaluating and exporting the final
+    # model) says nothing about how often a live trainer beats.
+    worker_grace_s: float = 300.0
+    # A STARTED run whose trainer heartbeats but completed no step for this long is stalled.
+    # Generous: a first step under torch.compile (minutes for a large model), a large
+    # gradient accumulation or a cold first read of S3 data must not pass for a hang, and
+    # a real hang costs at most this long before it is resumed.
+    stall_timeout_s: float = 1800.0
+    # A trainer declared dead or stalled gets this long after SIGTERM before SIGKILL.
+    stop_grace_s: float = 10.0
+    # A trainer that died while its run worker lives is relaunched in the same run
+    # (`ckpt_assets.lifecycle.in_run`), serving back-offs up to this long by sleeping in the step.
+    # On by default: a new run costs a failed-run detection, a sensor tick, the queue and a
+    # new run worker (seconds to tens of seconds) for nothing the policy would decide
+    # differently. Off (`CKPT_IN_RUN_RELAUNCH=0`), every failure goes through the sensors.
+    in_run_relaunch: bool = True
+    in_run_max_delay_s: float = 60.0
+    # ... by a standby process that imported torch while the attempt before it trained
+    # (`ckpt_assets.attempt.warm_start`): one idle interpreter per training step, for a restart
+    # about 2 s shorter. Off (`CKPT_WARM_TRAINER=0`), a relaunch starts cold.
+    warm_trainer: bool = True
+
+    @classmethod
+    def from_env(cls) -> ResumeSettings:
+        env, p = os.environ.get, PolicyConfig()
+        return cls(
+            policy=PolicyConfig(
+                max_preemptions=int(env(Setting.MAX_PREEMPTIONS, p.max_preemptions)),
+                max_transient=int(env(Setting.MAX_TRANSIENT, p.max_transient)),
+                crash_loop_budget=int(env(Setting.CRASH_LOOP_BUDGET, p.crash_loop_budget)),
+                backoff_base_s=float(env(Setting.BACKOFF_BASE_S, p.backoff_base_s)),
+                backoff_max_s=float(env(Setting.BACKOFF_MAX_S, p.backoff_max_s))),
+            launch_grace_s=float(env(Setting.RECONCILE_GRACE_S, cls.launch_grace_s)),
+            heartbeat_timeout_s=float(env(Setting.HEARTBEAT_TIMEOUT_S, cls.heartbeat_timeout_s)),
+            worker_grace_s=float(env(Setting.WORKER_GRACE_S, cls.worker_grace_s)),
+            stall_timeout_s=float(env(Setting.STALL_TIMEOUT_S, cls.stall_timeout_s)),
+            stop_grace_s=float(env(Setting.STOP_GRACE_S, cls.stop_grace_s)),
+            in_run_relaunch=switch(Setting.IN_RUN_RELAUNCH, cls.in_run_relaunch),
+            in_run_max_delay_s=float(env(Setting.IN_RUN_MAX_DELAY_S, cls.in_run_max_delay_s)),
+            warm_trainer=switch(Setting.WARM_TRAINER, cls.warm_trainer))
+
+
+SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+                "0": False, "false": False, "no": False, "off": False}
+
+
+def switch(setting: Setting, default: bool) -> bool:
+    """An on/off setting from the environment; unset or empty is `default`."""
+    raw = os.environ.get(setting, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in SWITCH_WORDS:
+        raise ValueError(f"{setting.value}={os.environ[setting]!r} is neither on nor off: set "
+                         f"it to one of {', '.join(SWITCH_WORDS)} (or unset it for "
+                         f"{'on' if default else 'off'})")
+    return SWITCH_WORDS[raw]
