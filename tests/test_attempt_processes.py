@@ -37,7 +37,8 @@ from ckpt_assets.attempt.process_group import (
     stoppable,
     this_machine,
 )
-from ckpt_assets.lifecycle.decision import failure_of
+from ckpt_assets.lifecycle.ended import failure_of
+from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
 from ckpt_assets.lifecycle.policy import decide
 from ckpt_assets.lifecycle.state import State, run_state
 from ckpt_assets.runs.tags import TAG_PROCESSES, TAG_WORKER_LOST
@@ -302,10 +303,13 @@ def _started_with(instance, worker: ProcessRef, machine: str | None):
 
 
 @pytest.mark.slow
-def test_a_run_whose_worker_died_here_is_recorded_as_ended_by_whoever_looks(instance):
+def test_a_run_whose_worker_died_here_is_seen_by_a_read_and_ended_only_by_its_owner(instance):
     run = _started_with(instance, _dead_process(), this_machine())
     state = run_state(instance, "lost")
-    assert state.state == State.DECIDING and "run worker" in state.detail
+    assert state.state == State.TRAINING and "run worker" in state.detail
+    # A read never writes: `list` and `lineage` leave the run as they found it.
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+    end_lost_attempt(instance, run)  # the reconciler's sweep, or a re-run by hand
     run = instance.get_run_by_id(run.run_id)
     assert run.status == dg.DagsterRunStatus.FAILURE and run.tags[TAG_WORKER_LOST]
     assert failure_of(instance, run, None).outcome is Outcome.WORKER_LOST

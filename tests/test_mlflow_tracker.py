@@ -192,7 +192,7 @@ def test_an_attempt_stopped_for_good_is_stopped_by_user_with_its_reason_not_pree
     from ckpt_assets.attempt.end import AttemptEnd
     from ckpt_assets.attempt.messages import AttemptReport
     from ckpt_assets.defs.assets import _record_end
-    from ckpt_assets.lifecycle.stop import stop_training_run
+    from ckpt_assets.lifecycle.stop import named_if_stopped, stop_training_run
     from tests.dagster_runs import started_run
     from trainer.outcomes import Outcome
 
@@ -203,7 +203,9 @@ def test_an_attempt_stopped_for_good_is_stopped_by_user_with_its_reason_not_pree
                                   log_event=lambda event: None)
         t = tracker(resource, "halted")
         proc = SimpleNamespace(interrupted=dg.DagsterExecutionInterruptedError(), returncode=143)
-        ended = AttemptEnd(Outcome.PREEMPTED, "halted", 143, attempt=1, signal="SIGTERM")
+        ended = named_if_stopped(instance, run.run_id, AttemptEnd(
+            Outcome.PREEMPTED, "halted", 143, attempt=1, signal="SIGTERM"))
+        assert ended.outcome is Outcome.STOPPED_BY_USER
         with pytest.raises(dg.DagsterExecutionInterruptedError):
             _record_end(context, ended, proc, t, AttemptReport("halted", 1))
     got = _run(resource, t)

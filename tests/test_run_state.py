@@ -154,8 +154,7 @@ def test_the_training_job_names_the_state_knows_are_the_code_locations_training_
 
 # -- what `list` says when no dagster-daemon is running ------------------------------------
 
-NO_DAEMON = ("failed, no daemon is running: run `dagster-daemon run`, or run the same "
-             "command again to resume")
+NO_DAEMON = "which is resumed, but no daemon is running: run `dagster-daemon run`"
 
 
 def _beat(instance, daemon_type: str, at: float) -> None:
@@ -180,7 +179,7 @@ def test_a_failed_run_awaiting_its_decision_without_a_daemon_says_what_to_run(
     dagster_runs.lost_worker_run(instance, KEY)
     row = _listed(instance, tmp_path)
     assert row["state"] == State.DECIDING.value
-    assert row["detail"].startswith(f"attempt 1 {NO_DAEMON}")
+    assert row["detail"].startswith(f"attempt 1 ended worker_lost, {NO_DAEMON}")
     assert f"python -m ckpt_assets run {KEY}" in row["detail"]
     assert "within seconds" not in row["detail"]  # no promise nobody keeps
 

@@ -133,7 +133,7 @@ PREEMPTED = AttemptEnd(Outcome.PREEMPTED, KEY, 143, attempt=1, last_committed_st
 
 def test_a_preempted_step_fails_with_one_line_naming_the_preemption_and_its_resume(instance):
     from ckpt_assets.attempt.messages import AttemptReport
-    from ckpt_assets.lifecycle.decision import recorded_end
+    from ckpt_assets.lifecycle.ended import recorded_end
 
     @dg.asset(name="model_checkpoint")
     def preempted():

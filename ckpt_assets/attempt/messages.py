@@ -199,6 +199,8 @@ def record_end(context, ended: AttemptEnd, interrupted: bool,
 
 
 def failure_description(ended: AttemptEnd) -> str:
+    if ended.outcome is Outcome.STOPPED_BY_USER:
+        return ended.message or "stopped for good on request"
     if ended.outcome is Outcome.NO_CHECKPOINT:
         return (f"the training process of {ended.training_run} exited 0 without committing a "
                 "checkpoint; a command must checkpoint through trainer.CheckpointSession "

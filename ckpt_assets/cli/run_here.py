@@ -24,10 +24,9 @@ UNKNOWN = Outcome.USER_CODE_ERROR.exit_code
 
 def run_in_process(instance: dg.DagsterInstance, name: str, tags: dict[str, str]) -> int:
     """Run `train_job` for partition `name` here; return the attempt's exit code."""
-    from ckpt_assets.runs.dagster_private import capture_interrupts
-
     from ckpt_assets.definitions import defs
     from ckpt_assets.defs.jobs import train_job
+    from ckpt_assets.runs.dagster_private import capture_interrupts
 
     job = defs.resolve_job_def(train_job.name)
     interrupted = False

@@ -57,7 +57,7 @@ from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.lifecycle.in_run import consider_relaunch, record_relaunch, serve_backoff
 from ckpt_assets.lifecycle.state import RunState, State, run_state, state_observation
-from ckpt_assets.lifecycle.stop import stop_request
+from ckpt_assets.lifecycle.stop import named_if_stopped
 from ckpt_assets.mlflow.tracking import MlflowTracker
 from ckpt_assets.records.history import history_metadata, loss_history
 from ckpt_assets.records.metadata import checkpoint_metadata, links, to_metadata
@@ -67,7 +67,6 @@ from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.runs.training_run import TrainingRunConfig, attempt_number, resolve_registration
 from trainer.errors import ConfigError, StorageError
-from trainer.outcomes import Outcome
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
 
@@ -210,6 +209,7 @@ def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
     if late:  # committed, never reported (its report lost): MLflow's history gets them too
         tracker.backfill(repo)
     ended = report.outcome(repo, proc, context)
+    ended = named_if_stopped(context.instance, context.run.run_id, ended)
     relaunch = (consider_relaunch(context, ended, proc.interrupted is not None, settings)
                 if ended.outcome.failed else None)
     _record_end(context, ended, proc, tracker, report, relaunching=relaunch is not None)
@@ -270,11 +270,7 @@ def _record_end(context, ended: AttemptEnd, proc, tracker: MlflowTracker,
                {"parent_run_id": context.run.tags.get(TAG_PARENT_RUN_ID),
                 "mlflow_run_id": tracker.run_id,
                 **links({"checkpoint_uri": ended.checkpoint_uri, "mlflow_run": tracker.run_url})})
-    stopped = stop_request(context.instance, context.run.run_id) if ended.outcome.failed \
-        else None
-    if stopped:  # the trainer exits as on a preemption; MLflow says what it was
-        tracker.on_failure(ended.attempt, Outcome.STOPPED_BY_USER.value, stopped)
-    elif ended.outcome.failed:
+    if ended.outcome.failed:
         tracker.on_failure(ended.attempt, ended.outcome.value, failure_description(ended),
                            report.failed.traceback if report.failed else None)
     if proc.interrupted is not None:

@@ -21,6 +21,7 @@ from ckpt_assets.defs.jobs import train_job
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.decision import consider
 from ckpt_assets.lifecycle.liveness import judge, read_beat, retire
+from ckpt_assets.lifecycle.lost_worker import end_lost_attempt, lost_worker
 from ckpt_assets.runs.clock import iso, parse_time
 from ckpt_assets.runs.queries import is_training_run
 from ckpt_assets.runs.settings import ResumeSettings
@@ -31,6 +32,7 @@ from ckpt_assets.runs.tags import (
     TAG_RESUME_AT,
     TAG_RESUMED_BY,
 )
+from ckpt_assets.runs.view import RunView
 
 LOOKBACK_RUNS = 200
 
@@ -144,14 +146,21 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
                                  limit=LOOKBACK_RUNS):
         if not is_training_run(run):
             continue
-        started = instance.get_run_record_by_id(run.run_id).start_time or now
+        if lost_worker(run) is not None:  # its worker is known dead: no heartbeat to wait for
+            end_lost_attempt(instance, run)
+            notes.append(f"{run.run_id[:8]}: its run worker is gone; the run is failed")
+            continue
+        view = RunView.of(run)
+        started = max(instance.get_run_record_by_id(run.run_id).start_time or now,
+                      view.attempt_started_at or 0.0)
         try:
             beat = read_beat(store, run.tags[PARTITION_TAG])
         except Exception as e:  # "no beat" would declare a healthy trainer dead
             notes.append(f"{run.run_id[:8]}: not judged, its heartbeat could not be read from "
                          f"the store ({type(e).__name__}: {e})")
             continue
-        verdict = judge(beat, run.run_id, started, now, settings)
+        verdict = judge(beat, run.run_id, started, now, settings,
+                        view.attempt if view.attempt_tagged else None)
         if verdict is not None:
             notes.append(f"{run.run_id[:8]}: {retire(instance, run, store, beat, verdict, settings)}")
     return notes

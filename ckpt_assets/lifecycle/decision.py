@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import dagster as dg
 
 from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.lifecycle.ended import failure_of, run_repo
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.state import report_state
 from ckpt_assets.lifecycle.stop import stop_reason_text
@@ -30,7 +31,6 @@ from ckpt_assets.runs.clock import iso, parse_time
 from ckpt_assets.runs.dagster_private import report_engine_event
 from ckpt_assets.runs.names import TRAIN_JOB
 from ckpt_assets.runs.queries import is_training_run, newest_training_run
-from ckpt_assets.runs.registration import read_registration
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.store import StoreSource
 from ckpt_assets.runs.tags import (
@@ -40,84 +40,19 @@ from ckpt_assets.runs.tags import (
     TAG_DECIDED_AT,
     TAG_DECISION,
     TAG_DECISION_REASON,
+    TAG_FAILURE_CLASS,
     TAG_FAILURE_KIND,
-    TAG_HEARTBEAT_LOST,
     TAG_NEXT_BUDGET,
     TAG_NO_RESUME,
     TAG_PARENT_RUN_ID,
     TAG_RESUME_AT,
     TAG_RESUME_FROM,
     TAG_ROOT_RUN_ID,
-    TAG_STALLED,
     TAG_STOP_REASON,
 )
-from trainer.outcomes import Kind, Outcome
-from trainer.repo import CheckpointRepo
+from trainer.outcomes import Kind
 
 RESUME_KEY_PREFIX = "resume-"
-
-
-# The reconciler's verdict on a STARTED run's trainer, tagged on the run before it acts
-# (`ckpt_assets.lifecycle.liveness`): it, not the trainer's exit that the reconciler caused, is how
-# the attempt ended.
-LIVENESS_TAGS = {Outcome.HEARTBEAT_LOST: TAG_HEARTBEAT_LOST, Outcome.STALLED: TAG_STALLED}
-
-
-def liveness_outcome(run: dg.DagsterRun) -> Outcome | None:
-    return next((o for o, tag in LIVENESS_TAGS.items() if run.tags.get(tag)), None)
-
-
-def recorded_end(instance: dg.DagsterInstance, run: dg.DagsterRun) -> AttemptEnd | None:
-    """The attempt's own record of how it ended: the last step failure that carries one."""
-    reported = None
-    for rec in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_FAILURE):
-        data = rec.dagster_event.step_failure_data
-        ufd = data.user_failure_data if data else None
-        if ufd:
-            reported = AttemptEnd.from_metadata(
-                {k: v.value for k, v in ufd.metadata.items()}) or reported
-    return reported
-
-
-def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun,
-               store: StoreSource | None) -> AttemptEnd:
-    """How `run` ended: the reconciler's verdict on its trainer, else its own record, else
-    what Dagster (and the store) saw of it."""
-    reported = recorded_end(instance, run)
-    liveness = liveness_outcome(run)
-    if reported is not None:
-        reported = replace(reported, dagster_run_id=run.run_id,
-                           attempt=reported.attempt or int(run.tags.get(TAG_ATTEMPT, "1") or 1))
-        # Declared dead or stalled: the trainer's exit is what the reconciler did to it.
-        if liveness is None:
-            return reported
-        return replace(reported, outcome=liveness, message=run.tags[LIVENESS_TAGS[liveness]])
-    partition = run.tags[PARTITION_TAG]
-    if liveness is not None:
-        outcome = liveness
-    elif run.status == dg.DagsterRunStatus.CANCELED:
-        outcome = Outcome.TERMINATED
-    else:
-        outcome = Outcome.WORKER_LOST
-    return AttemptEnd(outcome, partition, attempt=int(run.tags.get(TAG_ATTEMPT, "1") or 1),
-                      last_committed_step=committed_step(store, partition) if store else None,
-                      dagster_run_id=run.run_id,
-                      message=run.tags.get(LIVENESS_TAGS[liveness]) if liveness else None)
-
-
-def run_repo(store: StoreSource, partition: str) -> CheckpointRepo | None:
-    s = store.open()
-    reg = read_registration(s, partition)
-    return CheckpointRepo(s, reg.experiment, partition) if reg else None
-
-
-def committed_step(store: StoreSource, partition: str) -> int | None:
-    try:
-        repo = run_repo(store, partition)
-        ptr = repo.read_pointer() if repo else None
-    except Exception:  # an unreadable store must not stop the decision; the step is a hint
-        return None
-    return ptr.step if ptr and ptr.checkpoint else None
 
 
 def budget_of(run: dg.DagsterRun, tag: str = TAG_BUDGET) -> Budget:
@@ -143,6 +78,7 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
     decided = math.floor(time.time() * 1000) / 1000
     tags = {TAG_DECISION: "resume" if decision.resume else "stop",
             TAG_DECISION_REASON: decision.reason[:400], TAG_FAILURE_KIND: decision.kind.value,
+            TAG_FAILURE_CLASS: failure.outcome.value,
             TAG_DECIDED_AT: iso(decided), TAG_NEXT_BUDGET: decision.budget.to_tag(),
             **({TAG_RESUME_AT: iso(decided + decision.delay_s)}
                if decision.resume and decision.delay_s > 0 else {})}

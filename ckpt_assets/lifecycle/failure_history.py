@@ -73,7 +73,7 @@ def interruption(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
     # Not decided yet (no daemon, or its tick is still to come): read it as they would.
     # Imported here: the resume decision imports the jobs, which import the assets, which
     # import this module through the launch.
-    from ckpt_assets.lifecycle.decision import failure_of
+    from ckpt_assets.lifecycle.ended import failure_of
     from ckpt_assets.runs.tags import TAG_NO_RESUME
 
     if run.tags.get(TAG_NO_RESUME) == "true":

@@ -40,10 +40,13 @@ import time
 from dagster import DagsterRunStatus
 
 from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.lifecycle.ended import liveness_outcome
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.state import RunState, State, state_observation
+from ckpt_assets.runs.clock import iso
 from ckpt_assets.runs.settings import ResumeSettings
-from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_BUDGET, TAG_NO_RESUME
+from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
+from ckpt_assets.runs.view import RunView
 from trainer.outcomes import Outcome
 
 # The trainer died and nothing says its run worker is about to: a relaunch here is safe.
@@ -71,13 +74,10 @@ def relaunch_decision(ended: AttemptEnd, used: Budget, settings: ResumeSettings,
 def consider_relaunch(context, ended: AttemptEnd, interrupted: bool,
                       settings: ResumeSettings) -> Decision | None:
     """`relaunch_decision` for the step's own run, read from its tags as they are now."""
-    # resume_decision imports the job, which imports the assets, which import this
-    from ckpt_assets.lifecycle.decision import liveness_outcome
-
     run = context.instance.get_run_by_id(context.run.run_id) or context.run
-    return relaunch_decision(ended, Budget.from_tag(run.tags.get(TAG_BUDGET, "")), settings,
-                             interrupted=interrupted,
-                             stop_requested=run.tags.get(TAG_NO_RESUME) == "true",
+    view = RunView.of(run)
+    return relaunch_decision(ended, Budget.from_tag(view.budget), settings,
+                             interrupted=interrupted, stop_requested=view.stop_requested,
                              taken_over=liveness_outcome(run) is not None
                              or run.status != DagsterRunStatus.STARTED)
 
@@ -93,8 +93,10 @@ def relaunch_words(ended: AttemptEnd, decision: Decision) -> str:
 def record_relaunch(context, ended: AttemptEnd, decision: Decision) -> None:
     """Carry the used budget on the run (a later sensor resume continues the count) and
     say what happens, in the run's log and as the partition's state."""
+    # The new attempt's start: liveness judges its trainer from it, not from the run's.
     context.instance.add_run_tags(context.run.run_id, {
-        TAG_BUDGET: decision.budget.to_tag(), TAG_ATTEMPT: str(ended.attempt + 1)})
+        TAG_BUDGET: decision.budget.to_tag(), TAG_ATTEMPT: str(ended.attempt + 1),
+        TAG_ATTEMPT_STARTED_AT: iso(time.time() + decision.delay_s)})
     words = relaunch_words(ended, decision)
     context.log.warning(words)
     context.log_event(state_observation(

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import dagster as dg
 
 from ckpt_assets.attempt.process_group import KILL_WAIT_S, POLL_S, group_members
-from ckpt_assets.lifecycle.decision import LIVENESS_TAGS, run_repo
+from ckpt_assets.lifecycle.ended import LIVENESS_TAGS, run_repo
 from ckpt_assets.runs.queries import add_tags_that_stick
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.store import StoreSource
-from ckpt_assets.runs.tags import PARTITION_TAG, TAG_ATTEMPT
+from ckpt_assets.runs.view import RunView
 from trainer.liveness import Beat, ProcessId
 from trainer.outcomes import Outcome
 
@@ -62,20 +62,26 @@ def read_beat(store: StoreSource, partition: str) -> Beat | None:
     return repo.read_beat() if repo else None
 
 
-def own_beat(beat: Beat | None, run_id: str) -> Beat | None:
-    """`beat` if the trainer of Dagster run `run_id` wrote it (an older attempt's trainer,
-    alive or not, says nothing about this run's); a beat that names no run counts."""
+def own_beat(beat: Beat | None, run_id: str, attempt: int | None = None) -> Beat | None:
+    """`beat` if the trainer of Dagster run `run_id`'s attempt `attempt` wrote it (an older
+    attempt's trainer, alive or not, says nothing about this one's: after an in-run relaunch
+    the dead trainer's last beat names the same run); a beat that names no run, or no
+    attempt (written before its claim), counts."""
     if beat is None or beat.dagster_run_id not in (None, run_id):
+        return None
+    if attempt is not None and beat.attempt is not None and beat.attempt < attempt:
         return None
     return beat
 
 
 def judge(beat: Beat | None, run_id: str, started: float, now: float,
-          settings: ResumeSettings) -> Verdict | None:
-    """Dead, stalled, or (None) neither: the trainer of run `run_id`, which started at
-    `started`, as its newest heartbeat `beat` shows it at `now`."""
+          settings: ResumeSettings, attempt: int | None = None) -> Verdict | None:
+    """Dead, stalled, or (None) neither: the trainer of run `run_id`'s attempt `attempt`,
+    which started at `started` (the run's start, or the attempt's relaunch in it), as its
+    newest heartbeat `beat` shows it at `now`. No trainer is judged before its first beat
+    was due: without a beat of its own it has the whole start-up grace from its start."""
     timeout, grace, beat = (settings.heartbeat_timeout_s, settings.worker_grace_s,
-                            own_beat(beat, run_id))
+                            own_beat(beat, run_id, attempt))
     if beat is None:
         if now - started <= grace:
             return None  # its trainer may still be starting
@@ -106,10 +112,11 @@ def retire(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
     docstring says why in this order); returns what was done, in words."""
     tag = LIVENESS_TAGS[verdict.outcome]
     instance.add_run_tags(run.run_id, {tag: verdict.reason})
-    attempt, partition = int(run.tags.get(TAG_ATTEMPT, "1") or 1), run.tags[PARTITION_TAG]
+    view = RunView.of(run)
+    attempt, partition = view.attempt, view.partition
     fenced, words = fence(store, partition, attempt)
     done = [verdict.reason, words]
-    beat = own_beat(beat, run.run_id)
+    beat = own_beat(beat, run.run_id, view.attempt)
     # The grace lets a fenced trainer end cleanly; one not fenced could commit in it.
     grace = settings.stop_grace_s if fenced else None
     stopped = stop_trainer(beat.process, grace) if beat else None

@@ -10,23 +10,28 @@ from __future__ import annotations
 
 import dagster as dg
 
+from ckpt_assets.lifecycle.ended import recorded_end
+from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
+from ckpt_assets.runs.queries import ENDED_UNSUCCESSFULLY, newest_training_run, training_runs_of
+from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
+from ckpt_assets.runs.view import RunView
+
 
 def rerun_tags(instance: dg.DagsterInstance, name: str) -> dict[str, str]:
     """A launch after a failed or canceled attempt continues that attempt's chain, as the
-    sensors' resume would have (`resume_decision.resume_request`): the failed run is its
+    sensors' resume would have (`lifecycle.decision.resume_request`): the failed run is its
     parent, the chain's root its root, and it is the next attempt. The sensors leave a
     failed run alone once a newer run of the partition exists, so it is resumed once."""
-    from ckpt_assets.lifecycle.decision import recorded_end
-    from ckpt_assets.runs.queries import ENDED_UNSUCCESSFULLY, newest_training_run, training_runs_of
-    from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
-
     failed = newest_training_run(instance, name)
-    if failed is None or failed.status not in ENDED_UNSUCCESSFULLY:
+    if failed is None:
         return {}
-    ended = recorded_end(instance, failed)
-    tag = failed.tags.get(TAG_ATTEMPT, "")
+    # A run whose worker was killed (a SIGKILLed `ckpt-assets run`) still reads STARTED:
+    # ending it is this launch's to do, so that the new run chains onto it.
+    failed = end_lost_attempt(instance, failed)
+    if failed.status not in ENDED_UNSUCCESSFULLY:
+        return {}
+    ended, view = recorded_end(instance, failed), RunView.of(failed)
     attempt = (ended.attempt if ended and ended.attempt else None) or (
-        int(tag) if tag.isdigit() else len(training_runs_of(instance, name)))
-    return {TAG_PARENT_RUN_ID: failed.run_id,
-            TAG_ROOT_RUN_ID: failed.tags.get(TAG_ROOT_RUN_ID, failed.run_id),
+        view.attempt if view.attempt_tagged else len(training_runs_of(instance, name)))
+    return {TAG_PARENT_RUN_ID: failed.run_id, TAG_ROOT_RUN_ID: view.root_run_id,
             TAG_ATTEMPT: str(attempt + 1)}

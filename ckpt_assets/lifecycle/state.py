@@ -27,7 +27,6 @@ promises what nobody will do, and says what to run instead.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -35,12 +34,13 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.lifecycle.ended import failure_of
+from ckpt_assets.lifecycle.lost_worker import lost_words, lost_worker
 from ckpt_assets.runs.clock import iso, parse_time
 from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY, STATE
 from ckpt_assets.runs.queries import newest_training_run
 from ckpt_assets.runs.tags import (
     PARTITION_TAG,
-    TAG_ATTEMPT,
     TAG_DECISION,
     TAG_DECISION_REASON,
     TAG_NO_RESUME,
@@ -50,6 +50,8 @@ from ckpt_assets.runs.tags import (
     TAG_STOP_REASON,
     TAG_WORKER_LOST,
 )
+from ckpt_assets.runs.view import RunView
+from trainer.outcomes import Outcome
 
 
 class State(StrEnum):
@@ -78,6 +80,7 @@ class RunState:
     attempt: int | None = None
     resume_at: str | None = None  # ISO 8601 UTC, while waiting for a back-off
     ended: bool = False  # the newest training run ended unsuccessfully (failed or canceled)
+    outcome: str | None = None  # how its last attempt ended (`trainer.outcomes`), once known
 
     def __str__(self) -> str:
         return f"{self.state.value}: {self.detail}" if self.detail else self.state.value
@@ -85,47 +88,35 @@ class RunState:
     def to_dict(self) -> dict:
         return {"state": self.state.value, "detail": self.detail,
                 "dagster_run_id": self.dagster_run_id, "attempt": self.attempt,
-                "resume_at": self.resume_at}
+                "resume_at": self.resume_at, "outcome": self.outcome}
 
 
 def run_state(instance: dg.DagsterInstance, partition: str,
               now: float | None = None) -> RunState:
+    """The training run's state, read from its newest Dagster run (and, for one that ended
+    undecided, its attempt's own record of how it ended). A read: it changes nothing."""
     run = newest_training_run(instance, partition)
     if run is None:
         return RunState(partition, State.NOT_LAUNCHED, "no Dagster run yet")
-    return state_of(record_lost_worker(instance, run), time.time() if now is None else now)
+    outcome = None
+    if RunView.of(run).ended_unsuccessfully and run.tags.get(TAG_DECISION) is None:
+        outcome = failure_of(instance, run, None).outcome
+    return state_of(run, time.time() if now is None else now, outcome)
 
 
-def record_lost_worker(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dg.DagsterRun:
-    """`run` as it is once looked at: a STARTED run whose run worker is known dead (it ran
-    on this machine, and its process is gone) ended without recording how; it is failed
-    now (the sensors see a lost worker and decide), and what its attempt left running is
-    asked to stop (the trainer commits and exits 143). Anything else is left as it is: a
-    worker elsewhere is the heartbeat reconciler's to judge."""
-    from ckpt_assets.attempt.process_group import AttemptProcesses
-
-    if run.status != dg.DagsterRunStatus.STARTED:
-        return run
-    procs = AttemptProcesses.of_run(run)
-    if procs is None or procs.ended or not procs.worker_gone():
-        return run
-    msg = (f"its run worker (pid {procs.worker.pid}) is gone: the attempt ended without "
-           f"recording how its training process exited (its output: {procs.output})")
-    instance.add_run_tags(run.run_id, {TAG_WORKER_LOST: msg})
-    instance.report_run_failed(run, msg)
-    procs.stop(0.0, logging.getLogger(__name__), wait=False)
-    return instance.get_run_by_id(run.run_id) or run
-
-
-def state_of(run: dg.DagsterRun, now: float) -> RunState:
-    """The state of the training run whose newest training run is `run`."""
+def state_of(run: dg.DagsterRun, now: float, outcome: Outcome | None = None) -> RunState:
+    """The state of the training run whose newest training run is `run`; `outcome`: how its
+    attempt ended, when it ended and nothing decided yet."""
     tags, status = run.tags, run.status
-    attempt = int(tags[TAG_ATTEMPT]) if tags.get(TAG_ATTEMPT, "").isdigit() else 1
+    view = RunView.of(run)
+    attempt = view.attempt
     partition = tags.get(PARTITION_TAG, "")
 
-    def made(state: State, detail: str, resume_at: str | None = None) -> RunState:
+    def made(state: State, detail: str, resume_at: str | None = None,
+             outcome: Outcome | None = None) -> RunState:
         return RunState(partition, state, detail, run.run_id, attempt, resume_at,
-                        status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED))
+                        status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED),
+                        outcome.value if outcome else view.failure_class)
 
     resumed = f", resuming run {tags[TAG_PARENT_RUN_ID]} from " \
               f"{tags.get(TAG_RESUME_FROM) or 'the latest checkpoint'}" \
@@ -135,7 +126,10 @@ def state_of(run: dg.DagsterRun, now: float) -> RunState:
         return made(State.RESUMING if resumed else State.QUEUED,
                     f"attempt {attempt} {status.value.lower()}{resumed}")
     if status == S.STARTED:
-        return made(State.TRAINING, f"attempt {attempt}{resumed}")
+        procs = lost_worker(run)
+        lost = f"; {lost_words(procs)}: the reconciler ends it, or `{RERUN_HINT.format(run=partition)}` " \
+               "resumes it" if procs else ""
+        return made(State.TRAINING, f"attempt {attempt}{resumed}{lost}")
     if status == S.CANCELING:
         return made(State.STOPPING, "stopping for good" if tags.get(TAG_NO_RESUME) == "true"
                     else "terminating; a termination is a preemption, resumed once it ends")
@@ -145,10 +139,11 @@ def state_of(run: dg.DagsterRun, now: float) -> RunState:
                        f"{tags.get(TAG_RESUME_FROM) or 'the latest checkpoint'}"
                        if tags.get(TAG_PARENT_RUN_ID) and attempt > 1 else "")
         return made(State.FINISHED, f"attempt {attempt} finished the run{interrupted}")
-    return _ended_unsuccessfully(run, now, made)
+    return _ended_unsuccessfully(run, now, made, outcome)
 
 
-def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made) -> RunState:
+def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made,
+                          outcome: Outcome | None) -> RunState:
     tags = run.tags
     if tags.get(TAG_NO_RESUME) == "true":
         reason = tags.get(TAG_STOP_REASON)
@@ -164,8 +159,13 @@ def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made) -> RunState:
                         iso(due))
         return made(State.RESUMING, f"launching the resume; {reason}")
     lost = f": {tags[TAG_WORKER_LOST]}" if tags.get(TAG_WORKER_LOST) else ""
-    return made(State.DECIDING, f"attempt {run.status.value.lower()}{lost}; the resume "
-                                "sensors decide within seconds")
+    if outcome is not None and not outcome.kind.resumable:
+        # Nothing to decide: the policy never resumes this outcome, daemon or not.
+        return made(State.STOPPED_BY_POLICY, f"attempt ended {outcome.value}: not resumed: "
+                                             f"{outcome.kind.advice}", outcome=outcome)
+    named = f" {outcome.value}" if outcome is not None else f" {run.status.value.lower()}"
+    return made(State.DECIDING, f"attempt ended{named}{lost}; the resume sensors decide "
+                                "within seconds", outcome=outcome)
 
 
 # A daemon beats every 30 s (dagster's DEFAULT_HEARTBEAT_INTERVAL_SECONDS); missing three
@@ -191,9 +191,10 @@ def without_daemon(instance: dg.DagsterInstance, state: RunState,
     failed = state.ended and state.state in (State.DECIDING, State.WAITING, State.RESUMING)
     if failed and not daemon_running(instance, sensor_daemon, now):
         rerun = RERUN_HINT.format(run=state.training_run)
+        how = f" {state.outcome}" if state.outcome else ""
         return replace(state, detail=(
-            f"attempt {state.attempt} failed, no daemon is running: run `dagster-daemon run`, "
-            f"or run the same command again to resume (e.g. {rerun})"))
+            f"attempt {state.attempt} ended{how}, which is resumed, but no daemon is running: "
+            f"run `dagster-daemon run` (or `dagster dev`), or resume it here with `{rerun}`"))
     if state.state in (State.QUEUED, State.RESUMING) and not state.ended \
             and not daemon_running(instance, queue_daemon, now):
         return replace(state, detail=(

@@ -15,10 +15,11 @@ partition's new state ("stopping" or "stopped by user") is recorded on it as an 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import dagster as dg
 
+from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.lifecycle.state import report_state
 from ckpt_assets.runs.names import PARTITIONS_NAME
 from ckpt_assets.runs.queries import (
@@ -34,6 +35,7 @@ from ckpt_assets.runs.tags import (
     TAG_NO_RESUME,
     TAG_STOP_REASON,
 )
+from trainer.outcomes import Outcome
 
 # What happened to one run (StopAction.action):
 CANCELED = "canceled from the queue"
@@ -67,6 +69,16 @@ def stop_request(instance: dg.DagsterInstance, run_id: str) -> str | None:
     if run is None or run.tags.get(TAG_NO_RESUME) != "true":
         return None
     return stop_reason_text(run.tags.get(TAG_STOP_REASON))
+
+
+def named_if_stopped(instance: dg.DagsterInstance, run_id: str, ended: AttemptEnd) -> AttemptEnd:
+    """`ended` as `stopped_by_user` (its message the stop's reason) if its run was stopped
+    for good: the trainer exits 143 as on a preemption, and a stop has one name wherever it
+    is read (the attempt's event, the decision, lineage, list, MLflow)."""
+    why = stop_request(instance, run_id) if ended.outcome.failed else None
+    if why is None:
+        return ended
+    return replace(ended, outcome=Outcome.STOPPED_BY_USER, message=why)
 
 
 def stop_training_run(instance: dg.DagsterInstance, partition: str, reason: str | None = None,

@@ -10,7 +10,7 @@ from typing import Any
 
 import dagster as dg
 
-from ckpt_assets.lifecycle.state import record_lost_worker
+from ckpt_assets.lifecycle.lost_worker import lost_worker
 from ckpt_assets.lifecycle.stop import stop_reason_text
 from ckpt_assets.records.asset_versions import VersionedRepo
 from ckpt_assets.runs.events import ATTEMPT_ENDED, CHECKPOINT, decisions, partition_events
@@ -163,9 +163,10 @@ def _attempt_rows(instance: dg.DagsterInstance, run_key: str) -> list[dict[str, 
     """One row per Dagster run of the training run, from its tags and run record."""
     attempts = []
     for r in dagster_runs_of(instance, run_key):
-        r = record_lost_worker(instance, r)  # an attempt whose worker died has ended
         record = instance.get_run_record_by_id(r.run_id)
         attempts.append({"dagster_run_id": r.run_id, "status": r.status.value,
+                         # Still STARTED, but its worker died: ended (the reconciler fails it).
+                         "worker_lost": lost_worker(r) is not None,
                          "started": bool(record and record.start_time),
                          "attempt": r.tags.get(TAG_ATTEMPT),
                          "root_run_id": r.tags.get(TAG_ROOT_RUN_ID, r.run_id),
@@ -202,7 +203,7 @@ def _attempt_end(a: dict[str, Any], ended: dict[str, Any]) -> str | None:
     started; None while the run is still going."""
     if ended.get("exit_code") is not None:
         return ended.get("failure_class") or "exited"
-    if a["status"] in ("FAILURE", "CANCELED"):
+    if a["status"] in ("FAILURE", "CANCELED") or a.get("worker_lost"):
         return WORKER_LOST if a["started"] else "not_started"
     if a["status"] == "SUCCESS":
         return Outcome.SUCCESS.value

@@ -26,11 +26,9 @@ the newest run rather than counting the runs keeps ids unique when runs are dele
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import dagster as dg
 
@@ -41,10 +39,9 @@ from ckpt_assets.runs.dagster_private import (
     create_training_run,
     open_training_location,
 )
-from ckpt_assets.runs.names import TRAIN_JOB, WORKSPACE_FILE
+from ckpt_assets.runs.names import WORKSPACE_FILE
 from ckpt_assets.runs.queries import active_runs, newest_training_run
 from ckpt_assets.runs.tags import PARTITION_TAG
-
 
 # The uuid5 namespace of launch run ids. Never change it: launchers of two versions would
 # derive different ids for the same run and both create one.

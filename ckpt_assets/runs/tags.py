@@ -11,12 +11,14 @@ TAG_PARENT_RUN_ID = "ckpt/parent_run_id"  # the failed run it resumes
 TAG_ROOT_RUN_ID = "ckpt/root_run_id"  # the training run's first Dagster run
 TAG_ATTEMPT = "ckpt/attempt"  # the attempt number it asks for
 TAG_RESUME_FROM = "ckpt/resume_from"  # the checkpoint URI, or "latest"
+TAG_ATTEMPT_STARTED_AT = "ckpt/attempt_started_at"  # ISO 8601: an in-run relaunch's start
 TAG_BUDGET = "ckpt/budget"  # what the chain used so far (`policy.Budget.to_tag`)
 
 # On an ended training run (set by the resume sensors when they decide):
 TAG_DECISION = "ckpt/decision"  # "resume" | "stop"
 TAG_DECISION_REASON = "ckpt/decision_reason"  # in words
 TAG_FAILURE_KIND = "ckpt/failure_kind"  # the policy's class: preempted, killed, bug, ...
+TAG_FAILURE_CLASS = "ckpt/failure_class"  # the outcome: `trainer.outcomes.Outcome`'s name
 TAG_DECIDED_AT = "ckpt/decided_at"  # ISO 8601, UTC
 TAG_RESUME_AT = "ckpt/resume_at"  # ISO 8601, UTC; only for a resume after a back-off
 TAG_NEXT_BUDGET = "ckpt/next_budget"  # the budget its resume will carry

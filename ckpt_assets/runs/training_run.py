@@ -15,7 +15,7 @@ from ckpt_assets.runs.registration import (
     validate_partition_key,
 )
 from ckpt_assets.runs.store import StoreSource
-from ckpt_assets.runs.tags import TAG_ATTEMPT
+from ckpt_assets.runs.view import RunView
 from trainer.errors import ConfigError, StorageError
 from trainer.repo import CheckpointRepo
 
@@ -93,8 +93,8 @@ def count_earlier_attempts(instance: dg.DagsterInstance, run_id: str, key: str) 
 def attempt_number(context, repo: CheckpointRepo) -> int:
     """The attempt this run asks for: its tag (set by the resume sensor), else one more than
     the partition's earlier runs. The trainer's claim makes it unique in the store."""
-    tag = context.run.tags.get(TAG_ATTEMPT)
-    attempt = int(tag) if tag and tag.isdigit() else 1 + count_earlier_attempts(
+    view = RunView.of(context.run)
+    attempt = view.attempt if view.attempt_tagged else 1 + count_earlier_attempts(
         context.instance, context.run.run_id, repo.run)
     try:
         in_store = repo.next_attempt()

@@ -1,0 +1,131 @@
+"""A training run's life read and written through one owner per change: a stop has one
+name everywhere, a read never writes, a re-run after a killed `ckpt-assets run` is its
+child, a relaunched trainer is judged from its own start, and `list` never says
+`deciding` for an outcome the policy does not resume."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import dagster as dg
+import pytest
+
+from ckpt_assets.attempt.process_group import AttemptProcesses, ProcessRef, this_machine
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.ended import failure_of
+from ckpt_assets.lifecycle.liveness import judge
+from ckpt_assets.lifecycle.rerun import rerun_tags
+from ckpt_assets.lifecycle.state import State, run_state, state_of, without_daemon
+from ckpt_assets.lifecycle.stop import stop_training_run
+from ckpt_assets.runs.settings import ResumeSettings
+from ckpt_assets.runs.tags import (
+    TAG_ATTEMPT,
+    TAG_FAILURE_CLASS,
+    TAG_PARENT_RUN_ID,
+    TAG_PROCESSES,
+    TAG_ROOT_RUN_ID,
+)
+from ckpt_assets.runs.view import RunView
+from tests import dagster_runs
+from trainer.liveness import Beat
+from trainer.outcomes import Outcome
+
+KEY = "seams"
+
+
+@pytest.fixture
+def instance():
+    with dg.DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+def _dead_worker() -> ProcessRef:
+    proc = subprocess.Popen(["sleep", "60"])
+    ref = ProcessRef.of(proc.pid)
+    proc.kill()
+    proc.wait()
+    return ref
+
+
+def _killed_cli_run(instance) -> dg.DagsterRun:
+    """What a SIGKILLed `ckpt-assets run` leaves: a STARTED run whose worker (the CLI's own
+    process) is gone."""
+    worker = _dead_worker()
+    procs = AttemptProcesses(this_machine(), worker, worker, "/tmp/ckpt-seams.log")
+    return dagster_runs.started_run(instance, KEY, tags={TAG_PROCESSES: procs.to_tag()})
+
+
+def test_a_stop_is_named_stopped_by_user_in_the_attempts_end_the_decision_and_the_state(
+        instance):
+    run = dagster_runs.started_run(instance, KEY)
+    stop_training_run(instance, KEY, "wrong lr", force=True)
+    run = instance.get_run_by_id(run.run_id)
+    assert failure_of(instance, run, None).outcome is Outcome.STOPPED_BY_USER
+    assert consider(instance, run, None, sweep=False) is None  # never resumed
+    decided = RunView.of(instance.get_run_by_id(run.run_id))
+    assert (decided.decision, decided.failure_kind, decided.failure_class) == \
+        ("stop", "stopped_by_user", "stopped_by_user")
+    state = run_state(instance, KEY)
+    assert state.state == State.STOPPED_BY_USER and state.outcome == "stopped_by_user"
+
+
+@pytest.mark.slow
+def test_reading_a_run_whose_worker_died_leaves_it_as_it_was(instance):
+    run = _killed_cli_run(instance)
+    state = run_state(instance, KEY)
+    assert state.state == State.TRAINING and "run worker" in state.detail
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+
+
+@pytest.mark.slow
+def test_a_rerun_after_a_killed_cli_run_is_linked_as_the_killed_runs_child(instance):
+    killed = _killed_cli_run(instance)
+    tags = rerun_tags(instance, KEY)
+    assert tags == {TAG_PARENT_RUN_ID: killed.run_id, TAG_ROOT_RUN_ID: killed.run_id,
+                    TAG_ATTEMPT: "2"}
+    ended = instance.get_run_by_id(killed.run_id)
+    assert ended.status == dg.DagsterRunStatus.FAILURE
+    assert failure_of(instance, ended, None).outcome is Outcome.WORKER_LOST
+
+
+def test_a_trainer_relaunched_in_its_run_is_not_judged_dead_before_its_first_beat():
+    settings = ResumeSettings(heartbeat_timeout_s=20.0, worker_grace_s=60.0)
+    now = time.time()
+    # Attempt 1 beat last 40 s ago and died; attempt 2 was relaunched 14 s ago in the same
+    # run and has not beaten yet (its start-up is slow on a loaded machine).
+    old = Beat(time=now - 40, pid=1, step=6, attempt=1, dagster_run_id="r")
+    assert judge(old, "r", now - 14, now, settings, attempt=2) is None
+    # Judged from its own start, it is declared dead once its start-up grace is over.
+    late = judge(old, "r", now - 61, now, settings, attempt=2)
+    assert late is not None and late.outcome is Outcome.HEARTBEAT_LOST
+    # The old attempt's beat still counts against a run that is on attempt 1.
+    assert judge(old, "r", now - 100, now, settings, attempt=1).outcome is \
+        Outcome.HEARTBEAT_LOST
+
+
+@pytest.mark.parametrize("outcome", [Outcome.USER_CODE_ERROR, Outcome.NO_CHECKPOINT])
+def test_without_a_daemon_an_outcome_never_resumed_is_named_and_not_deciding(
+        instance, outcome):
+    run = dagster_runs.lost_worker_run(instance, KEY)
+    state = without_daemon(instance, state_of(run, time.time(), outcome))
+    assert state.state == State.STOPPED_BY_POLICY
+    assert outcome.value in state.detail and "deciding" not in state.detail
+    assert outcome.kind.advice in state.detail
+
+
+def test_without_a_daemon_an_outcome_that_is_resumed_says_how_to_resume_it(instance):
+    run = dagster_runs.lost_worker_run(instance, KEY)
+    state = without_daemon(instance, state_of(run, time.time(), Outcome.PREEMPTED))
+    assert state.state == State.DECIDING and state.outcome == "preempted"
+    assert f"python -m ckpt_assets run {KEY}" in state.detail
+
+
+def test_the_run_view_parses_the_attempt_tag_once_for_every_reader(instance):
+    first = dagster_runs.started_run(instance, KEY)
+    assert (RunView.of(first).attempt, RunView.of(first).attempt_tagged) == (1, False)
+    bad = dagster_runs.started_run(instance, KEY, tags={TAG_ATTEMPT: "x"})
+    assert RunView.of(bad).attempt == 1
+    third = dagster_runs.started_run(instance, KEY, tags={TAG_ATTEMPT: "3",
+                                                           TAG_FAILURE_CLASS: "preempted"})
+    assert RunView.of(third).attempt == 3 and RunView.of(third).failure_class == "preempted"
