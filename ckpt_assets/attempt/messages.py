@@ -11,7 +11,9 @@ training process turned into Dagster events, and how the attempt ended.
   STEP_FAILURE event; the `failed` report itself -> ONE error log entry with the traceback;
 * a resume's start -> a link both ways between it and the run it resumes (`link_resume`);
 * before an attempt starts, checkpoints that earlier attempts committed but never reported
-  (their orchestrator died first) -> late checkpoint observations (`record_unseen_checkpoints`).
+  (their orchestrator died first) -> late checkpoint observations (`record_unseen_checkpoints`);
+* once the MLflow run opens, every checkpoint those observations record (every attempt's,
+  those retention removed from the store too) -> MLflow's histories (`catch_up_tracking`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ckpt_assets.runs.events import (
     ATTEMPT_ENDED,
     CHECKPOINT,
     MODEL_CHECKPOINT_KEY,
+    partition_events,
     recorded_checkpoint_names,
 )
 from ckpt_assets.runs.tags import (
@@ -324,3 +327,34 @@ def record_unseen_checkpoints(context, repo: CheckpointRepo, run: str,
             f"recorded {len(late)} checkpoint(s) that earlier attempts committed but never "
             f"reported: {', '.join(r.name for r in late)}")
     return late
+
+
+def recorded_checkpoints(instance: dg.DagsterInstance, run: str) -> list[CheckpointRecord]:
+    """Every checkpoint the partition's `checkpoint` observations record, of every attempt:
+    the run's whole history (retention deletes checkpoints from the store, never their
+    observations)."""
+    out = []
+    for md, _ in partition_events(instance, run, CHECKPOINT):
+        try:
+            out.append(CheckpointRecord.from_dict(md))
+        except (TypeError, ValueError):  # a record without its step or name: nothing to log
+            continue
+    return out
+
+
+def catch_up_tracking(tracker: MlflowTracker, instance: dg.DagsterInstance,
+                      repo: CheckpointRepo | None = None) -> int:
+    """MLflow's histories caught up with every committed checkpoint the run's own records
+    know: its checkpoint observations in Dagster and, with `repo`, the store's checkpoints
+    that no attempt reported. Each step is logged once however often it is recorded (the
+    tracker's rule), so calling this on every opening is safe. Returns how many losses were
+    logged; best-effort, like all of MLflow."""
+    if tracker.run_id is None:
+        return 0
+    try:
+        records = recorded_checkpoints(instance, tracker.training_run)
+    except Exception as e:  # MLflow is a view: an unreadable event log costs only the view
+        tracker.mlflow_run.warn("reading the run's checkpoint records", e)
+        records = []
+    n = tracker.catch_up(records)
+    return n + (tracker.backfill(repo) if repo is not None else 0)

@@ -43,6 +43,7 @@ from ckpt_assets.attempt.k8s_pod import attempt_trainer
 from ckpt_assets.attempt.messages import (
     AttemptReport,
     attempt_failure,
+    catch_up_tracking,
     failure_description,
     link_resume,
     record_end,
@@ -207,7 +208,7 @@ def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
     late = record_unseen_checkpoints(context, repo, reg.run, known={r.name for r in seen})
     seen.extend(late)
     if late:  # committed, never reported (its report lost): MLflow's history gets them too
-        tracker.backfill(repo)
+        tracker.catch_up(late)
     ended = report.outcome(repo, proc, context)
     ended = named_if_stopped(context.instance, context.run.run_id, ended)
     relaunch = (consider_relaunch(context, ended, proc.interrupted is not None, settings)
@@ -297,9 +298,9 @@ def _open_tracking(context, tracker: MlflowTracker, repo: CheckpointRepo, ids: A
     if run_id:
         context.log.info(f"MLflow run {run_id} ({tracker.run_url or tracker.resource.resolved_tracking_uri})")
         tracker.log_config(config)
-        if tracker.backfill(repo):
-            context.log.info("MLflow: logged committed checkpoints that no earlier attempt "
-                             "reported")
+        if caught_up := catch_up_tracking(tracker, context.instance, repo):
+            context.log.info(f"MLflow: logged {caught_up} committed checkpoint(s) that its run "
+                             "did not hold yet (committed before it opened)")
 
 
 def _final_output(repo: CheckpointRepo, ended: AttemptEnd, tracker: MlflowTracker,
@@ -346,6 +347,9 @@ def final_model(context: dg.AssetExecutionContext, config: TrainingRunConfig,
     metrics, data_version = evaluate_final(reg, weights, ck, context.log)
     tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
     mlflow_run_id = tracker.start({"final_checkpoint": ck.uri})
+    # The last opening of the run: whatever an attempt whose MLflow start-up outlasted it
+    # left out reaches the history here.
+    catch_up_tracking(tracker, context.instance)
     value, weights_sha, model_version = export_weights(reg, weights, ck, metrics, tracker)
     # The run's history where people look for the model, in Dagster and in MLflow.
     history = loss_history(context.instance, reg.run, log=context.log)

@@ -12,8 +12,9 @@ What it records, by module:
   `attempt_<n>.failure_class`, `attempt_<n>.failure_reason`, `last_failure_class`,
   `last_failure_reason` (a traceback as the artifact `failures/attempt_<n>.traceback.txt`).
 * `ckpt_assets.mlflow.metrics`: per committed checkpoint, its loss and the evaluations up
-  to its step, logged with step = the global training step, each history strictly
-  increasing in step across attempts.
+  to its step, logged with step = the global training step, one point per step across
+  attempts; checkpoints committed before the run opened are caught up from the attempts'
+  own records (`catch_up`), also those retention removed from the store.
 * `ckpt_assets.mlflow.models`: the final model's weights and metrics, and its version of
   the registered model (one per MLflow experiment, one version per training run, tagged
   `training_run`).
@@ -24,6 +25,7 @@ are): any MLflow error is logged as a warning and training goes on.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ckpt_assets.mlflow.metrics import CheckpointMetrics
@@ -101,7 +103,7 @@ class MlflowTracker:
             return None
         try:
             self.mlflow_run.open(tags)
-            self.metrics.read_last_steps()
+            self.metrics.opened()
         except Exception as e:
             self.mlflow_run.warn("opening the run", e)
             self.mlflow_run.run_id = None
@@ -141,6 +143,9 @@ class MlflowTracker:
 
     def backfill(self, repo: CheckpointRepo) -> int:
         return self.metrics.backfill(repo)
+
+    def catch_up(self, records: Iterable[CheckpointRecord]) -> int:
+        return self.metrics.catch_up(records)
 
     # -- the final model ----------------------------------------------------------------------
     @property
