@@ -27,6 +27,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -53,6 +56,7 @@ from trainer.manifest import Manifest
 from trainer.repo import CheckpointRepo, Pending
 
 METADATA_FILE = "sharded-metadata.pt"
+NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 # The classes DCP's metadata is made of: all the safe loader may build from that file.
 METADATA_CLASSES = [
     dcp_metadata.Metadata, dcp_metadata.MetadataIndex, dcp_metadata.TensorStorageMetadata,
@@ -144,6 +148,7 @@ class StoreReader(StorageReader):
         super().__init__()
         self.repo, self.manifest = repo, manifest
         self.locations: dict[Any, Location] = {}
+        self._metadata: dcp_metadata.Metadata | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -153,6 +158,13 @@ class StoreReader(StorageReader):
         return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        """The verified metadata (read once: callers check it before DCP asks for it, so
+        a broken checkpoint is our CheckpointError, not DCP's wrapped assertion)."""
+        if self._metadata is None:
+            self._metadata = self._read_metadata()
+        return self._metadata
+
+    def _read_metadata(self) -> dcp_metadata.Metadata:
         if not is_sharded(self.manifest):
             raise CheckpointError(
                 f"checkpoint {self.repo.uri(self.manifest.name)} holds no sharded state (it "
@@ -271,6 +283,25 @@ def read_whole(repo: CheckpointRepo, manifest: Manifest) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=StoreReader(repo, manifest),
-                     planner=WholeStatePlanner(), no_dist=True)
+    reader = StoreReader(repo, manifest)
+    reader.read_metadata()
+    with warnings.catch_warnings(), the_cause(0):  # one process is the point here
+        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+        _load_state_dict(state, storage_reader=reader, planner=WholeStatePlanner(),
+                         no_dist=True)
     return state
+
+
+@contextmanager
+def the_cause(rank: int) -> Iterator[None]:
+    """DCP gathers every rank's failure into one CheckpointException (a BaseException,
+    which no `except Exception` sees): raise the cause instead, this rank's own first, so a
+    store that failed on one rank fails every rank as a storage error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = e.failures
+        exc, _trace = failures.get(rank) or next(iter(failures.values()))
+        raise exc from None

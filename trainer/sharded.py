@@ -17,13 +17,13 @@ every other tool reads, so replicated-only runs keep their layout.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from trainer.distributed import CollectiveError, Ranks
 from trainer.errors import CheckpointError, ConfigError
@@ -35,7 +35,11 @@ SHARDED_META = "sharded_parts"  # the manifest's meta key: the parts saved throu
 
 
 def _is_sharded_params(params) -> bool:
-    return any(isinstance(p, DTensor) for p in params)
+    # Without importing DTensor (a second of imports for every run): a model that holds
+    # DTensors was sharded by code that imported it already.
+    tensor_module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(tensor_module, "DTensor", None)
+    return dtensor is not None and any(isinstance(p, dtensor) for p in params)
 
 
 def _optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -129,9 +133,11 @@ class ShardedParts:
                 f"checkpoint {repo.uri(manifest.name)} holds sharded parts {sorted(saved)}, "
                 f"this script shards {self.names}; resume with the parts the run was "
                 "started with, or start a new run")
+        reader = StoreReader(repo, manifest)
+        reader.read_metadata()  # verified by every rank before DCP's collectives
         state = self.state_dict()
         with _dcp_errors("the sharded load", ranks):
-            load(state, storage_reader=StoreReader(repo, manifest), planner=SafeLoadPlanner(),
+            load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                  process_group=_group(ranks), no_dist=_alone(ranks))
         for n, m in self.modules.items():
             set_model_state_dict(m, state[n])
@@ -151,21 +157,13 @@ def _alone(ranks: Ranks | None) -> bool:
 
 @contextmanager
 def _dcp_errors(what: str, ranks: Ranks | None) -> Iterator[None]:
-    """DCP's errors as the trainer's. DCP gathers every rank's failure into one
-    CheckpointException (a BaseException, which no `except Exception` sees): the cause is
-    raised instead, this rank's own first, so a store that failed on one rank fails every
-    rank as a storage error. A collective that lost a peer is a lost rank."""
-    from torch.distributed.checkpoint.api import CheckpointException
+    """DCP's errors as the trainer's: the cause of a failure on any rank
+    (`trainer.dcp_storage.the_cause`); a collective that lost a peer is a lost rank."""
+    from trainer.dcp_storage import the_cause
 
     try:
-        yield
-    except CheckpointException as e:
-        rank = ranks.rank if ranks is not None else 0
-        failures = e.failures
-        exc, _trace = failures.get(rank) or next(iter(failures.values()))
-        if ranks is not None and isinstance(exc, Exception) and lost_a_peer(exc):
-            raise _lost(what, ranks, exc) from exc
-        raise exc from None
+        with the_cause(ranks.rank if ranks is not None else 0):
+            yield
     except (RuntimeError, dist.DistError) as e:
         if ranks is not None and lost_a_peer(e):
             raise _lost(what, ranks, e) from e
