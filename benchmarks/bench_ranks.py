@@ -13,7 +13,12 @@ trains again. Printed side by side in one run.
              the launcher started again at once (as the in-run relaunch does), median of
              `--kills`; start-up (torchrun, interpreters, torch, rendezvous) included
 
-    python benchmarks/bench_ranks.py [--mib 256] [--saves 5] [--kills 3]
+  --fsdp     the save stall alone, of the same MLP sharded by FSDP2 (`fully_shard` on every
+             layer and the root) and saved through DCP (`trainer.sharded`): each rank
+             writes its shards, rank 0 the metadata and the manifest, one rank and two.
+             (`checkpoint.async_save` is refused for sharded parts: no async column.)
+
+    python benchmarks/bench_ranks.py [--mib 256] [--saves 5] [--kills 3] [--fsdp]
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP_RE = re.compile(r"step (\d+) done")
 
 
-def worker(store: str, mib: int, saves: int, out: str) -> None:
+def worker(store: str, mib: int, saves: int, out: str, fsdp: bool = False) -> None:
     """One rank (or the only one): build the state, save it `saves` times, time a barrier."""
     import torch
     import torch.distributed as dist
@@ -58,13 +63,19 @@ def worker(store: str, mib: int, saves: int, out: str) -> None:
     from trainer import CheckpointSession
 
     world = int(os.environ.get(WORLD_SIZE_ENV, 1))
-    if world > 1:
+    if world > 1 or fsdp:  # FSDP2 needs a process group, even of one
         dist.init_process_group("gloo")
     torch.manual_seed(0)
     width = 1024
     layers = max(1, mib * 2**20 // (4 * width * width))
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
                                   for _ in range(layers)])
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.randn(2, width)).sum().backward()
     opt.step()  # the optimizer's state exists: two more copies of the parameters
@@ -91,15 +102,16 @@ def stalls(store: Path, run: str) -> list[float]:
             for d in ckdir.glob("step-*") if (d / "MANIFEST.json").exists()]
 
 
-def run_workers(world: int, store: Path, mib: int, saves: int, work: Path) -> None:
+def run_workers(world: int, store: Path, mib: int, saves: int, work: Path,
+                fsdp: bool = False) -> None:
     out = work / f"w{world}.json"
     argv = [sys.executable, __file__, "--worker", "--store", str(store), "--mib", str(mib),
-            "--saves", str(saves), "--out", str(out)]
+            "--saves", str(saves), "--out", str(out), *(["--fsdp"] if fsdp else [])]
     port = str(free_port())
     procs = [subprocess.Popen(argv, cwd=ROOT, env={
         **env(0), RANK_ENV: str(r), LOCAL_RANK_ENV: str(r), WORLD_SIZE_ENV: str(world),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(world)] \
-        if world > 1 else [subprocess.Popen(argv, cwd=ROOT, env=env(0))]
+        if world > 1 or fsdp else [subprocess.Popen(argv, cwd=ROOT, env=env(0))]
     assert [p.wait() for p in procs] == [0] * world
 
 
@@ -142,11 +154,14 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--worker", action="store_true")
+    p.add_argument("--fsdp", action="store_true")
     p.add_argument("--store")
     p.add_argument("--out")
     a = p.parse_args()
     if a.worker:
-        return worker(a.store, a.mib, a.saves, a.out)
+        return worker(a.store, a.mib, a.saves, a.out, a.fsdp)
+    if a.fsdp:
+        return main_fsdp(a)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         one = statistics.median(stalls_of(1, a, work))
@@ -167,8 +182,20 @@ def main() -> None:
 
 def stalls_of(world: int, a, work: Path) -> list[float]:
     store = work / f"store-{world}"
-    run_workers(world, store, a.mib, a.saves, work)
+    run_workers(world, store, a.mib, a.saves, work, a.fsdp)
     return stalls(store, f"w{world}")
+
+
+def main_fsdp(a) -> None:
+    """The save stall of FSDP2 state through DCP, one rank against two."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        one, two = (statistics.median(stalls_of(w, a, work)) for w in (1, 2))
+    print(f"FSDP2 through DCP: {a.mib} MiB of parameters + AdamW's two moments = "
+          f"{a.mib * 3} MiB, sharded; {a.saves} synchronous saves each; load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"{'':36}{'one rank':>12}{'two ranks':>12}{'ratio':>8}")
+    print(f"{'save stall (median, s)':36}{one:12.3f}{two:12.3f}{two / one:8.2f}")
 
 
 if __name__ == "__main__":

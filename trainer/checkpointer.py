@@ -34,6 +34,7 @@ from trainer.distributed import RNG_PART, Ranks, rank_file, rederive_rngs
 from trainer.errors import CheckpointError
 from trainer.manifest import Manifest
 from trainer.repo import CheckpointRepo, Pending
+from trainer.sharded import SHARDED_META, ShardedParts
 from trainer.signals import on_a_helper_thread
 from trainer.snapshot import HostBuffers, Snapshot, owned_storages, owned_tensors, take
 
@@ -80,8 +81,9 @@ class RNGState:
 class Checkpointer:
     def __init__(self, repo: CheckpointRepo, parts: dict[str, Stateful], attempt: int,
                  keep_last: int = 3, keep_best: bool = True, async_save: bool = False,
-                 ranks: Ranks | None = None):
+                 ranks: Ranks | None = None, sharded: ShardedParts | None = None):
         self.repo = repo
+        self.sharded = sharded  # FSDP2 parts, saved through DCP beside the rank files
         self.parts = parts
         self.ranks = ranks
         self.attempt = attempt
@@ -169,6 +171,10 @@ class Checkpointer:
         save (None: this save is synchronous, the training thread waits for all of it)."""
         w0 = time.perf_counter()
         pending = self.repo.begin(step, self.attempt)
+        if self.sharded is not None:  # a collective: every rank saves the same step
+            self.sharded.write(self.repo, pending, self.ranks)
+            meta[SHARDED_META] = self.sharded.names
+            meta.setdefault("part_bytes", {}).update(self.sharded.sizes())
         filename = STATE_FILE if self.ranks is None else rank_file(self.ranks.rank)
         if self.repo.store.native_files:
             with self.repo.write_path(pending, filename) as path:
@@ -249,6 +255,8 @@ class Checkpointer:
                 f"checkpoint {self.repo.uri(manifest.name)} has no state for "
                 f"{sorted(missing)}; it was written by a different task or trainer version"
             )
+        if self.sharded is not None:  # first: its optimizer init must not follow the RNGs
+            self.sharded.read(self.repo, manifest, self.ranks)
         for name, part in self.parts.items():
             try:
                 part.load_state_dict(state[name])

@@ -116,6 +116,7 @@ from trainer.records import CheckpointRecord, Lineage
 from trainer.repo import CheckpointRepo
 from trainer.report import Reporter, report_failure
 from trainer.resume import resolve_resume
+from trainer.sharded import ShardedParts
 from trainer.signals import StopRequest, shield_output
 from trainer.storage import open_store
 
@@ -206,7 +207,9 @@ class CheckpointSession:
         if self._ck is not None:
             raise ConfigError("restore() was called twice; call it once, after every part exists")
         all_parts = {**(parts or {}), **named}
-        wrapped = {name: as_part(name, obj) for name, obj in all_parts.items()}
+        # fully_shard-ed modules and their optimizers go through DCP (`trainer.sharded`).
+        sharded, unsharded = ShardedParts.split(all_parts)
+        wrapped = {name: as_part(name, obj) for name, obj in unsharded.items()}
         wrapped.update(loop=self.loop, rng=RNGState())
         self._part_kinds = {name: kind_of(obj) for name, obj in all_parts.items()}
         # Each part measures its state as the checkpointer takes it: the record's part_bytes.
@@ -217,6 +220,10 @@ class CheckpointSession:
         if self.ranks is not None and self.triggers.async_save:
             raise ConfigError("checkpoint.async_save is for a single rank: several ranks save "
                               "synchronously (each writes its share in parallel); set it false")
+        if sharded is not None and self.triggers.async_save:
+            raise ConfigError("checkpoint.async_save does not cover fully_shard-ed parts: "
+                              f"{', '.join(sharded.names)} save synchronously through DCP "
+                              "(each rank writes its shards in parallel); set it false")
         store = open_store(self.store_uri)
         store.check_reachable()
         self.repo = CheckpointRepo(store, self.experiment, self.run)
@@ -224,7 +231,7 @@ class CheckpointSession:
         manifest, skipped, attempt = self._resume_point(data_version)
         ck = self._ck = Checkpointer(self.repo, wrapped, attempt, self.triggers.keep_last,
                                      self.triggers.keep_best, self.triggers.async_save,
-                                     self.ranks)
+                                     self.ranks, sharded)
         ck.on_commit = self._on_commit
         if manifest is not None:
             t0 = time.perf_counter()

@@ -1,0 +1,127 @@
+"""FSDP2 (`fully_shard`) state through DCP: real ranks, real gloo, real signals.
+
+The two-rank transformer of examples/fsdp under `python -m trainer.ranks`: rank 1 SIGKILLed
+mid-run and the attempt resumed ends bitwise equal to an uninterrupted two-rank run (model,
+optimizer, each rank's RNG and data position); 2 -> 1 -> 2 ranks reshards through DCP, the
+resharded state being exactly the checkpoint's and every checkpoint at its global sample
+position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.rank_runs import SLOW_STEPS, env, rank_pids, start_torchrun, wait_for_step
+from tests.trainer_proc import ROOT, assert_bitwise_equal
+from trainer.checkpointer import STATE_FILE
+from trainer.dcp_storage import read_whole, shard_file
+from trainer.distributed import rank_file
+from trainer.repo import CheckpointRepo
+from trainer.storage import open_store
+
+EXPERIMENT, RUN = "fsdp", "tiny"
+EXAMPLE = str(ROOT / "examples" / "fsdp" / "fsdp_transformer.py")
+KILLED = 128 + signal.SIGKILL
+BATCHES_PER_EPOCH = (8192 - 1) // 16 // 16  # the example's windows of 16 in global batches of 16
+
+
+def _ranks(nproc: int, store: Path, steps: int, log: Path, step_delay: float = 0,
+           kill=None, script: list[str] | None = None) -> int:
+    """One attempt of `nproc` ranks of the example (or `script`); `kill(ranks)` once they run."""
+    argv = script or [sys.executable, SLOW_STEPS, EXAMPLE, "--store", str(store), "--run", RUN,
+                      "--steps", str(steps), "--every", "4"]
+    launcher = start_torchrun(argv, nproc, env(step_delay), log)
+    try:
+        if kill is not None:
+            kill(launcher, rank_pids(launcher, nproc))
+        return launcher.wait(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _repo(store: Path) -> CheckpointRepo:
+    return CheckpointRepo(open_store(str(store)), EXPERIMENT, RUN)
+
+
+def _final(store: Path) -> tuple[dict, list[dict]]:
+    """The newest checkpoint's sharded state (whole tensors) and each rank's own file."""
+    repo = _repo(store)
+    manifest = repo.verify(repo.read_pointer().checkpoint)
+    ckdir = store / repo.key(manifest.name)
+    ranks = [torch.load(ckdir / f, weights_only=True) for f in _rank_files(manifest)]
+    return read_whole(repo, manifest), ranks
+
+
+def _rank_files(manifest) -> list[str]:
+    """The files of the state besides the shards: one per rank, or one alone."""
+    world = manifest.meta.get("world_size")
+    return [rank_file(r) for r in range(world)] if world else [STATE_FILE]
+
+
+@pytest.mark.slow
+def test_fsdp_rank_1_killed_then_resumed_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    ref, store, log = tmp_path / "ref", tmp_path / "store", tmp_path / "ranks.log"
+    assert _ranks(2, ref, 24, log) == 0, log.read_text()[-3000:]
+
+    def sigkill_rank1(launcher, ranks):
+        wait_for_step(store, EXPERIMENT, RUN, 8, launcher)
+        os.kill(ranks[1], signal.SIGKILL)
+
+    assert _ranks(2, store, 24, log, 0.25, sigkill_rank1) == KILLED, log.read_text()[-3000:]
+    assert _ranks(2, store, 24, log) == 0, log.read_text()[-3000:]
+    assert "resumed from" in log.read_text()
+    (got, got_ranks), (want, want_ranks) = _final(store), _final(ref)
+    assert set(got) == {"model", "optimizer"}
+    assert_bitwise_equal(got, want, "sharded")
+    for r, (g, w) in enumerate(zip(got_ranks, want_ranks, strict=True)):
+        assert_bitwise_equal(g, w, f"rank {r}")
+
+
+def _restored(nproc: int, store: Path, tmp_path: Path, log: Path) -> dict:
+    """The whole state `nproc` ranks restore from `store`'s newest checkpoint (on a copy)."""
+    copy, out = tmp_path / f"copy-{nproc}", tmp_path / f"restored-{nproc}.pt"
+    shutil.copytree(store, copy)
+    script = [sys.executable, str(ROOT / "tests" / "fsdp_restored.py"), str(copy), RUN, str(out)]
+    assert _ranks(nproc, copy, 0, log, script=script) == 0, log.read_text()[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def _assert_restored_exactly(restored: dict, store: Path) -> None:
+    saved, _ = _final(store)
+    assert_bitwise_equal(restored["model"], saved["model"], "model")
+    assert_bitwise_equal(restored["optimizer"]["state"], saved["optimizer"]["state"],
+                         "optimizer")
+
+
+@pytest.mark.slow
+def test_fsdp_two_then_one_then_two_ranks_reshard_exactly_at_the_global_sample_position(
+        tmp_path):
+    store, log = tmp_path / "store", tmp_path / "ranks.log"
+    assert _ranks(2, store, 8, log) == 0, log.read_text()[-3000:]
+    _assert_restored_exactly(_restored(1, store, tmp_path, log), store)
+    assert _ranks(1, store, 16, log) == 0, log.read_text()[-3000:]
+    _assert_restored_exactly(_restored(2, store, tmp_path, log), store)
+    assert _ranks(2, store, 24, log) == 0, log.read_text()[-3000:]
+
+    repo, worlds = _repo(store), {}
+    for name in repo.committed():
+        manifest = repo.verify(name)
+        world = worlds[manifest.step] = manifest.meta.get("world_size", 1)
+        assert {shard_file(r) for r in range(world)} <= set(manifest.files)
+        assert shard_file(world) not in manifest.files
+        first = store / repo.key(name, _rank_files(manifest)[0])
+        data = torch.load(first, weights_only=True)["data"]
+        assert data["epoch"] * BATCHES_PER_EPOCH + data["position"] == manifest.step
+    assert worlds[16] == 1 and worlds[24] == 2, worlds
+    losses = json.loads((store / repo.key(repo.read_pointer().checkpoint, "MANIFEST.json"))
+                        .read_text())["meta"]["loss"]
+    assert losses is not None and losses < 3.4  # ln(32): it learned across the reshards
