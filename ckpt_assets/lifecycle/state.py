@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from enum import StrEnum
 from typing import Any
 
 import dagster as dg
 
 from ckpt_assets.lifecycle.ended import failure_of
 from ckpt_assets.lifecycle.lost_worker import lost_words, lost_worker
+from ckpt_assets.lifecycle.model import State
 from ckpt_assets.runs.clock import iso, parse_time
 from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY, STATE
 from ckpt_assets.runs.queries import newest_training_run
@@ -52,20 +52,6 @@ from ckpt_assets.runs.tags import (
 )
 from ckpt_assets.runs.view import RunView
 from trainer.outcomes import Outcome
-
-
-class State(StrEnum):
-    NOT_LAUNCHED = "not launched"
-    QUEUED = "queued"
-    RESUMING = "resuming"
-    TRAINING = "training"
-    STOPPING = "stopping"
-    WAITING = "waiting for back-off"
-    DECIDING = "deciding"
-    FINISHED = "finished"
-    STOPPED_BY_POLICY = "stopped by policy"
-    STOPPED_BY_USER = "stopped by user"
-
 
 ENDED = frozenset({State.NOT_LAUNCHED, State.FINISHED, State.STOPPED_BY_POLICY,
                    State.STOPPED_BY_USER})

@@ -1,0 +1,121 @@
+"""A training run's life: its states, the events that move it, and who owns each move.
+
+A Kubernetes-style controller in one table. Each row is (state, event) -> next state, the
+one module that acts on that event (its owner: nobody else makes that change), and what
+it records. Everyone else reads the state (`lifecycle.state.run_state`, derived from the
+runs and never stored, so it cannot go stale) and asks `allows` before acting, so an event
+that makes no sense in a state (a second launch of a finished run, a decision about a run
+still training) is refused in one place. docs/lifecycle.md is generated from `TABLE`
+(tests/test_lifecycle_model.py keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class State(StrEnum):
+    NOT_LAUNCHED = "not launched"
+    QUEUED = "queued"
+    TRAINING = "training"
+    STOPPING = "stopping"
+    DECIDING = "deciding"  # an attempt ended; its one decision is not made yet
+    WAITING = "waiting for back-off"
+    RESUMING = "resuming"
+    FINISHED = "finished"
+    STOPPED_BY_POLICY = "stopped by policy"
+    STOPPED_BY_USER = "stopped by user"
+
+
+class Event(StrEnum):
+    LAUNCHED = "launched"
+    ATTEMPT_STARTED = "attempt started"
+    CHECKPOINT_COMMITTED = "checkpoint committed"
+    RELAUNCHED_IN_RUN = "relaunched in its run"
+    ATTEMPT_ENDED = "attempt ended with an outcome"
+    WORKER_LOST = "run worker lost"
+    TRAINER_SILENT = "trainer silent (heartbeat lost or stalled)"
+    DECIDED_RESUME = "decided: resume"
+    DECIDED_BACKOFF = "decided: resume after a back-off"
+    DECIDED_STOP = "decided: stop"
+    BACKOFF_DUE = "back-off due"
+    RESUME_LAUNCHED = "resume launched"
+    STOP_REQUESTED = "stopped by user"
+    FINISHED = "final checkpoint committed"
+
+
+@dataclass(frozen=True)
+class Transition:
+    state: State
+    event: Event
+    next: State
+    owner: str  # the module (under ckpt_assets/) that acts on the event
+    records: str  # what it writes, where people and the other owners read it
+
+
+S, E = State, Event
+_LAUNCH = ("runs.submit", "a train_job run of the partition; a re-run by hand is tagged as "
+           "the failed run's child (lifecycle.rerun)")
+_DECIDE = "lifecycle.decision"
+_DECIDED = "the decision on the ended run (ckpt/decision, its reason, outcome and budget), " \
+           "in its log and as the partition's state"
+_STOP = ("lifecycle.stop", "ckpt/no_resume on every active run before it is ended, and a "
+         "pending resume withdrawn")
+
+TABLE: tuple[Transition, ...] = (
+    Transition(S.NOT_LAUNCHED, E.LAUNCHED, S.QUEUED, *_LAUNCH),
+    Transition(S.STOPPED_BY_POLICY, E.LAUNCHED, S.QUEUED, *_LAUNCH),
+    Transition(S.STOPPED_BY_USER, E.LAUNCHED, S.QUEUED, *_LAUNCH),
+    Transition(S.DECIDING, E.LAUNCHED, S.QUEUED, *_LAUNCH),
+    Transition(S.WAITING, E.LAUNCHED, S.QUEUED, *_LAUNCH),
+    Transition(S.QUEUED, E.ATTEMPT_STARTED, S.TRAINING, "defs.assets",
+               "the run's processes (ckpt/processes); the attempt claimed in the store"),
+    Transition(S.RESUMING, E.ATTEMPT_STARTED, S.TRAINING, "defs.assets",
+               "the run's processes (ckpt/processes); the attempt claimed in the store"),
+    Transition(S.TRAINING, E.CHECKPOINT_COMMITTED, S.TRAINING, "attempt.messages",
+               "a checkpoint observation on the partition, MLflow's metrics"),
+    Transition(S.TRAINING, E.RELAUNCHED_IN_RUN, S.TRAINING, "lifecycle.in_run",
+               "the next attempt's number, start and budget on the run; a state observation"),
+    Transition(S.TRAINING, E.FINISHED, S.FINISHED, "defs.assets",
+               "attempt_ended (success); the final model"),
+    Transition(S.TRAINING, E.ATTEMPT_ENDED, S.DECIDING, "defs.assets",
+               "attempt_ended with its outcome; the step's failure carries the AttemptEnd"),
+    Transition(S.TRAINING, E.WORKER_LOST, S.DECIDING, "lifecycle.lost_worker",
+               "ckpt/worker_lost; the run failed; its processes asked to stop"),
+    Transition(S.TRAINING, E.TRAINER_SILENT, S.DECIDING, "lifecycle.liveness",
+               "ckpt/heartbeat_lost or ckpt/stalled; the attempt fenced; the run failed"),
+    Transition(S.TRAINING, E.STOP_REQUESTED, S.STOPPING, *_STOP),
+    Transition(S.QUEUED, E.STOP_REQUESTED, S.STOPPED_BY_USER, *_STOP),
+    Transition(S.RESUMING, E.STOP_REQUESTED, S.STOPPED_BY_USER, *_STOP),
+    Transition(S.STOPPING, E.ATTEMPT_ENDED, S.STOPPED_BY_USER, "defs.assets",
+               "attempt_ended as stopped_by_user"),
+    Transition(S.DECIDING, E.DECIDED_RESUME, S.RESUMING, _DECIDE, _DECIDED),
+    Transition(S.DECIDING, E.DECIDED_BACKOFF, S.WAITING, _DECIDE, _DECIDED),
+    Transition(S.DECIDING, E.DECIDED_STOP, S.STOPPED_BY_POLICY, _DECIDE, _DECIDED),
+    Transition(S.DECIDING, E.STOP_REQUESTED, S.STOPPED_BY_USER, *_STOP),
+    Transition(S.WAITING, E.BACKOFF_DUE, S.RESUMING, "defs.sensors",
+               "nothing new: the reconciler requests the resume once due"),
+    Transition(S.WAITING, E.STOP_REQUESTED, S.STOPPED_BY_USER, *_STOP),
+    Transition(S.RESUMING, E.RESUME_LAUNCHED, S.RESUMING, "defs.sensors",
+               "a train_job run tagged with its parent, root, attempt and budget "
+               "(run_key from the failed run's id: once)"),
+)
+
+_BY_KEY = {(t.state, t.event): t for t in TABLE}
+
+
+def transition(state: State, event: Event) -> Transition | None:
+    """The row for `event` in `state`; None: the event does not happen in that state."""
+    return _BY_KEY.get((state, event))
+
+
+def allows(state: State, event: Event) -> bool:
+    return (state, event) in _BY_KEY
+
+
+def table_markdown() -> str:
+    """TABLE as the Markdown table docs/lifecycle.md holds."""
+    rows = ["| state | event | next state | owner | records |", "| --- | --- | --- | --- | --- |"]
+    rows += [f"| {t.state} | {t.event} | {t.next} | `{t.owner}` | {t.records} |" for t in TABLE]
+    return "\n".join(rows)
