@@ -364,7 +364,7 @@ def test_a_command_that_forks_and_exits_0_fails_unfinished_and_leaves_no_process
 
 @pytest.mark.slow
 def test_an_attempt_interrupted_during_mlflows_start_up_ends_only_once_the_start_up_is_done():
-    from ckpt_assets.attempt.process import run_under_pipes
+    from ckpt_assets.attempt.process import Attempt, run_under_pipes
 
     opened, seen = threading.Event(), {}
 
@@ -376,10 +376,9 @@ def test_an_attempt_interrupted_during_mlflows_start_up_ends_only_once_the_start
 
     @dg.asset
     def attempt(context):
-        outcome = run_under_pipes(
-            context, [PYTHON, "-c", "import time; time.sleep(60)"], dict(os.environ),
-            str(ROOT), grace_s=10, on_messages=lambda msgs: None, after_start=slow_start_up,
-            extras={})
+        outcome = run_under_pipes(context, Attempt(
+            [PYTHON, "-c", "import time; time.sleep(60)"], dict(os.environ), str(ROOT),
+            grace_s=10, on_messages=lambda msgs: None, after_start=slow_start_up))
         seen["opened"], seen["rc"] = opened.is_set(), outcome.returncode
         raise outcome.interrupted
 

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,30 +129,43 @@ def run_to_end(argv: list[str], env: dict[str, str], cwd: str, output: str, grac
     return ProcessOutcome(rc, None, stop_group(proc.pid, grace_s, log, group.start, reap=proc))
 
 
-def run_under_pipes(context: dg.AssetExecutionContext, argv: list[str], env: dict[str, str],
-                    cwd: str, grace_s: float, on_messages: Callable[[list[Any]], None],
-                    after_start: Callable[[], None], extras: dict[str, Any],
-                    channels: PipesChannels | None = None,
-                    warm: WarmTrainer | None = None) -> ProcessOutcome:
-    """Run `argv` in a Pipes session until it and every process it started are gone; feed
-    its custom messages to `on_messages` as they arrive (and the last ones at the end).
-    `channels`: how the context and messages travel (`ckpt_assets.attempt.transport`; default
-    temp files on this machine). `warm`: the step's standby trainer, which becomes this
-    process if it can, and is refilled for the next attempt once this one has spoken."""
-    channels = channels or PipesChannels.local()
-    stop_leftovers(context, grace_s)
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt's process as the step runs it: what it starts, how long it may take to
+    stop, who hears its messages, and how they travel."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    grace_s: float
+    on_messages: Callable[[list[Any]], None]  # its custom messages, as they arrive
+    after_start: Callable[[], None]  # called once the process runs (MLflow's opening)
+    extras: dict[str, Any] = field(default_factory=dict)  # Pipes extras it is told
+    # How the context and messages travel (`ckpt_assets.attempt.transport`; default temp
+    # files on this machine).
+    channels: PipesChannels | None = None
+    # The step's standby trainer, which becomes this process if it can, and is refilled for
+    # the next attempt once this one has spoken.
+    warm: WarmTrainer | None = None
+
+
+def run_under_pipes(context: dg.AssetExecutionContext, attempt: Attempt) -> ProcessOutcome:
+    """Run `attempt` in a Pipes session until its process and every process it started are
+    gone, feeding its custom messages to `attempt.on_messages` as they arrive (and the
+    last ones at the end)."""
+    channels = attempt.channels or PipesChannels.local()
+    stop_leftovers(context, attempt.grace_s)
     fd, output = tempfile.mkstemp(prefix=output_prefix(context.run.run_id), suffix=OUTPUT_SUFFIX)
     os.close(fd)
     try:
         with dg.open_pipes_session(context=context,
                                    context_injector=channels.context_injector,
                                    message_reader=channels.message_reader,
-                                   extras=extras) as session:
-            outcome = _supervise(context, session, argv,
-                                 {**env, **session.get_bootstrap_env_vars()}, cwd, output,
-                                 grace_s, on_messages, after_start, warm)
+                                   extras=attempt.extras) as session:
+            outcome = _supervise(context, session, attempt,
+                                 {**attempt.env, **session.get_bootstrap_env_vars()}, output)
         # The session is closed: every message the processes wrote has been read.
-        on_messages(session.get_custom_messages()[outcome.seen:])
+        attempt.on_messages(session.get_custom_messages()[outcome.seen:])
     finally:
         os.unlink(output)
     return outcome.result
@@ -164,9 +177,9 @@ class _Supervised:
     seen: int
 
 
-def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str, output: str,
-               grace_s: float, on_messages: Callable[[list[Any]], None],
-               after_start: Callable[[], None], warm: WarmTrainer | None) -> _Supervised:
+def _supervise(context, session, attempt: Attempt, env: dict[str, str],
+               output: str) -> _Supervised:
+    argv, cwd, warm, grace_s = attempt.argv, attempt.cwd, attempt.warm, attempt.grace_s
     proc = warm.take(argv, env, cwd, output) if warm is not None else None
     warmed = proc is not None
     proc = proc or start_process(argv, env, cwd, output)
@@ -180,14 +193,14 @@ def _supervise(context, session, argv: list[str], env: dict[str, str], cwd: str,
     reader = threading.Thread(target=_pump, args=(tail(output, done), context), daemon=True,
                               name="training-output")
     reader.start()
-    opener = TrackingOpener(after_start)
+    opener = TrackingOpener(attempt.after_start)
     seen, interrupted = 0, None
     try:
         try:
             opener.wait_while_running(proc)
             while (rc := proc.poll()) is None:
                 msgs = session.get_custom_messages()
-                on_messages(msgs[seen:])
+                attempt.on_messages(msgs[seen:])
                 seen = len(msgs)
                 if seen and warm is not None:  # it has started: the next one may get ready
                     warm.refill(argv, env, cwd)

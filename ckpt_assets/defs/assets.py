@@ -17,7 +17,7 @@ checkpointing through `trainer.CheckpointSession`); `model_checkpoint` treats bo
 
 import tempfile
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -50,7 +50,7 @@ from ckpt_assets.attempt.messages import (
     record_unseen_checkpoints,
 )
 from ckpt_assets.attempt.prefetch import prefetch_end_of_run_imports
-from ckpt_assets.attempt.process import run_under_pipes
+from ckpt_assets.attempt.process import Attempt, run_under_pipes
 from ckpt_assets.attempt.transport import pipes_channels
 from ckpt_assets.attempt.warm_start import WarmTrainer
 from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, LoadedCheckpoint
@@ -64,6 +64,7 @@ from ckpt_assets.records.history import history_metadata, loss_history
 from ckpt_assets.records.metadata import checkpoint_metadata, links, to_metadata
 from ckpt_assets.runs.datasets import DatasetRecord, describe_dataset, refuse_changed_data
 from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY
+from ckpt_assets.runs.registration import Registration
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.runs.training_run import TrainingRunConfig, attempt_number, resolve_registration
@@ -146,11 +147,11 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     seen = record_unseen_checkpoints(context, repo, reg.run)
     settings = ResumeSettings.from_env()  # the step's, for every attempt it runs
     warm = _warm_up(context, reg, checkpoint_store, trainer)  # unless the first step did
+    step = _Step(context, reg, repo, dataset, checkpoint_store, trainer, mlflow_tracking,
+                 settings, warm, seen)
     try:
         while True:
-            ended, tracker, relaunch = _one_attempt(context, reg, repo, ids, dataset, seen,
-                                                    checkpoint_store, trainer, mlflow_tracking,
-                                                    settings, warm)
+            ended, tracker, relaunch = _one_attempt(step, ids)
             if relaunch is None:
                 break
             # The trainer died, its worker (this step) lives, and the policy resumes it:
@@ -188,20 +189,35 @@ def _warm_up(context, reg, checkpoint_store: CheckpointStore,
     return warm
 
 
-def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: DatasetRecord,
-                 seen: list[CheckpointRecord], checkpoint_store: CheckpointStore,
-                 trainer: TrainerResource, mlflow_tracking: MLflowResource,
-                 settings: ResumeSettings, warm: WarmTrainer):
+@dataclass(frozen=True)
+class _Step:
+    """What every attempt of one `model_checkpoint` step shares: the run, its store and
+    resources, its warm trainer, and the checkpoints seen so far."""
+
+    context: dg.AssetExecutionContext
+    reg: Registration
+    repo: CheckpointRepo
+    dataset: DatasetRecord
+    checkpoint_store: CheckpointStore
+    trainer: TrainerResource
+    mlflow_tracking: MLflowResource
+    settings: ResumeSettings
+    warm: WarmTrainer
+    seen: list[CheckpointRecord]
+
+
+def _one_attempt(step: _Step, ids: AttemptIds):
     """Run one attempt's process and record how it ended: (its AttemptEnd, its MLflow
     tracker, the policy's decision to relaunch it in this run or None). Raises the step's
     Failure (or interrupt) when the attempt failed and is not relaunched here."""
-    tracker = MlflowTracker(mlflow_tracking, reg.experiment, reg.run, context.log)
+    context, reg, repo, seen = step.context, step.reg, step.repo, step.seen
+    tracker = MlflowTracker(step.mlflow_tracking, reg.experiment, reg.run, context.log)
     report = AttemptReport(reg.run, ids.attempt)
-    proc = _run_trainer(context, reg, repo, ids, dataset, checkpoint_store, trainer,
+    proc = _run_trainer(step, ids,
                         partial(_on_messages, report, context, tracker,
                                 not reg.config.command),
-                        partial(_open_tracking, context, tracker, repo, ids, dataset,
-                                reg.config.to_dict()), warm)
+                        partial(_open_tracking, context, tracker, repo, ids, step.dataset,
+                                reg.config.to_dict()))
     # Once more at the end: an orphaned trainer of an earlier attempt may have committed
     # after the first look and before this attempt's trainer claimed the run.
     seen.extend(report.checkpoints)
@@ -211,7 +227,7 @@ def _one_attempt(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
         tracker.catch_up(late)
     ended = report.outcome(repo, proc, context)
     ended = named_if_stopped(context.instance, context.run.run_id, ended)
-    relaunch = (consider_relaunch(context, ended, proc.interrupted is not None, settings)
+    relaunch = (consider_relaunch(context, ended, proc.interrupted is not None, step.settings)
                 if ended.outcome.failed else None)
     _record_end(context, ended, proc, tracker, report, relaunching=relaunch is not None)
     return ended, tracker, relaunch
@@ -232,11 +248,11 @@ def _next_attempt(repo: CheckpointRepo, ended: int) -> int:
         raise storage_unavailable(str(e), repo.run) from e
 
 
-def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: DatasetRecord,
-                 checkpoint_store: CheckpointStore, trainer: TrainerResource, on_messages,
-                 after_start, warm: WarmTrainer):
+def _run_trainer(step: _Step, ids: AttemptIds, on_messages, after_start):
     """Start the attempt's process (the task's trainer or the run's command) under Pipes,
     told the contract of the run it trains, and wait for it; bad launches are bad input."""
+    context, reg, repo, dataset = step.context, step.reg, step.repo, step.dataset
+    checkpoint_store, trainer = step.checkpoint_store, step.trainer
     store = checkpoint_store.open()
     told = contract(reg, store.uri, ids, dataset, attempt_mtbf(context, store, reg))
     env = base_env(trainer, checkpoint_store.aws_env())
@@ -253,10 +269,9 @@ def _run_trainer(context, reg, repo: CheckpointRepo, ids: AttemptIds, dataset: D
 
                 return run_in_pod(context, launch, reg, trainer, store.uri, channels,
                                   on_messages, after_start, extras)
-            return run_under_pipes(
-                context, launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
-                on_messages=on_messages, after_start=after_start, extras=extras,
-                channels=channels, warm=warm)
+            return run_under_pipes(context, Attempt(
+                launch.argv, launch.env, launch.cwd, trainer.grace_period_seconds,
+                on_messages, after_start, extras, channels, step.warm))
         except TrainerStartError as e:
             raise bad_input(str(e), reg.run, attempt=ids.attempt) from e
         except StorageError as e:
