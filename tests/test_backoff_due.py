@@ -41,7 +41,7 @@ def test_a_due_back_off_is_launched_at_the_next_tick_between_full_sweeps(
     run = _backed_off_run(instance, store, monkeypatch)
     just_swept = iso(time.time())
     assert tick(instance, store, just_swept) == []  # not due yet
-    backdate_decision(instance, run, 31)
+    backdate_decision(instance, run, 31, store)
     (req,) = tick(instance, store, just_swept)
     assert req.run_key == f"resume-{run.run_id}"
 

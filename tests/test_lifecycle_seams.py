@@ -13,6 +13,7 @@ import pytest
 
 from ckpt_assets.attempt.process_group import AttemptProcesses, ProcessRef, this_machine
 from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision_record import DecisionRecord, create_once, read_decision
 from ckpt_assets.lifecycle.ended import failure_of
 from ckpt_assets.lifecycle.liveness import judge
 from ckpt_assets.lifecycle.rerun import rerun_tags
@@ -21,6 +22,7 @@ from ckpt_assets.lifecycle.stop import stop_training_run
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.tags import (
     TAG_ATTEMPT,
+    TAG_DECISION,
     TAG_FAILURE_CLASS,
     TAG_PARENT_RUN_ID,
     TAG_PROCESSES,
@@ -129,3 +131,63 @@ def test_the_run_view_parses_the_attempt_tag_once_for_every_reader(instance):
     third = dagster_runs.started_run(instance, KEY, tags={TAG_ATTEMPT: "3",
                                                            TAG_FAILURE_CLASS: "preempted"})
     assert RunView.of(third).attempt == 3 and RunView.of(third).failure_class == "preempted"
+
+
+# -- one decision per ended attempt, by construction ------------------------------------------
+
+class _Store:
+    def __init__(self, store):
+        self.store = store
+
+    def open(self):
+        return self.store
+
+
+@pytest.fixture
+def store(tmp_path):
+    from ckpt_assets.runs.registration import register_training_run
+    from trainer.storage import open_store
+
+    s = open_store(str(tmp_path / "store"))
+    register_training_run(s, KEY, {"max_steps": 100})
+    return _Store(s)
+
+
+def test_two_deciders_of_one_ended_run_create_one_decision_and_both_act_on_it(
+        instance, store):
+    run = dagster_runs.lost_worker_run(instance, KEY)
+    first = consider(instance, run, store, sweep=False)
+    second = consider(instance, run, store, sweep=False)  # the other failure sensor
+    assert first is not None and second is not None
+    assert first.run_key == second.run_key == f"resume-{run.run_id}"
+    rec = read_decision(store.open(), KEY, run.run_id)
+    assert rec.resume and rec.failure_class == "worker_lost"
+    events = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)
+    assert sum("Resuming now" in (e.message or "") for e in events) == 1
+
+
+def test_a_decision_whose_tags_were_dropped_is_acted_on_and_mirrored_again(instance, store):
+    run = dagster_runs.lost_worker_run(instance, KEY)
+    # Another decider created the decision; a concurrent rewrite of the run's record then
+    # dropped the tags it wrote.
+    rec, created = create_once(store.open(), DecisionRecord(
+        run.run_id, KEY, True, "killed", "worker_lost", "resumed: run worker lost",
+        time.time() - 60, None, "transient=1", 1, None))
+    assert created and TAG_DECISION not in instance.get_run_by_id(run.run_id).tags
+    req = consider(instance, run, store, sweep=True)
+    assert req is not None and req.tags[TAG_ATTEMPT] == "2"
+    assert instance.get_run_by_id(run.run_id).tags[TAG_DECISION] == "resume"
+    # A later decider's own, different view loses to the record.
+    assert create_once(store.open(), DecisionRecord(
+        run.run_id, KEY, False, "bug", "user_code_error", "no", time.time(), None, "", 1,
+        None)) == (rec, False)
+
+
+def test_a_stop_withdraws_a_decided_resume_without_rewriting_the_decision(instance, store):
+    run = dagster_runs.lost_worker_run(instance, KEY)
+    assert consider(instance, run, store, sweep=False) is not None
+    stop_training_run(instance, KEY, "enough")
+    assert consider(instance, run, store, sweep=True,
+                    settings=ResumeSettings(launch_grace_s=0.0)) is None
+    assert read_decision(store.open(), KEY, run.run_id).resume  # the record stands
+    assert run_state(instance, KEY).state == State.STOPPED_BY_USER

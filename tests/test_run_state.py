@@ -16,14 +16,12 @@ from ckpt_assets.lifecycle.stop import stop_training_run
 from ckpt_assets.records.listing import run_summary
 from ckpt_assets.runs.clock import iso
 from ckpt_assets.runs.events import STATE, partition_events
-from ckpt_assets.runs.queries import add_tags_that_stick
 from ckpt_assets.runs.registration import register_training_run
 from ckpt_assets.runs.tags import (
     TAG_ATTEMPT,
     TAG_DECIDED_AT,
     TAG_DECISION,
     TAG_DECISION_REASON,
-    TAG_HEARTBEAT_LOST,
     TAG_NO_RESUME,
     TAG_PARENT_RUN_ID,
     TAG_RESUME_AT,
@@ -213,25 +211,3 @@ def test_a_queued_run_without_a_daemon_says_it_stays_queued_until_one_dequeues_i
     assert "stays queued until `dagster-daemon run`" in _listed(instance, tmp_path)["detail"]
     _beat(instance, QueuedRunCoordinatorDaemon.daemon_type(), time.time())
     assert "no daemon" not in _listed(instance, tmp_path)["detail"]
-
-
-def test_a_tag_a_concurrent_stale_write_put_back_is_written_again_until_it_holds(
-        instance, monkeypatch):
-    run = dagster_runs.started_run(instance, "raced", tags={TAG_HEARTBEAT_LOST: "verdict"})
-    write = instance.add_run_tags
-    stale = []
-
-    def with_a_rival(run_id, tags):
-        # Another process read the run before this write and writes it back after it.
-        before = dict(instance.get_run_by_id(run_id).tags)
-        write(run_id, tags)
-        if len(stale) < 2:
-            stale.append(before[TAG_HEARTBEAT_LOST])
-            write(run_id, before)
-
-    monkeypatch.setattr(instance, "add_run_tags", with_a_rival)
-    add_tags_that_stick(instance, run.run_id, {TAG_HEARTBEAT_LOST: "verdict; fenced; stopped"},
-                        settle_s=0)
-    assert stale == ["verdict", "verdict"]  # reverted twice, written three times
-    assert instance.get_run_by_id(run.run_id).tags[TAG_HEARTBEAT_LOST] == \
-        "verdict; fenced; stopped"

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,13 +30,14 @@ from dagster._core.events.log import EventLogEntry
 from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets.attempt.end import AttemptEnd
-from ckpt_assets.defs import sensors
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.defs.sensors import (
     reconcile_training_runs,
     resume_failed_training,
     resume_terminated_training,
 )
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision_record import decision_key, read_decision
 from ckpt_assets.lifecycle.policy import Budget
 from ckpt_assets.runs import events
 from ckpt_assets.runs.clock import iso, parse_time
@@ -174,16 +175,30 @@ def tags_of(instance, run: dg.DagsterRun) -> dict:
     return dict(instance.get_run_by_id(run.run_id).tags)
 
 
+def retired(instance, run: dg.DagsterRun) -> str:
+    """What the reconciler did to a silent run's trainer, as the run's own log says it."""
+    kinds = (DagsterEventType.RUN_FAILURE, DagsterEventType.ENGINE_EVENT)
+    return " | ".join(r.message or "" for kind in kinds
+                      for r in instance.all_logs(run.run_id, of_type=kind))
+
+
 def decisions(instance) -> list[dict]:
     return events.decisions(instance, KEY)
 
 
-def backdate_decision(instance, run: dg.DagsterRun, seconds: float) -> None:
-    """Move the decision (and a back-off's due time) `seconds` into the past."""
+def backdate_decision(instance, run: dg.DagsterRun, seconds: float, store=None) -> None:
+    """Move the decision (and a back-off's due time) `seconds` into the past: its record in
+    the store (the truth) and its tags (the mirror)."""
     tags = tags_of(instance, run)
     instance.add_run_tags(run.run_id, {
         tag: iso(parse_time(tags[tag]) - seconds)
         for tag in (TAG_DECIDED_AT, TAG_RESUME_AT) if tag in tags})
+    if store is not None:
+        s = store.open()
+        rec = read_decision(s, KEY, run.run_id)
+        s.write_overwrite(decision_key(KEY, run.run_id), replace(
+            rec, decided_at=rec.decided_at - seconds,
+            resume_at=None if rec.resume_at is None else rec.resume_at - seconds).to_json())
 
 
 def carried_budget(req: dg.RunRequest) -> dict:
@@ -277,10 +292,12 @@ def _end_event_stored_before_its_record(instance, run: dg.DagsterRun) -> Dagster
     return event
 
 
-def test_a_decision_is_recorded_only_after_dagster_rewrote_the_ended_runs_record(
+def test_a_decision_stands_when_dagsters_late_rewrite_of_the_run_drops_its_tags(
         instance, store, monkeypatch):
     """Dagster reads the run's record, then (late, on a busy machine) writes it back whole
-    with the end status: a decision written between the two would be overwritten."""
+    with the end status: tags written between the two are dropped. The decision is its
+    create-once record in the store; the reconciler puts the mirror back without deciding
+    again, and nothing waits for Dagster's write."""
     run = started_run(instance)
     event = _end_event_stored_before_its_record(instance, run)
     storage, read = instance.run_storage, instance.run_storage._get_run_by_id
@@ -300,19 +317,22 @@ def test_a_decision_is_recorded_only_after_dagster_rewrote_the_ended_runs_record
     req = on_failure(instance, run, store)
     late_writer.join()
     assert isinstance(req, dg.RunRequest), req
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+    rec = read_decision(store.open(), KEY, run.run_id)
+    assert (rec.resume, rec.kind) == (True, "killed")
+    consider(instance, run, store, sweep=True)  # the reconciler's next look
     tags = tags_of(instance, run)
     assert (tags[TAG_DECISION], tags[TAG_FAILURE_KIND]) == ("resume", "killed")
-    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert len(decisions(instance)) == 1  # said once, by the one that decided
 
 
-def test_a_run_whose_record_never_says_it_ended_is_left_to_the_reconciler(
-        instance, store, monkeypatch):
-    monkeypatch.setattr(sensors, "ROW_SETTLE_S", 0.3)
+def test_a_run_whose_record_does_not_say_it_ended_yet_is_decided_from_its_end_event(
+        instance, store):
     run = started_run(instance)
     _end_event_stored_before_its_record(instance, run)
-    skip = on_failure(instance, run, store)
-    assert isinstance(skip, dg.SkipReason) and "the reconciler" in skip.skip_message, skip
-    assert TAG_DECISION not in tags_of(instance, run)
+    req = on_failure(instance, run, store)
+    assert isinstance(req, dg.RunRequest), req
+    assert read_decision(store.open(), KEY, run.run_id).failure_class == "worker_lost"
 
 
 @pytest.mark.parametrize("exit_code,failure_class,kind", [
@@ -388,7 +408,7 @@ def test_a_decision_is_taken_once_and_its_resume_is_never_launched_twice(instanc
     # one again, neither sensor nor the reconciler long after the grace period.
     launched(instance, first)
     assert isinstance(on_failure(instance, run, store), dg.SkipReason)
-    backdate_decision(instance, run, 3600)
+    backdate_decision(instance, run, 3600, store)
     assert sweep(instance, store) == []
     assert len(decisions(instance)) == 1
 
@@ -400,7 +420,7 @@ def test_a_resume_decided_but_never_launched_is_launched_by_the_reconciler_once(
     lost = on_failure(instance, run, store)  # decided; its launch was lost (the tick errored)
     # Within the grace period the failure sensor's launch may still be on its way.
     assert sweep(instance, store) == []
-    backdate_decision(instance, run, ResumeSettings().launch_grace_s + 1)
+    backdate_decision(instance, run, ResumeSettings().launch_grace_s + 1, store)
     (req,) = sweep(instance, store)
     assert req.run_key == lost.run_key and req.tags == lost.tags
     launched(instance, req)
@@ -468,7 +488,7 @@ def test_a_backed_off_resume_is_launched_by_the_reconciler_only_once_it_is_due(
     assert isinstance(skip, dg.SkipReason) and "after 30s" in skip.skip_message
     assert tags_of(instance, run)[TAG_DECISION] == "resume"
     assert sweep(instance, store) == []  # not due yet
-    backdate_decision(instance, run, 31)
+    backdate_decision(instance, run, 31, store)
     (req,) = sweep(instance, store)
     assert req.run_key == f"resume-{run.run_id}"
     assert carried_budget(req)["transient"] == 2
@@ -617,7 +637,7 @@ def test_a_trainer_declared_dead_is_fenced_so_it_never_commits_or_claims_again(i
     run = started_run(instance, started_ago=3600, tags={TAG_ATTEMPT: "2"})
     write_beat(store, run, age_s=3600)
     sweep(instance, store)
-    assert "fenced: attempts up to 2" in tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+    assert "fenced: attempts up to 2" in retired(instance, run)
     pending = zombie.begin(25, 2)
     with zombie.write_file(pending, "state.pt") as w:
         w.write(b"state at step 25")
@@ -645,7 +665,7 @@ def test_a_frozen_trainer_on_this_machine_is_stopped_with_its_group_before_the_r
     assert trainer.poll() == -signal.SIGTERM
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
     assert f"trainer pid {trainer.pid} on {socket.gethostname()} stopped by SIGTERM" in \
-        tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+        retired(instance, run)
     assert tags_of(instance, run).get(TAG_DECISION) is None  # the failure sensor decides
     on_failure(instance, run, store)
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
@@ -668,7 +688,7 @@ def test_a_frozen_trainer_holding_the_pointer_lock_is_killed_at_once_then_fenced
     generation = repo.read_pointer().generation
     sweep(instance, store)
     assert trainer.poll() == -signal.SIGKILL
-    said = tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+    said = retired(instance, run)
     assert f"NOT fenced (LockHeldError: {repo.store.uri_for(repo.pointer_key)}" in said, said
     assert f"locked by process {trainer.pid}, which is stopped" in said, said
     assert f"trainer pid {trainer.pid} on {socket.gethostname()} killed (SIGKILL at once)" in said
@@ -690,7 +710,7 @@ def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace(
     write_beat(store, run, age_s=0, step_age_s=700, proc=ProcessId.of(trainer.pid))
     sweep(instance, store)
     assert trainer.poll() == -signal.SIGKILL
-    assert "killed (SIGKILL 0s after SIGTERM)" in tags_of(instance, run)[TAG_STALLED]
+    assert "killed (SIGKILL 0s after SIGTERM)" in retired(instance, run)
 
 
 @pytest.mark.slow
@@ -707,7 +727,7 @@ def test_a_process_that_is_not_the_trainer_is_never_signalled(
     write_beat(store, run, age_s=3600, proc=elsewhere(ProcessId.of(bystander.pid)))
     sweep(instance, store)
     assert bystander.poll() is None
-    done = tags_of(instance, run)[TAG_HEARTBEAT_LOST]
+    done = retired(instance, run)
     assert said in done and "fenced: attempts up to 1" in done
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
 

@@ -66,42 +66,36 @@ def _ended_s_ago(record: dg.RunRecord, now: float) -> float:
     return now - record.end_time if record.end_time is not None else 0.0
 
 
-# How long a failure sensor waits for an ended run's record to say so (see `_settled`).
-ROW_SETTLE_S = 10.0
+END_EVENTS = {dg.DagsterEventType.RUN_FAILURE: dg.DagsterRunStatus.FAILURE,
+              dg.DagsterEventType.RUN_CANCELED: dg.DagsterRunStatus.CANCELED}
 
 
-def _settled(instance: dg.DagsterInstance, run_id: str, timeout_s: float):
-    """The run's record once it says the run ended, or None if it does not within `timeout_s`.
-
-    Dagster stores a run's end event first, which is what the sensor sees, and then updates
-    the run's record: it reads the record and writes it back whole with the new status and
-    end time. A decision recorded on the run's tags between that read and that write is
-    overwritten with the old tags (seen on a busy machine: the sensor's decision vanished,
-    and the reconciler resumed the run a whole grace later). Once the record is terminal,
-    that write has landed and nothing else of the run worker's rewrites it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        rec = instance.get_run_record_by_id(run_id)
-        if rec is not None and rec.dagster_run.is_finished:
-            return rec
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.05)
+def _end_of(instance: dg.DagsterInstance, run_id: str,
+            event: dg.DagsterEvent) -> tuple[dg.DagsterRunStatus, float]:
+    """How and when the run ended. Dagster stores the end event first and rewrites the run's
+    record (status, end time) after it, so a sensor that sees the event may find the record
+    not updated yet: the status is the event's, and the time the record's end time (what the
+    reconciler's sweep reads too) or, until it is written, the event's own."""
+    status = END_EVENTS[dg.DagsterEventType(event.event_type_value)]
+    rec = instance.get_run_record_by_id(run_id)
+    if rec is not None and rec.end_time is not None:
+        return status, rec.end_time
+    records = instance.get_records_for_run(
+        run_id, of_type={dg.DagsterEventType.RUN_FAILURE, dg.DagsterEventType.RUN_CANCELED},
+        ascending=False, limit=1).records
+    return status, records[0].timestamp if records else time.time()
 
 
 def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
     settings = ResumeSettings.from_env()
-    rec = _settled(context.instance, context.dagster_run.run_id, ROW_SETTLE_S)
-    if rec is None:
-        return dg.SkipReason(
-            f"run {context.dagster_run.run_id[:8]}: its record did not say it ended within "
-            f"{ROW_SETTLE_S:g}s of its end event; the reconciler decides and resumes it")
-    run = rec.dagster_run
-    age = _ended_s_ago(rec, time.time())
+    run = context.dagster_run
+    status, ended = _end_of(context.instance, run.run_id, context.dagster_event)
+    age = time.time() - ended
     if age >= failure_sensors_turn_s(settings):
         return dg.SkipReason(f"run {run.run_id[:8]} ended {age:.0f}s ago, past the failure "
                              "sensors' turn: the reconciler decides and resumes it")
-    req = consider(context.instance, run, store, sweep=False, settings=settings)
+    req = consider(context.instance, run, store, sweep=False, settings=settings,
+                   ended_as=status)
     reason = context.instance.get_run_by_id(run.run_id).tags.get(TAG_DECISION_REASON)
     if req is None:  # decided against, or a back-off (the reason says), or not this run's turn
         why = reason or ("not a training run" if not is_training_run(run)

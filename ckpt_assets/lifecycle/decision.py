@@ -6,8 +6,9 @@ for a run that recorded none, from how Dagster saw it end), applies the failure 
 (`ckpt_assets.lifecycle.policy`) once, writes the decision where the sensors and people look, and
 returns the resume's `RunRequest` once it is due.
 
-Exactly once: a decision is written onto the failed run's tags before anything is
-launched; a resume's run_key is derived from the failed run's id; only the newest run of
+Exactly once: a decision is created once in the checkpoint store
+(`lifecycle.decision_record`) before anything is launched, and every later reader acts on
+that one; a resume's run_key is derived from the failed run's id; only the newest run of
 a partition is ever acted on (a resume, once created, is newer); and the run queue admits
 one active run per partition.
 """
@@ -22,12 +23,13 @@ from dataclasses import asdict
 import dagster as dg
 
 from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.lifecycle.decision_record import DecisionRecord, create_once, read_decision
 from ckpt_assets.lifecycle.ended import failure_of, run_repo
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.state import report_state
 from ckpt_assets.lifecycle.stop import stop_reason_text
 from ckpt_assets.records.metadata import to_metadata
-from ckpt_assets.runs.clock import iso, parse_time
+from ckpt_assets.runs.clock import iso
 from ckpt_assets.runs.dagster_private import report_engine_event
 from ckpt_assets.runs.names import TRAIN_JOB
 from ckpt_assets.runs.queries import is_training_run, newest_training_run
@@ -43,20 +45,15 @@ from ckpt_assets.runs.tags import (
     TAG_FAILURE_CLASS,
     TAG_FAILURE_KIND,
     TAG_NEXT_BUDGET,
-    TAG_NO_RESUME,
     TAG_PARENT_RUN_ID,
     TAG_RESUME_AT,
     TAG_RESUME_FROM,
     TAG_ROOT_RUN_ID,
-    TAG_STOP_REASON,
 )
+from ckpt_assets.runs.view import RunView
 from trainer.outcomes import Kind
 
 RESUME_KEY_PREFIX = "resume-"
-
-
-def budget_of(run: dg.DagsterRun, tag: str = TAG_BUDGET) -> Budget:
-    return Budget.from_tag(run.tags.get(tag, ""))
 
 
 def decision_words(decision: Decision, run_key: str) -> str:
@@ -70,24 +67,58 @@ def decision_words(decision: Decision, run_key: str) -> str:
             f"{run_key}; it records its run id on this run when it starts.")
 
 
+def decision_of(run: dg.DagsterRun, store: StoreSource | None) -> DecisionRecord | None:
+    """The decision about `run`: the store's create-once record; without a store (a run
+    decided in-process, as tests do) the tags are the record."""
+    if store is not None:
+        return read_decision(store.open(), RunView.of(run).partition, run.run_id)
+    view = RunView.of(run)
+    if view.decision is None:
+        return None
+    return DecisionRecord(run.run_id, view.partition, view.decision == "resume",
+                          view.failure_kind or "", view.failure_class or "",
+                          view.decision_reason, view.decided_at or 0.0, view.resume_at,
+                          view.next_budget, view.attempt, None)
+
+
+def mirror_tags(rec: DecisionRecord) -> dict[str, str]:
+    """The decision as the failed run's tags: what people, `list` and the reconciler's
+    queries read."""
+    return {TAG_DECISION: "resume" if rec.resume else "stop",
+            TAG_DECISION_REASON: rec.reason[:400], TAG_FAILURE_KIND: rec.kind,
+            TAG_FAILURE_CLASS: rec.failure_class, TAG_DECIDED_AT: iso(rec.decided_at),
+            TAG_NEXT_BUDGET: rec.next_budget,
+            **({TAG_RESUME_AT: iso(rec.resume_at)} if rec.resume_at is not None else {})}
+
+
 def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
-           decision: Decision) -> None:
-    """Write the decision where the reconciler and people look: the failed run's tags (what
-    the sensors act on), its own log in words, and the partition's new state."""
+           decision: Decision, store: StoreSource | None) -> tuple[DecisionRecord, bool]:
+    """Create the decision once (`decision_record.create_once`), and, if this call made it,
+    say it where people look: the failed run's tags, its own log in words, the partition's
+    new state. Returns (the decision that holds, whether this call made it)."""
     # Rounded down: a decision time in the future would look not yet due.
     decided = math.floor(time.time() * 1000) / 1000
-    tags = {TAG_DECISION: "resume" if decision.resume else "stop",
-            TAG_DECISION_REASON: decision.reason[:400], TAG_FAILURE_KIND: decision.kind.value,
-            TAG_FAILURE_CLASS: failure.outcome.value,
-            TAG_DECIDED_AT: iso(decided), TAG_NEXT_BUDGET: decision.budget.to_tag(),
-            **({TAG_RESUME_AT: iso(decided + decision.delay_s)}
-               if decision.resume and decision.delay_s > 0 else {})}
-    instance.add_run_tags(run.run_id, tags)
+    rec = DecisionRecord(
+        run.run_id, failure.training_run, decision.resume, decision.kind.value,
+        failure.outcome.value, decision.reason, decided,
+        decided + decision.delay_s if decision.resume and decision.delay_s > 0 else None,
+        decision.budget.to_tag(), failure.attempt, failure.last_committed_step)
+    created = True
+    if store is not None:
+        rec, created = create_once(store.open(), rec)
+    if created:
+        instance.add_run_tags(run.run_id, mirror_tags(rec))
+        _say(instance, run, failure, decision)
+    return rec, created
+
+
+def _say(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
+         decision: Decision) -> None:
     run_key = f"{RESUME_KEY_PREFIX}{run.run_id}"
     facts = to_metadata({
-        "failed_run_id": run.run_id, "decision": tags[TAG_DECISION], "reason": decision.reason,
-        "failure_kind": decision.kind.value, "exit_code": failure.exit_code,
-        "failure_class": failure.outcome.value,
+        "failed_run_id": run.run_id, "decision": "resume" if decision.resume else "stop",
+        "reason": decision.reason, "failure_kind": decision.kind.value,
+        "exit_code": failure.exit_code, "failure_class": failure.outcome.value,
         "last_committed_step": failure.last_committed_step, "attempt": failure.attempt,
         "delay_s": float(decision.delay_s), "budget": asdict(decision.budget),
         "resume_run_key": run_key if decision.resume else None})
@@ -96,40 +127,53 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
     # back to this run, and tags it `ckpt/resumed_by`, once it starts.
     try:
         report_engine_event(instance, run, decision_words(decision, run_key), facts)
-    except Exception:  # the tags above are the record the sensors act on; this is for people
+    except Exception:  # the record is what the sensors act on; this is for people
         logging.getLogger(__name__).warning("could not log the resume decision on run %s",
                                             run.run_id, exc_info=True)
     report_state(instance, failure.training_run, facts)
 
 
-def resume_request(run: dg.DagsterRun, failure: AttemptEnd,
+def resume_request(run: dg.DagsterRun, rec: DecisionRecord,
                    store: StoreSource | None) -> dg.RunRequest:
     resume_from = ""
-    if store is not None and failure.last_committed_step is not None:
+    if store is not None and rec.last_committed_step is not None:
         try:
-            repo = run_repo(store, failure.training_run)
+            repo = run_repo(store, rec.training_run)
             ptr = repo.read_pointer() if repo else None
             resume_from = repo.uri(ptr.checkpoint) if ptr and ptr.checkpoint else ""
         except Exception:
             resume_from = ""
+    view = RunView.of(run)
     return dg.RunRequest(
         run_key=f"{RESUME_KEY_PREFIX}{run.run_id}",
-        partition_key=failure.training_run,
+        partition_key=rec.training_run,
         job_name=TRAIN_JOB,
-        tags={TAG_PARENT_RUN_ID: run.run_id,
-              TAG_ROOT_RUN_ID: run.tags.get(TAG_ROOT_RUN_ID, run.run_id),
-              TAG_ATTEMPT: str(failure.attempt + 1),
-              TAG_RESUME_FROM: resume_from or "latest",
-              TAG_BUDGET: run.tags.get(TAG_NEXT_BUDGET, "")},
+        tags={TAG_PARENT_RUN_ID: run.run_id, TAG_ROOT_RUN_ID: view.root_run_id,
+              TAG_ATTEMPT: str(rec.attempt + 1), TAG_RESUME_FROM: resume_from or "latest",
+              TAG_BUDGET: rec.next_budget},
     )
 
 
+def _decide(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource | None,
+            settings: ResumeSettings,
+            ended_as: dg.DagsterRunStatus | None) -> tuple[DecisionRecord, bool]:
+    failure = failure_of(instance, run, store, ended_as)
+    view = RunView.of(run)
+    if view.stop_requested:
+        decision = Decision(False, Kind.STOPPED_BY_USER, stop_reason_text(view.stop_reason))
+    else:
+        decision = decide(failure, Budget.from_tag(view.budget), settings.policy)
+    return record(instance, run, failure, decision, store)
+
+
 def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource | None,
-             sweep: bool, settings: ResumeSettings | None = None) -> dg.RunRequest | None:
+             sweep: bool, settings: ResumeSettings | None = None,
+             ended_as: dg.DagsterRunStatus | None = None) -> dg.RunRequest | None:
     """Decide about one ended training run (once) and return its resume if it is due now.
 
     The failure sensors (sweep=False) launch immediate resumes; the reconciler (sweep=True)
     launches backed-off ones when due, and immediate ones the sensors did not launch in time.
+    `ended_as`: how the run ended, from its end event, when its record may not say so yet.
     """
     if not is_training_run(run):
         return None
@@ -137,29 +181,22 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSourc
     if newest is None or newest.run_id != run.run_id:
         return None  # a newer run of this partition exists (e.g. the resume): moot
     settings = settings or ResumeSettings.from_env()
-    failure = None
-    decided_here = TAG_DECISION not in run.tags
-    if decided_here:
-        failure = failure_of(instance, run, store)
-        if run.tags.get(TAG_NO_RESUME) == "true":
-            decision = Decision(False, Kind.STOPPED_BY_USER,
-                                stop_reason_text(run.tags.get(TAG_STOP_REASON)))
-        else:
-            decision = decide(failure, budget_of(run), settings.policy)
-        record(instance, run, failure, decision)
-        run = instance.get_run_by_id(run.run_id)
-    if run.tags.get(TAG_DECISION) != "resume":
-        return None
-    decided_at = parse_time(run.tags.get(TAG_DECIDED_AT)) or 0.0
-    resume_at = parse_time(run.tags.get(TAG_RESUME_AT))
+    rec, decided_here = decision_of(newest, store), False
+    if rec is None:
+        rec, decided_here = _decide(instance, run, store, settings, ended_as)
+    elif TAG_DECISION not in newest.tags:  # the mirror was dropped by a concurrent rewrite
+        instance.add_run_tags(run.run_id, mirror_tags(rec))
+    current = instance.get_run_by_id(run.run_id) or newest
+    if not rec.resume or RunView.of(current).stop_requested:
+        return None  # decided against, or the resume was withdrawn by a stop
     now = time.time()
     # The failure sensors launch an immediate resume without looking at the clock at all.
-    if resume_at is not None:
-        if not sweep or now < resume_at:
+    if rec.resume_at is not None:
+        if not sweep or now < rec.resume_at:
             return None  # a back-off: the reconciler launches it once due
-    elif sweep and not decided_here and now < decided_at + settings.launch_grace_s:
+    elif sweep and not decided_here and now < rec.decided_at + settings.launch_grace_s:
         return None  # the failure sensor's launch may still be on its way
     # Decided here by the sweep: no sensor decided it, so no launch of theirs is on its way,
     # and the sweep only decides a run the grace after its end (a second grace from this
     # decision held every resume the sensors missed for two).
-    return resume_request(run, failure or failure_of(instance, run, store), store)
+    return resume_request(current, rec, store)

@@ -42,10 +42,11 @@ def recorded_end(instance: dg.DagsterInstance, run: dg.DagsterRun) -> AttemptEnd
     return reported
 
 
-def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun,
-               store: StoreSource | None) -> AttemptEnd:
+def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource | None,
+               ended_as: dg.DagsterRunStatus | None = None) -> AttemptEnd:
     """How `run` ended: the reconciler's verdict on its trainer, else its own record, else
-    what Dagster (and the store) saw of it."""
+    what Dagster (and the store) saw of it; `ended_as`: its end status from its end event,
+    when its record may not say so yet."""
     reported = recorded_end(instance, run)
     liveness = liveness_outcome(run)
     if reported is not None:
@@ -61,7 +62,7 @@ def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun,
         outcome = liveness
     elif view.stop_requested:
         outcome = Outcome.STOPPED_BY_USER  # one name for a stop, wherever it is read
-    elif run.status == dg.DagsterRunStatus.CANCELED:
+    elif (ended_as or run.status) == dg.DagsterRunStatus.CANCELED:
         outcome = Outcome.TERMINATED
     else:
         outcome = Outcome.WORKER_LOST

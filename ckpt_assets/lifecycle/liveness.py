@@ -41,7 +41,7 @@ import dagster as dg
 
 from ckpt_assets.attempt.process_group import KILL_WAIT_S, POLL_S, group_members
 from ckpt_assets.lifecycle.ended import LIVENESS_TAGS, run_repo
-from ckpt_assets.runs.queries import add_tags_that_stick
+from ckpt_assets.runs.dagster_private import report_engine_event
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.store import StoreSource
 from ckpt_assets.runs.view import RunView
@@ -110,8 +110,7 @@ def retire(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
            beat: Beat | None, verdict: Verdict, settings: ResumeSettings) -> str:
     """Tag, fence and stop the trainer of `run`, then mark the run failed (the module's
     docstring says why in this order); returns what was done, in words."""
-    tag = LIVENESS_TAGS[verdict.outcome]
-    instance.add_run_tags(run.run_id, {tag: verdict.reason})
+    instance.add_run_tags(run.run_id, {LIVENESS_TAGS[verdict.outcome]: verdict.reason})
     view = RunView.of(run)
     attempt, partition = view.attempt, view.partition
     fenced, words = fence(store, partition, attempt)
@@ -124,15 +123,17 @@ def retire(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
     if not fenced:  # e.g. the frozen trainer held the pointer's lock until it was killed
         done.append(f"then: {fence(store, partition, attempt)[1]}")
     words = "; ".join(done)
-    # The verdict, and what was done about it: the moment the trainer is gone, its run worker
-    # writes the run's tags too (`add_tags_that_stick`).
-    add_tags_that_stick(instance, run.run_id, {tag: words})
+    # The verdict stays the tag written before acting (what the decision reads); what was
+    # done about it goes to the run's own log, which is appended to, never rewritten: the
+    # moment the trainer is gone its run worker writes the run's tags too.
     current = instance.get_run_by_id(run.run_id)
     # Its run worker may have failed it already (the trainer it waits for is gone); one
     # asked to terminate is CANCELING, and marked failed all the same: the resume must not
     # wait on a worker that may never answer.
     if current is not None and not current.is_finished:
         instance.report_run_failed(current, f"{words}: marking the run failed")
+    else:
+        report_engine_event(instance, run, f"retired: {words}", {})
     return words
 
 

@@ -7,8 +7,6 @@ everything that counts attempts or reads a run's state asks here.
 
 from __future__ import annotations
 
-import time
-
 import dagster as dg
 
 from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY
@@ -57,23 +55,3 @@ def active_runs(instance: dg.DagsterInstance, partition: str) -> list[dg.Dagster
     runs = instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partition},
                                                    statuses=list(ACTIVE_STATUSES)))
     return [r for r in runs if is_training_run(r)]
-
-
-TAGS_SETTLE_S = 0.5  # longer than another process's tag write takes from its read to its write
-TAGS_TRIES = 4
-
-
-def add_tags_that_stick(instance: dg.DagsterInstance, run_id: str, tags: dict[str, str],
-                        settle_s: float = TAGS_SETTLE_S) -> None:
-    """`instance.add_run_tags`, written again until it holds. Dagster merges tags into the
-    run's stored record by reading the record and writing it back whole, so another
-    process's tag write that read the run just before this one puts the old values back
-    over ours (seen: the run worker, recording its ended processes, reverted the
-    reconciler's account of how it retired the trainer). For a writer that races one by
-    design; each try waits `settle_s` before it looks."""
-    for _ in range(TAGS_TRIES):
-        instance.add_run_tags(run_id, tags)
-        time.sleep(settle_s)
-        run = instance.get_run_by_id(run_id)
-        if run is None or all(run.tags.get(k) == v for k, v in tags.items()):
-            return
