@@ -18,6 +18,7 @@ again by the rank that reads it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import pickle
@@ -88,7 +89,11 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.async_save = async_save
-        self._optimizers = [p for p in parts.values() if isinstance(p, torch.optim.Optimizer)]
+        # Behind a wrapper too (the session's parts measure their state): an optimizer not
+        # found here gets no fence and no host buffers, and its whole state is copied on the
+        # training thread.
+        self._optimizers = [o for o in map(_unwrapped, parts.values())
+                            if isinstance(o, torch.optim.Optimizer)]
         self._buffers = HostBuffers() if async_save else None
         self._hooks = [h for o in self._optimizers for h in (
             o.register_step_pre_hook(self._fence), o.register_step_post_hook(self._prepare))] \
@@ -257,6 +262,14 @@ class Checkpointer:
                     f"checkpoint {self.repo.uri(manifest.name)} does not fit part {name!r}: {e}. "
                     "Resume with the config the run was started with, or --resume never."
                 ) from e
+
+
+def _unwrapped(part: Any) -> Any:
+    """The part behind the wrappers that name it by `__wrapped__` (`trainer.parts.Measured`)."""
+    try:
+        return inspect.unwrap(part)
+    except ValueError:  # an object that answers every attribute: no chain to follow
+        return part
 
 
 def _yield_to_training() -> None:
