@@ -215,6 +215,12 @@ class Checkpointer:
         """A background save is still being copied or written."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def unsettled(self) -> bool:
+        """A background save was started and its end not yet taken up by `wait` (an error
+        of it may still be to raise), however far it got."""
+        return self._thread is not None
+
     def raise_if_failed(self) -> None:
         """Raise the error of a background save that has ended (it fails the attempt with
         the error's own class: a store error is a storage failure). Never waits."""
