@@ -340,6 +340,7 @@ class CheckpointSession:
     @ends_like_the_block
     def _full_step(self, step: int | None, loss: float | torch.Tensor | None,
                    metrics: dict[str, float] | None, epoch_end: bool) -> bool:
+        """`step` with every check and trigger; it plans the short path of the next steps."""
         step = self._checked_step(step)
         if self._beat is not None:
             self._beat.advance(step)
