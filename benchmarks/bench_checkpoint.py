@@ -4,10 +4,13 @@ For a training state of at least 1 GB (model + AdamW moments), prints:
   durable local save (serialize + hash + fsync + link) / raw write+fsync of as many bytes
   verified load (hash check + torch.load) / plain torch.load of the same file
   S3 save to a loopback moto_server / plain boto3 upload of the same bytes
-and, while the same state trains (forward, backward and AdamW on it, one thread):
-  training stall per background save (`async_save`) / synchronous durable save of the state
+and, while the same state trains (forward, backward and AdamW on it, one thread), for a
+background save through `CheckpointSession(async_save=True)` (the path of every user: own
+loop, task mode, command mode) and, beside it, through a bare `Checkpointer`:
+  training stall per background save / synchronous durable save of the state
   training stall per background save / a plain copy of the state into host memory
   longest step while a background save is in flight / median step without one
+  stall through the session / stall through the bare checkpointer
 
     python benchmarks/bench_checkpoint.py [--gb 1.0] [--repeats 3] [--no-s3]
                                           [--rounds 3] [--batch 16] [--no-background]
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import os
 import socket
 import statistics
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from tests.polling import wait_for  # noqa: E402
+from trainer import CheckpointSession  # noqa: E402
 from trainer.checkpointer import Checkpointer, load_verified_state  # noqa: E402
 from trainer.repo import CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
@@ -72,11 +77,42 @@ def plain_copy(host: list[torch.Tensor], tensors: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
+class FenceClock:
+    """The training thread's wait at the optimizer's fence, timed from outside: one step
+    pre-hook registered before the checkpointers' fences and one after them."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt, self.waited, self._t0 = opt, 0.0, 0.0
+        self._hooks = [opt.register_step_pre_hook(self._start)]
+
+    def bracket(self) -> None:
+        """Call once the checkpointers exist: their fences now run between the two hooks."""
+        self._hooks.append(self.opt.register_step_pre_hook(self._end))
+
+    def take(self) -> float:
+        waited, self.waited = self.waited, 0.0
+        return waited
+
+    def _start(self, *_args) -> None:
+        self._t0 = time.perf_counter()
+
+    def _end(self, *_args) -> None:
+        self.waited += time.perf_counter() - self._t0
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
 def bench_background(model, opt, work: Path, rounds: int, batch: int, quiet_steps: int) -> None:
-    """Each round: `quiet_steps` training steps with no save in flight, then a background
-    save and the steps that overlap it, then (side by side) a synchronous durable save and a
-    plain copy of the same state. Round 0 is the first background save (the host buffers
-    were allocated after the optimizer's first step): reported on its own."""
+    """Each round, the same state and training loop: `quiet_steps` steps with no save in
+    flight, then a background save through `CheckpointSession(async_save=True)` (what every
+    user gets: own loop, task mode, command mode) and the steps that overlap it, then the
+    same through a bare `Checkpointer`, then (side by side) a synchronous durable save and a
+    plain copy of the state. A save's stall is the training thread's time in the save call
+    plus its wait at the optimizer's fence in the next step, both timed here. Round 0 holds
+    each path's first background save (host buffers allocated after the optimizer's first
+    step): reported on its own."""
     parts = {"model": model, "optimizer": opt}
     x = torch.randn(batch, model[0].in_features)
 
@@ -92,63 +128,98 @@ def bench_background(model, opt, work: Path, rounds: int, batch: int, quiet_step
         repo.claim(None)
         return Checkpointer(repo, parts, 1, keep_last=1, keep_best=False, async_save=async_save)
 
-    bg, sync = checkpointer("background", True), checkpointer("synchronous", False)
-    committed: list[dict] = []
-    bg.on_commit = lambda _m, stats: committed.append(stats)
+    fence = FenceClock(opt)
+    ckpt = CheckpointSession(run="session", store=str(work / "session"), resume="never",
+                             install_signals=False, async_save=True, keep_last=1,
+                             keep_best=False, every_steps=None, every_seconds=None,
+                             on_epoch_end=False, on_best=False, heartbeat_seconds=60)
+    ckpt.restore(**parts)
+    bg, sync = checkpointer("direct", True), checkpointer("synchronous", False)
+    fence.bracket()
+    step = 0
+
+    def background(save, in_flight) -> tuple[float, list[float]]:
+        """One background save at the next step: (its stall, the steps it overlapped)."""
+        nonlocal step
+        step += 1
+        t0 = time.perf_counter()
+        train_step()
+        ckpt.step(step)
+        fence.take()
+        s0 = time.perf_counter()
+        save(step)
+        call_s = time.perf_counter() - s0
+        overlapping = [time.perf_counter() - t0]
+        while in_flight():
+            overlapping.append(train_step())
+            step += 1
+            ckpt.step(step)
+        return call_s + fence.take(), overlapping
+
     tensors = state_tensors(model, opt)
     host = [torch.empty_like(t) for t in tensors]
     plain_copy(host, tensors)  # first touch: the baseline copies into warm memory
-    quiet, during, stalls, sync_s, copy_s, writes = [], [], [], [], [], []
-    step, first = 0, None
+    got = {k: [] for k in ("quiet", "session", "direct", "during", "during_direct",
+                           "sync", "copy")}
+    first = {}
     for r in range(rounds + 1):
         steady = [train_step() for _ in range(quiet_steps)]
-        step += quiet_steps + 1
-        t0 = time.perf_counter()
-        train_step()
-        bg.save(step, {})
-        overlapping = [time.perf_counter() - t0]
-        while bg.in_flight:
-            overlapping.append(train_step())
+        for _ in steady:
             step += 1
+            ckpt.step(step)
+        s_stall, s_during = background(lambda _s: ckpt.save("bench"), lambda: ckpt._ck.in_flight)
+        ckpt._ck.wait()
+        d_stall, d_during = background(lambda s: bg.save(s, {}), lambda: bg.in_flight)
         bg.wait()
         if r == 0:
-            first = (committed[-1]["blocking_seconds"], max(overlapping) / statistics.median(steady))
+            first = {"session": (s_stall, max(s_during) / statistics.median(steady)),
+                     "direct": (d_stall, max(d_during) / statistics.median(steady))}
             continue
-        quiet += steady
-        during += overlapping
-        stalls.append(committed[-1]["blocking_seconds"])
-        writes.append(committed[-1]["write_seconds"])
+        got["quiet"] += steady
+        got["session"].append(s_stall)
+        got["direct"].append(d_stall)
+        got["during"] += s_during
+        got["during_direct"] += d_during
         t0 = time.perf_counter()
         sync.save(step, {})
-        sync_s.append(time.perf_counter() - t0)
-        copy_s.append(plain_copy(host, tensors))
+        got["sync"].append(time.perf_counter() - t0)
+        got["copy"].append(plain_copy(host, tensors))
+    buffers = (ckpt._ck._buffers.allocations, bg._buffers.allocations)
     bg.close()
-    report_background(first, quiet, during, stalls, sync_s, copy_s, writes,
-                      sum(t.numel() * t.element_size() for t in tensors), batch,
-                      bg._buffers.allocations)
+    ckpt.close()
+    fence.remove()
+    report_background(first, got, sum(t.numel() * t.element_size() for t in tensors), batch,
+                      buffers)
 
 
-def report_background(first, quiet, during, stalls, sync_s, copy_s, writes, nbytes, batch,
-                      allocations) -> None:
+def report_background(first, got, nbytes, batch, buffers) -> None:
     med = statistics.median
+    quiet = got["quiet"]
     print(f"background saves while training ({nbytes / 1e9:.2f} GB of parameters and AdamW "
-          f"state, batch {batch}, {len(stalls)} rounds after the first, medians):")
-    print(f"  step without a save in flight {med(quiet):7.3f}s   background write "
-          f"{med(writes):7.3f}s   host buffers allocated {allocations} (for all the saves)")
-    print(f"  first save: stall {first[0]:.4f}s, longest step {first[1]:.2f}x median")
-    print(f"{'stall per background save / synchronous durable save':<56} "
-          f"{med(stalls):8.4f}s / {med(sync_s):7.3f}s  ratio {med(stalls) / med(sync_s):6.3f}"
-          "  (target <= 0.1)")
-    print(f"{'stall per background save / plain copy to host memory':<56} "
-          f"{med(stalls):8.4f}s / {med(copy_s):7.3f}s  ratio {med(stalls) / med(copy_s):6.3f}"
-          "  (target <= 0.5)")
-    print(f"{'longest step during a save / median step':<56} "
-          f"{max(during):8.3f}s / {med(quiet):7.3f}s  ratio {max(during) / med(quiet):6.3f}"
-          "  (target <= 2)")
-    print(f"{'  the same without a save (the machine: noise)':<56} "
-          f"{max(quiet):8.3f}s / {med(quiet):7.3f}s  ratio {max(quiet) / med(quiet):6.3f}")
-    print(f"{'  median step during a save / median step':<56} "
-          f"{med(during):8.3f}s / {med(quiet):7.3f}s  ratio {med(during) / med(quiet):6.3f}")
+          f"state, batch {batch}, {len(got['session'])} rounds after the first, medians):")
+    print(f"  step without a save in flight {med(quiet):7.3f}s   host buffers allocated "
+          f"{buffers[0]} through the session, {buffers[1]} direct (for all the saves)")
+    for path, label in (("session", "CheckpointSession"), ("direct", "Checkpointer direct")):
+        print(f"  first save, {label}: stall {first[path][0]:.4f}s, longest step "
+              f"{first[path][1]:.2f}x median")
+
+    def ratio(label, a, b, target=""):
+        print(f"{label:<60} {a:8.4f}s / {b:8.4f}s  ratio {a / b:6.3f}  {target}".rstrip())
+
+    for path, label in (("session", "CheckpointSession(async_save=True)"),
+                        ("direct", "Checkpointer direct")):
+        stall = med(got[path])
+        print(f"{label}:")
+        ratio("  stall per background save / synchronous durable save", stall,
+              med(got["sync"]), "(target <= 0.1)")
+        ratio("  stall per background save / plain copy to host memory", stall,
+              med(got["copy"]), "(target <= 0.5)")
+        during = got["during" if path == "session" else "during_direct"]
+        ratio("  longest step during a save / median step", max(during), med(quiet),
+              "(target <= 2)")
+        ratio("  median step during a save / median step", med(during), med(quiet))
+    ratio("stall through the session / stall direct", med(got["session"]), med(got["direct"]))
+    ratio("  longest step without a save / median (the machine: noise)", max(quiet), med(quiet))
 
 
 def free_port() -> int:
@@ -189,6 +260,7 @@ def main() -> int:
                    help="steps without a save in flight before each background save")
     args = p.parse_args()
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)  # the session's own lines stay out of the figures
 
     model, opt = build_state(args.gb)
     parts = {"model": model, "optimizer": opt}

@@ -228,3 +228,38 @@ def test_a_stop_request_and_the_final_save_wait_for_the_save_in_flight(tmp_path,
     assert ckpt.stopped and ckpt.repo.read_pointer().step == 2
     assert [ckpt.repo.read_manifest(n).step for n in ckpt.repo.committed()] == [1, 2]
     ckpt.close()
+
+
+def test_through_the_session_the_optimizer_is_fenced_and_its_tensors_go_through_host_buffers(
+        tmp_path, monkeypatch):
+    model, opt = build()
+    ckpt = session(tmp_path, max_steps=10, every_steps=3)
+    ckpt.restore(model=model, optimizer=opt)
+    ck = ckpt._ck
+    # The session wraps every part (to measure it); the checkpointer sees the optimizer behind.
+    assert ck._optimizers == [opt] and ck._buffers is not None
+    assert set(ck._hooks) and all(h.id in {**opt._optimizer_step_pre_hooks,
+                                           **opt._optimizer_step_post_hooks} for h in ck._hooks)
+    train(model, opt, [1, 2, 3])
+    step_3 = {k: v.clone() for k, v in model.state_dict().items()}
+
+    copy_gate = Gate(monkeypatch, HostBuffers, "get")
+    ckpt.step(1, loss=0.5)
+    ckpt.step(2, loss=0.5)
+    ckpt.step(3, loss=0.5)  # a save: it returns with the optimizer's tensors still to copy
+    # The first layer's weight and its AdamW moments are left to the copy worker.
+    weight, moments = model[0].weight, opt.state[model[0].weight]
+    deferred = {t.data_ptr() for t in ck._snapshot.sources}
+    assert {t.data_ptr() for t in (weight, moments["exp_avg"], moments["exp_avg_sq"])} <= deferred
+    forward_backward(model, opt, 4)
+    stepped = threading.Thread(target=opt.step)
+    stepped.start()
+    assert copy_gate.arrived.wait(DEADLINE_S)
+    stepped.join(0.5)
+    assert stepped.is_alive(), "the optimizer wrote its tensors before the snapshot copied them"
+    copy_gate.opened.set()
+    stepped.join(DEADLINE_S)
+    ckpt._ck.wait()
+    assert ck._buffers.allocations > 0
+    assert_bitwise_equal(committed_state(ckpt.repo)["model"], step_3)
+    ckpt.close()

@@ -18,6 +18,7 @@ again by the rank that reads it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import pickle
@@ -90,7 +91,11 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.async_save = async_save
-        self._optimizers = [p for p in parts.values() if isinstance(p, torch.optim.Optimizer)]
+        # Behind a wrapper too (the session's parts measure their state): an optimizer not
+        # found here gets no fence and no host buffers, and its whole state is copied on the
+        # training thread.
+        self._optimizers = [o for o in map(_unwrapped, parts.values())
+                            if isinstance(o, torch.optim.Optimizer)]
         self._buffers = HostBuffers() if async_save else None
         self._hooks = [h for o in self._optimizers for h in (
             o.register_step_pre_hook(self._fence), o.register_step_post_hook(self._prepare))] \
@@ -216,6 +221,12 @@ class Checkpointer:
         """A background save is still being copied or written."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def unsettled(self) -> bool:
+        """A background save was started and its end not yet taken up by `wait` (an error
+        of it may still be to raise), however far it got."""
+        return self._thread is not None
+
     def raise_if_failed(self) -> None:
         """Raise the error of a background save that has ended (it fails the attempt with
         the error's own class: a store error is a storage failure). Never waits."""
@@ -265,6 +276,14 @@ class Checkpointer:
                     f"checkpoint {self.repo.uri(manifest.name)} does not fit part {name!r}: {e}. "
                     "Resume with the config the run was started with, or --resume never."
                 ) from e
+
+
+def _unwrapped(part: Any) -> Any:
+    """The part behind the wrappers that name it by `__wrapped__` (`trainer.parts.Measured`)."""
+    try:
+        return inspect.unwrap(part)
+    except ValueError:  # an object that answers every attribute: no chain to follow
+        return part
 
 
 def _yield_to_training() -> None:

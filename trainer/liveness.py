@@ -173,7 +173,10 @@ class Heartbeat:
         self._fixed = {"pid": me.pid, "host": me.host, "boot_id": me.boot_id,
                        "pgid": me.pgid, "start_ticks": me.start_ticks,
                        "dagster_run_id": dagster_run_id}
-        self._progress: dict[str, Any] = {"step_time": time.time()}
+        self._progress: dict[str, Any] = {}
+        # (last completed step, when it was reached): one attribute, replaced whole by every
+        # step without a lock (the per-step call stays cheap), read whole by the thread.
+        self._reached: tuple[int | None, float] = (None, time.time())
         self._lock = threading.Lock()  # guards _progress; never held while writing
         self._wake = threading.Event()
         self._ended = threading.Event()
@@ -187,13 +190,13 @@ class Heartbeat:
         """The attempt's claim is made: say which attempt it is, and the step it continues
         from (the time of progress stays: a restore that hangs is a stall too)."""
         with self._lock:
-            self._progress.update(attempt=attempt, step=step, resumed_step=step)
+            self._progress.update(attempt=attempt, resumed_step=step)
+        self._reached = (step, self._reached[1])
         self._wake.set()
 
     def advance(self, step: int) -> None:
         """Step `step` is complete: progress."""
-        with self._lock:
-            self._progress.update(step=step, step_time=time.time())
+        self._reached = (step, time.time())
         if self.every_step:
             self._wake.set()
 
@@ -213,8 +216,7 @@ class Heartbeat:
                             "session ends without waiting for it", self.repo.prefix, STOP_WAIT_S)
                 return
         if not self.fenced and self._failing_since is None:
-            with self._lock:
-                progress = dict(self._progress)
+            progress = self._progress_now()
             try:
                 self.repo.heartbeat(self._payload({**progress, "ended": time.time()}))
             except Exception as e:
@@ -232,9 +234,14 @@ class Heartbeat:
             self._wake.wait(self.interval)
             self._wake.clear()
 
-    def _beat_once(self) -> bool:
+    def _progress_now(self) -> dict[str, Any]:
         with self._lock:
             progress = dict(self._progress)
+        progress["step"], progress["step_time"] = self._reached
+        return progress
+
+    def _beat_once(self) -> bool:
+        progress = self._progress_now()
         if "attempt" in progress and not self._still_owner():
             self.fenced = True
             log.error("run %s was taken over (its pointer names another owner): attempt %s "

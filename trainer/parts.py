@@ -149,10 +149,15 @@ def human_bytes(n: int) -> str:
 
 
 class Measured:
-    """A part whose state, as the checkpointer takes it, is measured on the way."""
+    """A part whose state, as the checkpointer takes it, is measured on the way.
+
+    `__wrapped__` (the convention `inspect.unwrap` follows) names the part itself: the
+    checkpointer finds the optimizers behind their wrappers by it, for their fence and host
+    buffers (`trainer.snapshot`)."""
 
     def __init__(self, part: Any, name: str, measured):
         self.part, self.name, self.measured = part, name, measured
+        self.__wrapped__ = part
 
     def state_dict(self) -> Any:
         state = self.part.state_dict()

@@ -60,6 +60,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from math import isfinite
 from typing import Any
 
 import numpy as np
@@ -160,6 +161,7 @@ class CheckpointSession:
         self._ck: Checkpointer | None = None
         self._last_save_t = time.monotonic()
         self._last_beat = 0.0
+        self._calm_until, self._quiet_until = 0, 0.0  # `step`'s short path: none yet
         self._beat: Heartbeat | None = None
         self.ranks: Ranks | None = None
         self._closed = False
@@ -249,6 +251,7 @@ class CheckpointSession:
             self.repo.uri(manifest.name) if manifest else None,
             [Skipped(n, r) for n, r in skipped], self.max_steps, self.lineage.to_dict()))
         self._last_save_t = time.monotonic()
+        self._plan_calm_steps()
         return self.loop.step
 
     def _resume_point(self, data_version: str | None
@@ -314,7 +317,6 @@ class CheckpointSession:
         return {"sha256": sha, "uri": self.repo.store.uri_for(key)}
 
     # -- the per-step call -----------------------------------------------------------------
-    @ends_like_the_block
     def step(self, step: int | None = None, *, loss: float | torch.Tensor | None = None,
              metrics: dict[str, float] | None = None, epoch_end: bool = False) -> bool:
         """Record step `step` (default: the one after the last) as done; commit if a trigger
@@ -324,6 +326,28 @@ class CheckpointSession:
         Steps must increase, from 1 (after a resume, from the step `restore` returned plus
         one). A repeated step is an error too, not a no-op: pass a step's loss and metrics
         in one call. Nothing committed is touched by a refused step."""
+        loop = self.loop
+        if step is None:
+            step = loop.step + 1
+        # Most steps: the next one, a float loss, nothing due. Decided in a handful of
+        # operations from what the last full call worked out (`_calm_until`: the first step
+        # a step trigger fires; `_quiet_until`: when a time trigger or a progress report is
+        # due), so the call costs about a microsecond; anything else takes the full path.
+        if (type(step) is int and loop.step < step < self._calm_until and metrics is None
+                and not epoch_end and (loss is None or type(loss) is float and isfinite(loss))
+                and time.monotonic() < self._quiet_until and not self.stop.requested
+                and not self._beat.fenced):
+            self._beat.advance(step)
+            if loss is not None:
+                loop.losses.append(loss)
+            loop.step = step
+            return False
+        return self._full_step(step, loss, metrics, epoch_end)
+
+    @ends_like_the_block
+    def _full_step(self, step: int | None, loss: float | torch.Tensor | None,
+                   metrics: dict[str, float] | None, epoch_end: bool) -> bool:
+        """`step` with every check and trigger; it plans the short path of the next steps."""
         step = self._checked_step(step)
         if self._beat is not None:
             self._beat.advance(step)
@@ -357,7 +381,33 @@ class CheckpointSession:
         if reasons:
             self.save("best" if "best" in reasons else reasons[0])
         self._heartbeat(step)
+        self._plan_calm_steps()
         return False
+
+    def _plan_calm_steps(self) -> None:
+        """Work out how long `step`'s short path holds: up to (not including) the first
+        step at which a step trigger fires, and until a time trigger or the heartbeat's
+        progress report is due. Zero where every step must take the full path: before
+        `restore`; from a background save's start until a step took up its end (its error
+        surfaces at the next step, however soon it ended); inside `epochs()`; with several
+        ranks (each step is agreed); with debug logging on (a line per step; switched on
+        later, it is seen at the next full step, within `heartbeat_seconds`). Anything that
+        moves these (a save, `epochs()`) sets `_calm_until` to 0: the next step plans again."""
+        ck, c, done = self._ck, self.triggers, self.loop.step
+        if (ck is None or ck.unsettled or self._walk is not None or self.ranks is not None
+                or self._beat is None or log.isEnabledFor(logging.DEBUG)):
+            self._calm_until = 0
+            return
+        due = MAX_STEP + 1
+        if c.every_steps:
+            due = min(due, (done // c.every_steps + 1) * c.every_steps)
+        if self.max_steps is not None:
+            due = min(due, max(self.max_steps, done + 1))
+        quiet = self._last_beat + c.heartbeat_seconds
+        every = self._interval.every_seconds
+        if every:
+            quiet = min(quiet, self._last_save_t + every)
+        self._calm_until, self._quiet_until = due, quiet
 
     def _checked_step(self, step: int | None) -> int:
         if self._ck is None:
@@ -453,6 +503,7 @@ class CheckpointSession:
             self._last_final, self._last_ours = final, True
         self._ck.save(loop.step, meta)
         self._last_save_t = time.monotonic()
+        self._calm_until = 0  # the time trigger starts over: the next step plans again
         self._warn_if_the_optimizer_dwarfs_the_model(self._sizes)
 
     def _on_commit(self, m: Manifest, stats: dict[str, Any]) -> None:
@@ -631,6 +682,7 @@ class CheckpointSession:
         (`trainer.epochs.walk_epochs` says how a resume inside an epoch continues)."""
         pos = self.position(batches_per_epoch)
         self._walk = EpochWalk(batches_per_epoch)
+        self._calm_until = 0  # every batch's step is checked against the walk
         return walk_epochs(self.loop, self._walk, pos, epochs)
 
     def batches(self) -> Iterator[int]:

@@ -70,7 +70,8 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
-        if self.signal_name is None and self.parent_gone:
+        # Asked on every step: `parent_gone` inlined, the parent looked up only when watched.
+        if self.signal_name is None and self._watch_parent and os.getppid() != self._parent:
             self._parent_exited()
         return self.signal_name is not None
 
