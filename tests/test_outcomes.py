@@ -28,11 +28,11 @@ from trainer.errors import ConfigError, TrainerError
 from trainer.outcomes import Kind, Outcome, Resume, outcome_table
 from trainer.records import CheckpointRecord
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 
 
-def test_the_readmes_outcome_table_is_the_vocabulary_itself():
-    text = README.read_text()
+def test_the_reference_pages_outcome_table_is_the_vocabulary_itself():
+    text = REFERENCE.read_text()
     table = text.split("<!-- outcomes -->\n", 1)[1].split("<!-- /outcomes -->", 1)[0]
     assert table.strip() == outcome_table().strip()
 
