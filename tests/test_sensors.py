@@ -46,6 +46,7 @@ from ckpt_assets.runs.settings import ResumeSettings, Setting
 from ckpt_assets.runs.tags import (
     PARTITION_TAG,
     TAG_ATTEMPT,
+    TAG_ATTEMPT_STARTED_AT,
     TAG_BUDGET,
     TAG_DECIDED_AT,
     TAG_DECISION,
@@ -599,6 +600,19 @@ def test_a_trainer_heartbeating_without_a_step_past_the_stall_limit_is_stalled_a
     tags = tags_of(instance, run)
     assert tags[TAG_FAILURE_KIND] == Kind.STALLED == Outcome.STALLED.kind
     assert carried_budget(req)["transient"] == 1  # a hang may pass; the budgets bound it
+
+
+def test_a_trainer_relaunched_in_its_run_is_judged_from_its_own_start_not_the_old_beat(
+        instance, store, monkeypatch):
+    # Attempt 1 beat last an hour ago and died; the run relaunched attempt 2 in itself 14 s
+    # ago, whose start-up (slow on a loaded machine) has not beaten yet.
+    monkeypatch.setenv("CKPT_HEARTBEAT_TIMEOUT_S", "20")
+    run = started_run(instance, started_ago=3600, tags={
+        TAG_ATTEMPT: "2", TAG_ATTEMPT_STARTED_AT: iso(time.time() - 14)})
+    write_beat(store, run, age_s=3600)  # attempt 1's last beat
+    sweep(instance, store)
+    assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+    assert TAG_HEARTBEAT_LOST not in tags_of(instance, run)
 
 
 def test_a_fresh_heartbeat_of_another_runs_trainer_does_not_keep_this_run_alive(instance, store):
