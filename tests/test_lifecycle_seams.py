@@ -191,3 +191,12 @@ def test_a_stop_withdraws_a_decided_resume_without_rewriting_the_decision(instan
                     settings=ResumeSettings(launch_grace_s=0.0)) is None
     assert read_decision(store.open(), KEY, run.run_id).resume  # the record stands
     assert run_state(instance, KEY).state == State.STOPPED_BY_USER
+
+
+def test_a_run_that_did_not_succeed_never_exits_0_from_ckpt_assets_run():
+    from ckpt_assets.cli.run_here import failed_exit_code
+
+    assert failed_exit_code(143, "preempted") == 143
+    assert failed_exit_code(0, Outcome.NO_CHECKPOINT.value) != 0
+    assert failed_exit_code(0, Outcome.UNFINISHED.value) != 0
+    assert failed_exit_code(0, None) == Outcome.USER_CODE_ERROR.exit_code

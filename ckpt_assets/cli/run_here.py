@@ -54,5 +54,16 @@ def attempt_exit_code(instance: dg.DagsterInstance, name: str, run_id: str | Non
         return Outcome.SUCCESS.exit_code
     for md, rec in partition_events(instance, name, ATTEMPT_ENDED):
         if rec.run_id == run_id and isinstance(md.get("exit_code"), int):
-            return md["exit_code"]
+            return failed_exit_code(md["exit_code"], md.get("failure_class"))
     return INTERRUPTED if interrupted else UNKNOWN
+
+
+def failed_exit_code(exit_code: int, failure_class: str | None) -> int:
+    """The exit code of a run that did not succeed: never 0, so that a CI job goes red. A
+    trainer that exited 0 without finishing (a command that committed nothing, one that
+    left its loop early) exits with its outcome's code, or 1 where the outcome has none."""
+    if exit_code != 0:
+        return exit_code
+    outcome = Outcome.parse(failure_class)
+    return (outcome.exit_code if outcome is not None and outcome.exit_code else
+            UNKNOWN)
