@@ -93,6 +93,9 @@ class CheckpointConfig(Section):
     async_save: bool = Field(False, description="snapshot into reused host buffers while "
                              "training goes on, and write on a background thread (needs host "
                              "memory for one copy of the optimizers' tensors)")
+    continue_finished: bool = Field(False, description="train past the run's final "
+                                    "checkpoint: without it, a run that reached its end is "
+                                    "done, and running it again trains nothing")
     # Liveness: the reconciler declares a run dead when its heartbeat is older than
     # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional. It is written by a
     # thread of its own (trainer.liveness), whatever a step costs.

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer import strict_json
+from trainer import rng_identity, strict_json
 from trainer.checkpointer import Checkpointer, RNGState
 from trainer.code_version import ckpt_assets_version, code_version_of
 from trainer.config import CheckpointConfig, parse
@@ -87,6 +87,7 @@ from trainer.errors import (
     AlreadyExistsError,
     ConfigError,
     DivergedError,
+    NothingCommittedError,
     PointerConflictError,
 )
 from trainer.exit_hooks import (
@@ -135,6 +136,10 @@ class CheckpointSession:
                  seed: int | None = None, install_signals: bool = True, **triggers: Any):
         if seed is not None:
             seed_all(seed)
+        # Before restore, and after the session's own seed: what an unseeded script drew
+        # from differs per attempt (`trainer.rng_identity`).
+        self._rng_start = rng_identity.identity()
+        self._rng_first: dict[str, Any] = {"attempt": None, "identity": None}
         self.launch = launched = LaunchEnv.from_env()
         self._place(launched, run, experiment, store, dataset, data_version, resume, triggers)
         self.triggers: CheckpointConfig = parse(CheckpointConfig, triggers, "checkpoint")
@@ -205,6 +210,7 @@ class CheckpointSession:
             self._install_exit_hooks()
         if self._ck is not None:
             raise ConfigError("restore() was called twice; call it once, after every part exists")
+        drawn = rng_identity.torch_drawn()  # before the checkpoint's generators are set
         all_parts = {**(parts or {}), **named}
         wrapped = {name: as_part(name, obj) for name, obj in all_parts.items()}
         wrapped.update(loop=self.loop, rng=RNGState())
@@ -222,6 +228,8 @@ class CheckpointSession:
         self.repo = CheckpointRepo(store, self.experiment, self.run)
         data_version = self.data_version
         manifest, skipped, attempt = self._resume_point(data_version)
+        if self._done(manifest):
+            self._already_finished(manifest)
         ck = self._ck = Checkpointer(self.repo, wrapped, attempt, self.triggers.keep_last,
                                      self.triggers.keep_best, self.triggers.async_save,
                                      self.ranks)
@@ -235,6 +243,7 @@ class CheckpointSession:
                       f"(restore {time.perf_counter() - t0:.2f}s)")
         else:
             self._say(f"starting {self.experiment}/{self.run} from scratch (attempt {attempt})")
+        self._compare_generators(manifest, attempt, drawn)
         self.lineage = self._lineage(attempt, manifest, data_version)
         self._config_ref = self._store_config()
         self.reporter.send(Started(
@@ -259,6 +268,10 @@ class CheckpointSession:
                                self.launch.dagster_run_id if self.launch else None)
         self._beat.start()
         manifest, skipped = resolve_resume(repo, self.resume)
+        if self._done(manifest):  # a finished run is read, never claimed (`restore`)
+            if self.ranks is not None:
+                self.ranks.from_leader((manifest.name, skipped, manifest.attempt))
+            return manifest, skipped, manifest.attempt
         if manifest is not None:
             lineage = Lineage.from_dict(manifest.meta.get("lineage"))
             check_same_data(lineage.data_version, data_version, repo.uri(manifest.name))
@@ -305,6 +318,52 @@ class CheckpointSession:
         except AlreadyExistsError:
             pass
         return {"sha256": sha, "uri": self.repo.store.uri_for(key)}
+
+    # -- a finished run, and the generators an attempt began with ---------------------------
+    def _done(self, manifest: Manifest | None) -> bool:
+        """The checkpoint to continue from is the run's final one, and continuing past it
+        was not asked for (`continue_finished`)."""
+        return (manifest is not None and manifest.meta.get("final") is True
+                and not self.triggers.continue_finished)
+
+    def _already_finished(self, manifest: Manifest) -> None:
+        """A run that reached its final checkpoint is done: say so and end the process with
+        0, whatever loop follows `restore` (an open-ended one would train past the end).
+        Nothing is claimed, loaded or written."""
+        self._closed = self._finishing = True
+        self._stop_heartbeat()
+        self.loop.step = manifest.step
+        self._say(f"{self.experiment}/{self.run} already finished at step {manifest.step} "
+                  f"({self.repo.uri(manifest.name)}); nothing to train. To train past its "
+                  "end, pass continue_finished=True to CheckpointSession (config: "
+                  "checkpoint.continue_finished: true), or start a new run")
+        self.reporter.send(Finished(manifest.step, dict(manifest.meta.get("metrics") or {})))
+        self.reporter.close()
+        self._drop_exit_hooks()
+        raise SystemExit(Outcome.SUCCESS.exit_code)
+
+    def _compare_generators(self, manifest: Manifest | None, attempt: int, drawn: bool) -> None:
+        """Name a resumed attempt whose generators began elsewhere than the first
+        attempt's (`trainer.rng_identity`); a fresh start is the first attempt."""
+        if manifest is None:
+            self._rng_first = {"attempt": attempt, "identity": self._rng_start}
+            return
+        first = manifest.meta.get("rng_identity", {}).get("first") or {}
+        if not first.get("identity"):
+            return  # written before identities were recorded: nothing to compare
+        self._rng_first = first
+        names = rng_identity.differing(first["identity"], self._rng_start, drawn)
+        if names and self.leads:
+            loud, msg = rng_identity.warning_for(attempt, first["attempt"], names)
+            if loud:
+                self.reporter.log(msg, logging.WARNING)
+            else:
+                self._say(msg)
+
+    def _rng_record(self) -> dict[str, Any]:
+        """What each checkpoint records of the generators: this attempt's start and the
+        first attempt's, which every later attempt is compared with."""
+        return {"attempt": self._rng_start, "first": self._rng_first}
 
     # -- the per-step call -----------------------------------------------------------------
     @ends_like_the_block
@@ -440,7 +499,7 @@ class CheckpointSession:
                 "metrics": loop.metrics, "best_score": loop.best,
                 "is_best": is_best, "lineage": self.lineage.to_dict(),
                 "config": self._config_ref, "part_bytes": self._sizes, "final": final,
-                "max_steps": self.max_steps,
+                "max_steps": self.max_steps, "rng_identity": self._rng_record(),
                 **self._interval.meta()}
         if self._ck.last_saved_step != loop.step:
             self._last_final, self._last_ours = final, True
@@ -466,6 +525,12 @@ class CheckpointSession:
         if self._closed or self._ck is None:
             return
         self._closed = True
+        if not self.stopped and self.loop.step == 0 and self._ck.last_saved_step is None:
+            raise NothingCommittedError(
+                f"the script ended without training a step, so run {self.experiment}/"
+                f"{self.run} has no checkpoint: call ckpt.step(...) after each training step "
+                "(did the training loop run at all? an empty data set or range ends it "
+                "at once)")
         if not self.stopped and self.loop.step > 0:
             if self._ck.last_saved_step == self.loop.step and not (
                     self._last_final or self._last_ours):
