@@ -54,12 +54,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -97,6 +98,7 @@ from trainer.exit_hooks import (
     logging_configured,
 )
 from trainer.interval import SaveInterval
+from trainer.kept import KEPT_PART, Kept
 from trainer.liveness import Heartbeat
 from trainer.manifest import MAX_STEP, Manifest
 from trainer.outcomes import Outcome
@@ -175,6 +177,7 @@ class CheckpointSession:
         self._sizes: dict[str, int] = {}
         self._size_warned = False
         self._walk: EpochWalk | None = None
+        self._kept: Kept | None = None  # values kept by name (`keep`)
         # The newest checkpoint of the current line: final or not, and committed by this
         # attempt or the one it resumed from (close() re-commits a resumed, unfinished end).
         self._last_final = False
@@ -214,6 +217,11 @@ class CheckpointSession:
         all_parts = {**(parts or {}), **named}
         wrapped = {name: as_part(name, obj) for name, obj in all_parts.items()}
         wrapped.update(loop=self.loop, rng=RNGState())
+        if self._kept is not None:
+            if KEPT_PART in all_parts:
+                raise ConfigError(f"checkpoint part name {KEPT_PART!r} holds the values of "
+                                  "keep(); rename your part")
+            wrapped[KEPT_PART] = self._kept
         self._part_kinds = {name: kind_of(obj) for name, obj in all_parts.items()}
         # Each part measures its state as the checkpointer takes it: the record's part_bytes.
         wrapped = {name: Measured(part, name, self._sizes_of_save)
@@ -684,19 +692,44 @@ class CheckpointSession:
                               "restored checkpoint's")
         return position_of(self.loop, batches_per_epoch)
 
-    def epochs(self, epochs: int, batches_per_epoch: int) -> Iterator[int]:
-        """The epochs still to train, from the restored one; iterate `batches()` in each
+    def epochs(self, epochs: int, batches_per_epoch: int, *, start: int = 0) -> Iterator[int]:
+        """The epochs still to train, from the restored one, as `range(start, epochs)`
+        numbers them (`start=1`: a loop over `range(1, n + 1)` becomes
+        `ckpt.epochs(n + 1, batches_per_epoch, start=1)`); iterate `batches()` in each
         (`trainer.epochs.walk_epochs` says how a resume inside an epoch continues)."""
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= epochs:
+            raise ConfigError(f"epochs(): start is {start!r}; pass the first epoch's number, "
+                              f"from 0 to epochs ({epochs})")
         pos = self.position(batches_per_epoch)
         self._walk = EpochWalk(batches_per_epoch)
-        return walk_epochs(self.loop, self._walk, pos, epochs)
+        walk = walk_epochs(self.loop, self._walk, pos, epochs - start)
+        return walk if not start else (epoch + start for epoch in walk)
 
-    def batches(self) -> Iterator[int]:
-        """The batch indices of the current epoch of `epochs()` still to train."""
+    def batches(self, items: Iterable[Any] | None = None) -> Iterator[Any]:
+        """The batch indices of the current epoch of `epochs()` still to train; or, given
+        the epoch's `items` (`enumerate(range(0, n, bptt))`, a list of batches), those
+        items from the one the epoch continues with."""
         if self._walk is None:
             raise ConfigError("batches() goes inside `for epoch in ckpt.epochs(epochs, "
                               "batches_per_epoch)`, which knows where the epoch continues")
-        return walk_batches(self._walk)
+        if self._kept is not None:
+            self._kept.after_prologue(resumed_inside=self._walk.first > 0)
+        indices = walk_batches(self._walk)
+        if items is None:
+            return indices
+        # The indices first: zip asks them for each next item, so they see the epoch's end.
+        return (item for _, item in zip(indices, itertools.islice(items, self._walk.first, None),
+                                        strict=False))
+
+    def keep(self, where: Any, *names: str) -> None:
+        """Checkpoint the plain values `names` where they live, a dict (a script's
+        `globals()`) or an object's attributes; before `restore`, which sets them back
+        (`trainer.kept`)."""
+        if self._ck is not None:
+            raise ConfigError("keep() goes before restore(), which sets the kept values back")
+        if self._kept is None:
+            self._kept = Kept()
+        self._kept.add(where, names)
 
     def _output_lost(self) -> int:
         """The script wrote to a pipe whose reader died with the launching process: that is
