@@ -152,4 +152,8 @@ class ResumableLoader:
                 f"(shuffle={saved[2]}), now {self.n} in batches of {self.batch_size} "
                 f"(shuffle={self.shuffle})")
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        if self.epoch_finished:
+            # Saved right after an epoch's last batch: the loader stands at the next epoch's
+            # start, so `range(loader.epoch, epochs)` resumes at the right epoch.
+            self.epoch, self.position = self.epoch + 1, 0
         self._epoch_start, self._begun = self.position, False
