@@ -29,7 +29,10 @@ starting fresh). `step` applies the triggers (every N steps or seconds, epoch en
 best, the final step), commits through the store's protocol, reports to Dagster Pipes when
 the orchestrator started the script, and returns True once a stop was requested. Leaving
 the `with` block turns the outcome into the documented exit code: 143 after a stop, 2 bad
-input, 3 unloadable checkpoint, 4 divergence, 5 store unavailable, 6 superseded, 1 a bug.
+input, 3 unloadable checkpoint, 4 divergence, 5 store unavailable, 6 superseded, 1 a bug,
+8 no step trained (no checkpoint). A run whose checkpoint to continue from is final is
+done: `restore` says "already finished at step N" and ends the process with 0, unless
+`continue_finished=True`.
 Without a block the session does the same by itself: an error of its own ends the process
 with its code, `step` exits 143 once a stop's checkpoint is committed, an uncaught
 exception is reported through `sys.excepthook` (exit 1), and leaving the script normally
