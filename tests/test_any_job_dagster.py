@@ -70,14 +70,14 @@ def test_a_command_is_handed_the_newest_verified_checkpoint_and_continues_from_i
     store = str(tmp_path / "s")
     short = {"command": ["python", PLAIN, "--steps", "40"], "max_steps": 40}
     assert materialize_run(instance, "handed", make_resources(store), training=short).success
-    # The config is registered: a second launch of the same run continues from step 40
-    # (the script is told --steps 40, so it commits nothing new and ends at once).
+    # The config is registered: a second launch of the same run is handed step 40, the
+    # run's final checkpoint, so the session says it is finished and trains nothing.
     res = materialize_run(instance, "handed", make_resources(store))
     assert res.success
     logs = "\n".join(e.user_message for e in instance.all_logs(res.run_id))
     # In $CKPT_RESUME_FROM, which the session reads: no flag the script must know.
     assert "--resume-from" not in logs
-    assert "resumed from file://" in logs and "step-000000040-a1 at step 40" in logs
+    assert "already finished at step 40 (file://" in logs and "step-000000040-a1)" in logs
 
 
 def test_a_missing_dataset_fails_the_dataset_step_as_bad_input(instance, tmp_path, mlflow_uri):

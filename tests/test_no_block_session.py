@@ -72,9 +72,10 @@ def test_a_script_without_logging_configuration_prints_the_sessions_lines_and_co
     assert (latest.step, latest.meta["reason"]) == (10, "final")
     assert "trainer: training finished at step 10" in first.stderr
 
-    again = _run(tmp_path, "plain")
+    again = _run(tmp_path, "plain")  # a finished run is done: nothing more is trained
     assert again.returncode == 0, again.stderr
-    assert f"trainer: resumed from {repo.uri(latest.name)} at step 10 " in again.stderr
+    assert f"trainer: e/r already finished at step 10 ({repo.uri(latest.name)})" in again.stderr
+    assert "after the loop" not in again.stdout
 
 
 def test_a_script_that_configured_logging_gets_each_line_once_through_it(tmp_path):
@@ -120,4 +121,5 @@ def test_the_no_block_example_runs_under_dagster_as_a_command_and_a_second_launc
     again = materialize_run(instance, "spirals-1", make_resources(store))
     assert again.success, step_failure_metadata(again)
     logs = "\n".join(e.user_message for e in instance.all_logs(again.run_id))
-    assert "resumed from file://" in logs and "spirals/spirals-1/checkpoints/step-000000192" in logs
+    assert "spirals/spirals-1 already finished at step 192" in logs  # and trains nothing
+    assert "spirals/spirals-1/checkpoints/step-000000192" in logs

@@ -64,7 +64,8 @@ def test_a_second_session_continues_where_the_first_stopped_with_the_same_parame
         for step in range(1, 8):
             ckpt.step(step, loss=_train(model2, opt2, step))  # ends with a final commit at 7
     model3, opt3 = _parts(seed=99)  # different init: everything must come from the checkpoint
-    with _session(tmp_path / "b") as ckpt:
+    # Leaving the loop at 7 ended the run there: continuing it is asked for.
+    with _session(tmp_path / "b", continue_finished=True) as ckpt:
         start = ckpt.restore(model=model3, optimizer=opt3)
         assert start == 7
         for step in range(start + 1, 21):
@@ -391,13 +392,13 @@ def test_position_without_epochs_takes_a_checkpoint_at_an_epochs_last_batch_as_b
         ckpt.restore(model=_parts()[0])
         for step in range(1, 9):
             ckpt.step(step)
-    with _session(tmp_path) as again:
+    with _session(tmp_path, continue_finished=True) as again:
         assert again.restore(model=_parts()[0]) == 8
         assert again.position(4) == Position(epoch=1, batch=4, epoch_end_pending=True)
         assert again.position(3) == Position(epoch=2, batch=2, epoch_end_pending=False)
         assert again.position(8) == Position(epoch=0, batch=8, epoch_end_pending=True)
     fresh = _session(tmp_path / "fresh")
-    with fresh:
+    with pytest.raises(SystemExit, match="8"), fresh:  # no step trained: exit 8, no_checkpoint
         fresh.restore(model=_parts()[0])
         assert fresh.position(4) == Position(0, 0, False)
 

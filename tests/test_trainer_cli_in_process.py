@@ -188,8 +188,10 @@ def test_a_checkpoint_carrying_a_code_running_pickle_exits_3_without_running_it(
         store, tmp_path, caplog):
     marker = tmp_path / "pwned"
     _plant_code_running_pickle(_checkpoint(store, 60), marker)
+    # Step 60 is the run's final checkpoint: only a run continued past its end loads it.
+    cfg = _config(tmp_path / "cfg.json", checkpoint={"continue_finished": True})
     with caplog.at_level(logging.INFO, "trainer"):
-        assert main(["--config", str(_config(tmp_path / "cfg.json")), "--store", str(store),
+        assert main(["--config", str(cfg), "--store", str(store),
                      "--resume", _checkpoint(store, 60).as_uri()]) == UNLOADABLE
     assert "safe loader refuses" in _said(caplog)
     assert not marker.exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +40,16 @@ MAX_PARALLEL = 1024
 # the weight decay; the results must fit a float32 parameter (3.4e38) or the step raises.
 MAX_LR = 1e6
 MAX_WEIGHT_DECAY = 1e6
+# task_args are the task's keyword arguments: a few levels of nesting at most. A bound far
+# above that keeps every recursive walk of the config (JSON, YAML, hashing) clear of
+# Python's recursion limit, so a hostile file is refused by name, not by a traceback.
+MAX_TASK_ARGS_DEPTH = 32
+# `package.module:function`: dotted identifiers, then one identifier. Anything else (a
+# path, a relative module, an empty name) is refused here rather than by importlib's
+# TypeError or ValueError.
+TASK_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+# The devices the trainer runs on (`trainer.device.resolve_device`).
+DEVICE_SPEC = re.compile(r"auto|cpu|cuda(:\d{1,4})?")
 
 
 class Section(BaseModel):
@@ -82,6 +93,9 @@ class CheckpointConfig(Section):
     async_save: bool = Field(False, description="snapshot into reused host buffers while "
                              "training goes on, and write on a background thread (needs host "
                              "memory for one copy of the optimizers' tensors)")
+    continue_finished: bool = Field(False, description="train past the run's final "
+                                    "checkpoint: without it, a run that reached its end is "
+                                    "done, and running it again trains nothing")
     # Liveness: the reconciler declares a run dead when its heartbeat is older than
     # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional. It is written by a
     # thread of its own (trainer.liveness), whatever a step costs.
@@ -204,6 +218,32 @@ class TrainConfig(Section):
                              f"orchestrator reserves; use {Env.RESUME_FROM.value} or a name "
                              "of your own")
         return name
+
+    @field_validator("task_args", mode="before")
+    @classmethod
+    def _shallow_args(cls, v: Any) -> Any:
+        deepest = depth_of(v)
+        if deepest > MAX_TASK_ARGS_DEPTH:
+            raise ValueError(f"config key 'task_args' is nested {deepest} levels deep; at most "
+                             f"{MAX_TASK_ARGS_DEPTH} are allowed: pass the task flatter "
+                             "arguments (or a file path it reads)")
+        return v
+
+    @field_validator("task")
+    @classmethod
+    def _task_spec(cls, v: str) -> str:
+        if not TASK_SPEC.fullmatch(v):
+            raise ValueError(f"config key 'task' is {v!r}: expected 'package.module:function' "
+                             "(dotted Python names, e.g. trainer.tasks.toy:build), not a path")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if not DEVICE_SPEC.fullmatch(v):
+            raise ValueError(f"config key 'device' is {v!r}: use auto, cpu, cuda or cuda:N")
+        return v
+
     @field_validator("task_args")
     @classmethod
     def _strict_json_args(cls, v: dict[str, Any]) -> dict[str, Any]:
@@ -225,8 +265,38 @@ class TrainConfig(Section):
                              "'package.module:function'")
         return self
 
+    @model_validator(mode="after")
+    def _fits_the_ranks(self) -> TrainConfig:
+        """What the ranks would refuse once started, refused when the config is read."""
+        world = self.distributed.world_size
+        if world > 1 and self.batch_size % world:
+            raise ValueError(f"config key 'batch_size' is {self.batch_size}, which does not "
+                             f"split evenly over {world} ranks (distributed.nproc_per_node x "
+                             f"nnodes); make it a multiple of {world}")
+        if world > 1 and self.checkpoint.async_save:
+            raise ValueError("config key 'checkpoint.async_save' is for a single rank: "
+                             f"{world} ranks save synchronously (each writes its share in "
+                             "parallel); set it false")
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()
+
+
+def depth_of(value: Any) -> int:
+    """How deeply lists and mappings nest in `value`, without recursion (a hostile value
+    nests deeper than Python's recursion limit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else None
+        if items is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_TASK_ARGS_DEPTH:
+            return deepest  # deep enough to refuse: no need to walk the rest
+        todo.extend((item, depth + 1) for item in items)
+    return deepest
 
 
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false",
@@ -317,7 +387,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise
     except Exception as e:  # any parse error is bad input
         raise ConfigError(f"config file {p} is not valid {'YAML' if yaml_file else 'JSON'}: {e}") from None
-    return raw or {}
+    if not isinstance(raw, dict):
+        # An empty file, `null` or `[]` would otherwise register an all-defaults run.
+        raise ConfigError(f"config file {path} holds {json.dumps(raw)[:40]}, not a mapping of "
+                          "config keys; write the run's keys (task, max_steps, ...) in it")
+    return raw
 
 
 def load_config(path: str | Path) -> TrainConfig:

@@ -47,9 +47,15 @@ class _Positions(torch.utils.data.Sampler[list[int]]):
 class ResumableLoader:
     """Batches of a map-style dataset (`len` and `[i]`) across epochs, resumable exactly.
 
-    `iter(loader)` yields the rest of the current epoch, then moves to the next one; save it
-    as a checkpoint part (it has `state_dict`/`load_state_dict`). Incomplete final batches
-    are dropped, so every epoch has `batches_per_epoch` batches of `batch_size`.
+    Like a DataLoader: `len(loader)` is the batches of one epoch, and each `iter(loader)`
+    is one epoch. The first after a restore continues the restored epoch at its next
+    batch; once an epoch was iterated to its end, the next `iter()` begins the next epoch;
+    an `iter()` while an earlier iterator of the epoch stopped partway (a peek such as
+    `next(iter(loader))`, or a `break`) begins that epoch again where this process began
+    it, so a peek costs no batch. Only the newest iterator counts batches: an abandoned one
+    ends. Save it as a checkpoint part (it has `state_dict`/`load_state_dict`). Incomplete
+    final batches are dropped, so every epoch has `batches_per_epoch` batches of
+    `batch_size`.
 
     With several ranks `batch_size` is the global batch: rank `rank` of `world` takes its
     slice of each one. The state counts global batches, so it is the same on every rank
@@ -77,6 +83,11 @@ class ResumableLoader:
         self.pin_memory = pin_memory
         self.epoch = 0
         self.position = 0  # batches of this epoch the loop has taken
+        # Where this process began the current epoch (0, or the restored position), whether
+        # an iterator of it began already, and which iterator is the live one.
+        self._epoch_start = 0
+        self._begun = False
+        self._live = 0
 
     @property
     def n(self) -> int:
@@ -105,10 +116,22 @@ class ResumableLoader:
             generator=torch.Generator().manual_seed(self.seed * 7_919 + self.epoch),
             persistent_workers=False)
 
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
     def __iter__(self) -> Iterator[Any]:
         if self.epoch_finished:
-            self.epoch, self.position = self.epoch + 1, 0
+            self.epoch, self.position, self._epoch_start = self.epoch + 1, 0, 0
+        elif self._begun:
+            self.position = self._epoch_start  # an earlier iterator stopped partway
+        self._begun = True
+        self._live += 1
+        return self._epoch(self._live)
+
+    def _epoch(self, me: int) -> Iterator[Any]:
         for batch in self._loader():
+            if me != self._live:
+                return  # a newer iterator took over this epoch
             self.position += 1  # counted when the loop takes it, not when a worker made it
             yield batch
 
@@ -129,3 +152,8 @@ class ResumableLoader:
                 f"(shuffle={saved[2]}), now {self.n} in batches of {self.batch_size} "
                 f"(shuffle={self.shuffle})")
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        if self.epoch_finished:
+            # Saved right after an epoch's last batch: the loader stands at the next epoch's
+            # start, so `range(loader.epoch, epochs)` resumes at the right epoch.
+            self.epoch, self.position = self.epoch + 1, 0
+        self._epoch_start, self._begun = self.position, False

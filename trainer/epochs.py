@@ -34,6 +34,9 @@ class EpochWalk:
     first: int = 0  # the first batch of the current epoch still to train
     batches_due: bool = False  # an epoch began; batches() has not started on it yet
     last_batch: bool = False  # batches() handed out the epoch's last batch
+    # The run's last epoch: its end is committed by close(), after its end-of-epoch work
+    # (a last evaluation, an LR or best-score update), as the run's final checkpoint.
+    last_epoch: bool = False
     resume_rng: dict[str, Any] | None = None  # the checkpoint's generators, set back by batches()
 
 
@@ -72,6 +75,7 @@ def walk_epochs(loop, walk: EpochWalk, pos: Position, epochs: int) -> Iterator[i
     for epoch in range(pos.epoch, epochs):
         loop.epochs_done = epoch
         walk.first = pos.batch if epoch == pos.epoch else 0
+        walk.last_epoch = epoch == epochs - 1
         if walk.first and loop.epoch_rng is not None:
             walk.resume_rng = RNGState().state_dict()
             RNGState().load_state_dict(loop.epoch_rng)
@@ -92,6 +96,6 @@ def walk_batches(walk: EpochWalk) -> Iterator[int]:
         RNGState().load_state_dict(walk.resume_rng)
         walk.resume_rng = None
     for batch in range(walk.first, walk.per_epoch):
-        walk.last_batch = batch == walk.per_epoch - 1
+        walk.last_batch = batch == walk.per_epoch - 1 and not walk.last_epoch
         yield batch
     walk.last_batch = False

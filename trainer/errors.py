@@ -66,3 +66,9 @@ class PointerConflictError(TrainerError):
     """Another attempt moved latest.json: this writer lost the race and must stop."""
 
     outcome = Outcome.SUPERSEDED
+
+
+class NothingCommittedError(TrainerError):
+    """The script ended without training a step: no checkpoint of the run exists."""
+
+    outcome = Outcome.NO_CHECKPOINT

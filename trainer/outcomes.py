@@ -107,8 +107,9 @@ class Outcome(Enum):
     STALLED = ("stalled", None, Kind.STALLED,
                "the trainer kept heartbeating but completed no step for "
                "`CKPT_STALL_TIMEOUT_S` (30 min); the reconciler stopped it and failed the run")
-    NO_CHECKPOINT = ("no_checkpoint", None, Kind.NO_CHECKPOINT,
-                     "a command exited 0 without committing a checkpoint")
+    NO_CHECKPOINT = ("no_checkpoint", 8, Kind.NO_CHECKPOINT,
+                     "the script ended without training a step, so no checkpoint of the run "
+                     "exists (or a command exited 0 without committing one)")
     UNFINISHED = ("unfinished", None, Kind.UNFINISHED,
                   "exited 0 before its final checkpoint (a command that forked and exited, or "
                   "left its loop early); what it left running was stopped")

@@ -93,6 +93,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error("no command after `--`")
     if args.nproc_per_node < 1 or args.nnodes < 1:
         p.error("--nproc-per-node and --nnodes must be at least 1")
+    from trainer.config import MAX_PARALLEL  # here: the launcher's help needs no pydantic
+
+    if args.nproc_per_node > MAX_PARALLEL or args.nnodes > MAX_PARALLEL:
+        p.error(f"--nproc-per-node and --nnodes must be at most {MAX_PARALLEL}, the bound of "
+                "the config's distributed.nproc_per_node and nnodes (one process per rank)")
     if args.nnodes > 1 and not (args.rdzv_endpoint and args.rdzv_id):
         p.error("several nodes need --rdzv-endpoint HOST:PORT (node 0's, reachable from "
                 "every node) and --rdzv-id (the same on every node, e.g. the run's name)")

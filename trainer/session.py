@@ -29,7 +29,10 @@ starting fresh). `step` applies the triggers (every N steps or seconds, epoch en
 best, the final step), commits through the store's protocol, reports to Dagster Pipes when
 the orchestrator started the script, and returns True once a stop was requested. Leaving
 the `with` block turns the outcome into the documented exit code: 143 after a stop, 2 bad
-input, 3 unloadable checkpoint, 4 divergence, 5 store unavailable, 6 superseded, 1 a bug.
+input, 3 unloadable checkpoint, 4 divergence, 5 store unavailable, 6 superseded, 1 a bug,
+8 no step trained (no checkpoint). A run whose checkpoint to continue from is final is
+done: `restore` says "already finished at step N" and ends the process with 0, unless
+`continue_finished=True`.
 Without a block the session does the same by itself: an error of its own ends the process
 with its code, `step` exits 143 once a stop's checkpoint is committed, an uncaught
 exception is reported through `sys.excepthook` (exit 1), and leaving the script normally
@@ -54,19 +57,20 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from math import isfinite
 from typing import Any
 
 import numpy as np
 import torch
 
-from trainer import strict_json
+from trainer import rng_identity, strict_json
 from trainer.checkpointer import Checkpointer, RNGState
 from trainer.code_version import ckpt_assets_version, code_version_of
 from trainer.config import CheckpointConfig, parse
@@ -88,6 +92,7 @@ from trainer.errors import (
     AlreadyExistsError,
     ConfigError,
     DivergedError,
+    NothingCommittedError,
     PointerConflictError,
 )
 from trainer.exit_hooks import (
@@ -97,6 +102,7 @@ from trainer.exit_hooks import (
     logging_configured,
 )
 from trainer.interval import SaveInterval
+from trainer.kept import KEPT_PART, Kept
 from trainer.liveness import Heartbeat
 from trainer.manifest import MAX_STEP, Manifest
 from trainer.outcomes import Outcome
@@ -137,6 +143,10 @@ class CheckpointSession:
                  seed: int | None = None, install_signals: bool = True, **triggers: Any):
         if seed is not None:
             seed_all(seed)
+        # Before restore, and after the session's own seed: what an unseeded script drew
+        # from differs per attempt (`trainer.rng_identity`).
+        self._rng_start = rng_identity.identity()
+        self._rng_first: dict[str, Any] = {"attempt": None, "identity": None}
         self.launch = launched = LaunchEnv.from_env()
         self._place(launched, run, experiment, store, dataset, data_version, resume, triggers)
         self.triggers: CheckpointConfig = parse(CheckpointConfig, triggers, "checkpoint")
@@ -173,6 +183,7 @@ class CheckpointSession:
         self._sizes: dict[str, int] = {}
         self._size_warned = False
         self._walk: EpochWalk | None = None
+        self._kept: Kept | None = None  # values kept by name (`keep`)
         # The newest checkpoint of the current line: final or not, and committed by this
         # attempt or the one it resumed from (close() re-commits a resumed, unfinished end).
         self._last_final = False
@@ -208,11 +219,17 @@ class CheckpointSession:
             self._install_exit_hooks()
         if self._ck is not None:
             raise ConfigError("restore() was called twice; call it once, after every part exists")
+        drawn = rng_identity.torch_drawn()  # before the checkpoint's generators are set
         all_parts = {**(parts or {}), **named}
         # fully_shard-ed modules and their optimizers go through DCP (`trainer.sharded`).
         sharded, unsharded = ShardedParts.split(all_parts)
         wrapped = {name: as_part(name, obj) for name, obj in unsharded.items()}
         wrapped.update(loop=self.loop, rng=RNGState())
+        if self._kept is not None:
+            if KEPT_PART in all_parts:
+                raise ConfigError(f"checkpoint part name {KEPT_PART!r} holds the values of "
+                                  "keep(); rename your part")
+            wrapped[KEPT_PART] = self._kept
         self._part_kinds = {name: kind_of(obj) for name, obj in all_parts.items()}
         # Each part measures its state as the checkpointer takes it: the record's part_bytes.
         wrapped = {name: Measured(part, name, self._sizes_of_save)
@@ -231,6 +248,8 @@ class CheckpointSession:
         self.repo = CheckpointRepo(store, self.experiment, self.run)
         data_version = self.data_version
         manifest, skipped, attempt = self._resume_point(data_version)
+        if self._done(manifest):
+            self._already_finished(manifest)
         ck = self._ck = Checkpointer(self.repo, wrapped, attempt, self.triggers.keep_last,
                                      self.triggers.keep_best, self.triggers.async_save,
                                      self.ranks, sharded)
@@ -244,6 +263,7 @@ class CheckpointSession:
                       f"(restore {time.perf_counter() - t0:.2f}s)")
         else:
             self._say(f"starting {self.experiment}/{self.run} from scratch (attempt {attempt})")
+        self._compare_generators(manifest, attempt, drawn)
         self.lineage = self._lineage(attempt, manifest, data_version)
         self._config_ref = self._store_config()
         self.reporter.send(Started(
@@ -269,6 +289,10 @@ class CheckpointSession:
                                self.launch.dagster_run_id if self.launch else None)
         self._beat.start()
         manifest, skipped = resolve_resume(repo, self.resume)
+        if self._done(manifest):  # a finished run is read, never claimed (`restore`)
+            if self.ranks is not None:
+                self.ranks.from_leader((manifest.name, skipped, manifest.attempt))
+            return manifest, skipped, manifest.attempt
         if manifest is not None:
             lineage = Lineage.from_dict(manifest.meta.get("lineage"))
             check_same_data(lineage.data_version, data_version, repo.uri(manifest.name))
@@ -315,6 +339,52 @@ class CheckpointSession:
         except AlreadyExistsError:
             pass
         return {"sha256": sha, "uri": self.repo.store.uri_for(key)}
+
+    # -- a finished run, and the generators an attempt began with ---------------------------
+    def _done(self, manifest: Manifest | None) -> bool:
+        """The checkpoint to continue from is the run's final one, and continuing past it
+        was not asked for (`continue_finished`)."""
+        return (manifest is not None and manifest.meta.get("final") is True
+                and not self.triggers.continue_finished)
+
+    def _already_finished(self, manifest: Manifest) -> None:
+        """A run that reached its final checkpoint is done: say so and end the process with
+        0, whatever loop follows `restore` (an open-ended one would train past the end).
+        Nothing is claimed, loaded or written."""
+        self._closed = self._finishing = True
+        self._stop_heartbeat()
+        self.loop.step = manifest.step
+        self._say(f"{self.experiment}/{self.run} already finished at step {manifest.step} "
+                  f"({self.repo.uri(manifest.name)}); nothing to train. To train past its "
+                  "end, pass continue_finished=True to CheckpointSession (config: "
+                  "checkpoint.continue_finished: true), or start a new run")
+        self.reporter.send(Finished(manifest.step, dict(manifest.meta.get("metrics") or {})))
+        self.reporter.close()
+        self._drop_exit_hooks()
+        raise SystemExit(Outcome.SUCCESS.exit_code)
+
+    def _compare_generators(self, manifest: Manifest | None, attempt: int, drawn: bool) -> None:
+        """Name a resumed attempt whose generators began elsewhere than the first
+        attempt's (`trainer.rng_identity`); a fresh start is the first attempt."""
+        if manifest is None:
+            self._rng_first = {"attempt": attempt, "identity": self._rng_start}
+            return
+        first = manifest.meta.get("rng_identity", {}).get("first") or {}
+        if not first.get("identity"):
+            return  # written before identities were recorded: nothing to compare
+        self._rng_first = first
+        names = rng_identity.differing(first["identity"], self._rng_start, drawn)
+        if names and self.leads:
+            loud, msg = rng_identity.warning_for(attempt, first["attempt"], names)
+            if loud:
+                self.reporter.log(msg, logging.WARNING)
+            else:
+                self._say(msg)
+
+    def _rng_record(self) -> dict[str, Any]:
+        """What each checkpoint records of the generators: this attempt's start and the
+        first attempt's, which every later attempt is compared with."""
+        return {"attempt": self._rng_start, "first": self._rng_first}
 
     # -- the per-step call -----------------------------------------------------------------
     def step(self, step: int | None = None, *, loss: float | torch.Tensor | None = None,
@@ -497,7 +567,7 @@ class CheckpointSession:
                 "metrics": loop.metrics, "best_score": loop.best,
                 "is_best": is_best, "lineage": self.lineage.to_dict(),
                 "config": self._config_ref, "part_bytes": self._sizes, "final": final,
-                "max_steps": self.max_steps,
+                "max_steps": self.max_steps, "rng_identity": self._rng_record(),
                 **self._interval.meta()}
         if self._ck.last_saved_step != loop.step:
             self._last_final, self._last_ours = final, True
@@ -524,6 +594,12 @@ class CheckpointSession:
         if self._closed or self._ck is None:
             return
         self._closed = True
+        if not self.stopped and self.loop.step == 0 and self._ck.last_saved_step is None:
+            raise NothingCommittedError(
+                f"the script ended without training a step, so run {self.experiment}/"
+                f"{self.run} has no checkpoint: call ckpt.step(...) after each training step "
+                "(did the training loop run at all? an empty data set or range ends it "
+                "at once)")
         if not self.stopped and self.loop.step > 0:
             if self._ck.last_saved_step == self.loop.step and not (
                     self._last_final or self._last_ours):
@@ -677,20 +753,45 @@ class CheckpointSession:
                               "restored checkpoint's")
         return position_of(self.loop, batches_per_epoch)
 
-    def epochs(self, epochs: int, batches_per_epoch: int) -> Iterator[int]:
-        """The epochs still to train, from the restored one; iterate `batches()` in each
+    def epochs(self, epochs: int, batches_per_epoch: int, *, start: int = 0) -> Iterator[int]:
+        """The epochs still to train, from the restored one, as `range(start, epochs)`
+        numbers them (`start=1`: a loop over `range(1, n + 1)` becomes
+        `ckpt.epochs(n + 1, batches_per_epoch, start=1)`); iterate `batches()` in each
         (`trainer.epochs.walk_epochs` says how a resume inside an epoch continues)."""
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= epochs:
+            raise ConfigError(f"epochs(): start is {start!r}; pass the first epoch's number, "
+                              f"from 0 to epochs ({epochs})")
         pos = self.position(batches_per_epoch)
         self._walk = EpochWalk(batches_per_epoch)
         self._calm_until = 0  # every batch's step is checked against the walk
-        return walk_epochs(self.loop, self._walk, pos, epochs)
+        walk = walk_epochs(self.loop, self._walk, pos, epochs - start)
+        return walk if not start else (epoch + start for epoch in walk)
 
-    def batches(self) -> Iterator[int]:
-        """The batch indices of the current epoch of `epochs()` still to train."""
+    def batches(self, items: Iterable[Any] | None = None) -> Iterator[Any]:
+        """The batch indices of the current epoch of `epochs()` still to train; or, given
+        the epoch's `items` (`enumerate(range(0, n, bptt))`, a list of batches), those
+        items from the one the epoch continues with."""
         if self._walk is None:
             raise ConfigError("batches() goes inside `for epoch in ckpt.epochs(epochs, "
                               "batches_per_epoch)`, which knows where the epoch continues")
-        return walk_batches(self._walk)
+        if self._kept is not None:
+            self._kept.after_prologue(resumed_inside=self._walk.first > 0)
+        indices = walk_batches(self._walk)
+        if items is None:
+            return indices
+        # The indices first: zip asks them for each next item, so they see the epoch's end.
+        return (item for _, item in zip(indices, itertools.islice(items, self._walk.first, None),
+                                        strict=False))
+
+    def keep(self, where: Any, *names: str) -> None:
+        """Checkpoint the plain values `names` where they live, a dict (a script's
+        `globals()`) or an object's attributes; before `restore`, which sets them back
+        (`trainer.kept`)."""
+        if self._ck is not None:
+            raise ConfigError("keep() goes before restore(), which sets the kept values back")
+        if self._kept is None:
+            self._kept = Kept()
+        self._kept.add(where, names)
 
     def _output_lost(self) -> int:
         """The script wrote to a pipe whose reader died with the launching process: that is

@@ -61,7 +61,7 @@ def resolve_task(spec: str) -> Callable[[TaskArgs], Task]:
     module_name, _, func_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
+    except (ImportError, TypeError, ValueError) as e:  # (the last two: a relative or empty name)
         raise ConfigError(
             f"task {spec!r}: cannot import module {module_name!r} ({e}); check the config's "
             "'task' and that the package is installed or on PYTHONPATH"

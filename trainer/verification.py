@@ -50,7 +50,23 @@ def read_manifest(layout: RunLayout, name: str) -> Manifest:
             f"{layout.experiment}/{layout.run}: it was copied from another run and is not "
             "loaded. Remove it, or resume that run with its own config."
         )
+    _check_lineage_agrees(m, where)
     return m
+
+
+def _check_lineage_agrees(m: Manifest, where: str) -> None:
+    """The lineage a manifest carries names the run it was written for too: a manifest whose
+    `run` was edited to pass as this run's still names the other one there."""
+    lineage = m.meta.get("lineage")
+    if not isinstance(lineage, dict):
+        return
+    for key in ("experiment", "run"):
+        said, recorded = getattr(m, key), lineage.get(key)
+        if said is not None and recorded is not None and said != recorded:
+            raise CheckpointError(
+                f"manifest {where} says {key} {said!r} but its lineage names {recorded!r}: "
+                "it was edited or copied from another run and is not loaded. Remove it, or "
+                "resume the run it belongs to.")
 
 
 def verify_file(layout: RunLayout, manifest: Manifest, filename: str, f: BinaryIO) -> None:

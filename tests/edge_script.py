@@ -1,0 +1,41 @@
+"""A user's script at the edges of a workflow, run as a real process by
+tests/test_workflow_edges.py: it may seed nothing, stop itself with a real SIGTERM, loop
+without end until its loss is low, or train no step at all."""
+
+import argparse
+import os
+import signal
+
+import torch
+
+from trainer import CheckpointSession
+
+p = argparse.ArgumentParser()
+p.add_argument("--store", required=True)
+p.add_argument("--seed", type=int, default=None, help="the session's seed= (default: none)")
+p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM itself after this step")
+p.add_argument("--until", type=int, default=30, help="open-ended loop: leave at this step")
+p.add_argument("--no-steps", action="store_true", help="the loop never runs")
+p.add_argument("--continue-finished", action="store_true")
+args = p.parse_args()
+torch.set_num_threads(1)
+
+ckpt = CheckpointSession(run="edge", experiment="e", store=args.store, every_steps=5,
+                         seed=args.seed, continue_finished=args.continue_finished)
+x = torch.randn(64, 3)  # drawn before restore: other data in every unseeded process
+y = x.sum(1, keepdim=True)
+model = torch.nn.Linear(3, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+step = ckpt.restore(model=model, optimizer=opt)
+while not args.no_steps:  # open-ended: no max_steps, the loop decides when it is done
+    step += 1
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ckpt.step(step, loss=loss)
+    if step == args.sigterm_at:
+        os.kill(os.getpid(), signal.SIGTERM)  # the next step() commits and exits 143
+    if step % args.until == 0:
+        break
+print(f"left the loop at step {step}", flush=True)
