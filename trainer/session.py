@@ -221,20 +221,7 @@ class CheckpointSession:
             raise ConfigError("restore() was called twice; call it once, after every part exists")
         drawn = rng_identity.torch_drawn()  # before the checkpoint's generators are set
         all_parts = {**(parts or {}), **named}
-        # fully_shard-ed modules and their optimizers go through DCP (`trainer.sharded`).
-        sharded, unsharded = ShardedParts.split(all_parts)
-        wrapped = {name: as_part(name, obj) for name, obj in unsharded.items()}
-        wrapped.update(loop=self.loop, rng=RNGState())
-        if self._kept is not None:
-            if KEPT_PART in all_parts:
-                raise ConfigError(f"checkpoint part name {KEPT_PART!r} holds the values of "
-                                  "keep(); rename your part")
-            wrapped[KEPT_PART] = self._kept
-        self._part_kinds = {name: kind_of(obj) for name, obj in all_parts.items()}
-        # Each part measures its state as the checkpointer takes it: the record's part_bytes.
-        wrapped = {name: Measured(part, name, self._sizes_of_save)
-                   for name, part in wrapped.items()}
-
+        sharded, wrapped = self._wrap_parts(all_parts)
         self.ranks = Ranks.detect(self.triggers.collective_timeout_s)
         if self.ranks is not None and self.triggers.async_save:
             raise ConfigError("checkpoint.async_save is for a single rank: several ranks save "
@@ -273,6 +260,22 @@ class CheckpointSession:
         self._last_save_t = time.monotonic()
         self._plan_calm_steps()
         return self.loop.step
+
+    def _wrap_parts(self, all_parts: dict[str, Any]) -> tuple[ShardedParts | None, dict]:
+        """(the fully_shard-ed parts, which go through DCP (`trainer.sharded`); every other
+        part, with the loop, the generators and the kept values, each wrapped to measure its
+        state as the checkpointer takes it: the record's part_bytes)."""
+        sharded, unsharded = ShardedParts.split(all_parts)
+        wrapped = {name: as_part(name, obj) for name, obj in unsharded.items()}
+        wrapped.update(loop=self.loop, rng=RNGState())
+        if self._kept is not None:
+            if KEPT_PART in all_parts:
+                raise ConfigError(f"checkpoint part name {KEPT_PART!r} holds the values of "
+                                  "keep(); rename your part")
+            wrapped[KEPT_PART] = self._kept
+        self._part_kinds = {name: kind_of(obj) for name, obj in all_parts.items()}
+        return sharded, {name: Measured(part, name, self._sizes_of_save)
+                         for name, part in wrapped.items()}
 
     def _resume_point(self, data_version: str | None
                       ) -> tuple[Manifest | None, list[tuple[str, str]], int]:
