@@ -95,7 +95,8 @@ def test_beats_start_during_restore_and_carry_the_attempt_and_the_step_it_resume
         for step in range(1, 6):
             ckpt.step(step, loss=0.1)
     _drop_beat(tmp_path)
-    with _session(tmp_path, max_steps=5) as ckpt:
+    # The run is finished: continuing it is asked for explicitly.
+    with _session(tmp_path, max_steps=5, continue_finished=True) as ckpt:
         ckpt.restore(model=torch.nn.Linear(2, 1), slow=SlowToLoad())
     (beat,) = seen
     assert (beat.attempt, beat.step, beat.resumed_step) == (2, 5, 5)
@@ -116,8 +117,10 @@ def test_the_last_beat_says_the_session_ended_and_none_is_written_after_it(tmp_p
 
 
 def _claim_again(store) -> None:
-    with _session(store) as newer:
-        newer.restore(model=torch.nn.Linear(2, 1))  # nothing committed yet: a fresh start
+    with pytest.raises(SystemExit) as ended:  # it claims the run, then trains nothing
+        with _session(store) as newer:
+            newer.restore(model=torch.nn.Linear(2, 1))  # nothing committed yet: a fresh start
+    assert ended.value.code == 8  # no_checkpoint
 
 
 @pytest.mark.parametrize("supersede", [
