@@ -35,6 +35,15 @@ MAX_SEED = 2**32 - 1
 # More threads or DataLoader workers than any machine runs: a typo, and torch would try to
 # start them all (beyond 2**31 - 1 it refuses the number outright).
 MAX_PARALLEL = 1024
+
+
+def rendezvous_problem(endpoint: str) -> str | None:
+    """What is wrong with a rendezvous endpoint (None: a HOST:PORT torchrun can use)."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return (f"rendezvous endpoint {endpoint!r} is not HOST:PORT (a port from 1 to 65535 "
+                "on node 0, reachable from every node), e.g. 10.0.0.5:29400")
+    return None
 # AdamW divides the learning rate by 1 - beta1 (down to about 1e-16) and multiplies it by
 # the weight decay; the results must fit a float32 parameter (3.4e38) or the step raises.
 MAX_LR = 1e6
@@ -118,14 +127,22 @@ class DistributedConfig(Section):
                                 "rank, and the global batch is split over the ranks)")
     nnodes: int = Field(1, ge=1, le=MAX_PARALLEL, description="nodes; above 1, every node "
                         "runs the same `python -m trainer.ranks` command (README)")
-    rdzv_endpoint: str | None = Field(None, description="several nodes: host:port of node 0 "
-                                      "that every node reaches")
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous: "
+                                      "several nodes: node 0's, reachable from every node; "
+                                      "one node: a port of this machine (else a free one)")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="task mode's process group: auto is nccl on CUDA, else gloo")
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and (problem := rendezvous_problem(v)):
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _rendezvous(self) -> DistributedConfig:
