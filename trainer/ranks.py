@@ -1,7 +1,7 @@
 """`python -m trainer.ranks`: start an attempt's ranks through torchrun, exit as one process.
 
-    python -m trainer.ranks --nproc-per-node 2 [--nnodes 2 --rdzv-endpoint HOST:PORT
-        --rdzv-id RUN] [--grace-seconds 60] -- COMMAND [ARGS...]
+    python -m trainer.ranks --nproc-per-node 2 [--nnodes 2] [--rdzv-endpoint HOST:PORT
+        --rdzv-id RUN] [--grace-seconds 60] [--heartbeat-timeout-s 30] -- COMMAND [ARGS...]
 
 runs COMMAND once per rank with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), its own restarts off: the orchestrator owns resumes, so one
@@ -14,11 +14,18 @@ would read as a bug; this launcher exits with the attempt's cause instead
   divergence, a store that is gone, superseded);
 * else a lost rank (7) if any rank saw one, else a preemption (143).
 
+Every rank is watched (`trainer.rank_watch`): each rank's session beats a file of this
+launcher's; a rank silent for `--heartbeat-timeout-s` (frozen: SIGSTOP, a debugger) is
+killed and counts as lost (7), so the attempt ends within seconds of the timeout instead of
+waiting out the collective timeout.
+
 SIGTERM or SIGINT to this process is passed to every rank (torchrun does it); the ranks
 agree on one step, commit it and exit 143; ranks still running after `--grace-seconds` are
-killed. One node (`--nnodes 1`, the default) rendezvouses on a free local port; several
-nodes run this same command on every node with the same `--rdzv-endpoint` (a host:port of
-node 0 that all nodes reach) and `--rdzv-id`.
+killed. One node (`--nnodes 1`, the default) rendezvouses on a free local port, or on
+`--rdzv-endpoint` when one is given; several nodes run this same command on every node
+with the same `--rdzv-endpoint` (a host:port of node 0 that all nodes reach) and
+`--rdzv-id`. What a run's config refuses (`distributed`) is refused here too: exit 2, one
+line that says what to pass.
 """
 
 from __future__ import annotations
