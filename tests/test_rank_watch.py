@@ -7,20 +7,26 @@ file holds its pid and is gone once its session ends.
 Slow (real processes, real gloo, a real SIGSTOP): two ranks under `python -m trainer.ranks`,
 rank 1 frozen; the launcher exits 7 (`rank_lost`) within twice the heartbeat timeout,
 no rank is left running, and the next attempt resumes from the last committed checkpoint.
+Two nodes on one machine (two launchers, one c10d endpoint on loopback): one node's
+launcher SIGKILLed fails the attempt as one (both launchers exit non-zero, no rank left),
+and a rerun of both resumes from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.polling import wait_for
 from tests.rank_runs import (
     env,
+    free_port,
     gone,
     pointer_step,
     rank_pids,
@@ -133,3 +139,52 @@ def _end(launcher: subprocess.Popen, ranks) -> None:
         launcher.kill()
         launcher.wait()
 
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _two_nodes(argv: list[str], log: Path, step_delay: float) -> list[subprocess.Popen]:
+    """Two launchers of one rank each, meeting at one c10d endpoint on loopback: what two
+    machines do. Node 0 hosts the rendezvous store; node 1 joins once it listens."""
+    port = free_port()
+    meet = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two"]
+    node0 = start_torchrun(argv, 1, env(step_delay), log, *meet)
+    wait_for(lambda: node0.poll() is not None or _listening(port), 120,
+             what="node 0's rendezvous store")
+    return [node0, start_torchrun(argv, 1, env(step_delay), log, *meet)]
+
+
+@pytest.mark.slow
+def test_two_nodes_fail_as_one_when_a_launcher_is_killed_and_a_rerun_resumes(tmp_path):
+    config = write_config(tmp_path / "nodes.json", run=RUN, max_steps=40, eval_every=0,
+                          checkpoint={"every_steps": 4, "keep_last": 2})
+    store, log = tmp_path / "store", tmp_path / "nodes.log"
+    argv = trainer_argv(config, str(store))
+    nodes = _two_nodes(argv, log, 0.05)
+    pids = []
+    try:
+        pids = [*rank_pids(nodes[0], 1).values(), *rank_pids(nodes[1], 1).values()]
+        wait_for_step(store, EXPERIMENT, RUN, 8, nodes[0])
+        nodes[1].send_signal(signal.SIGKILL)
+        codes = [n.wait(timeout=300) for n in nodes]
+    except BaseException:
+        for n in nodes:
+            _end(n, pids)
+        raise
+    text = log.read_text()
+    print(f"two nodes, node 1's launcher SIGKILLed: launchers exited {codes}")
+    assert all(c != 0 for c in codes), (codes, text[-3000:])
+    gone(pids, timeout=120)  # node 1's orphaned rank too: nothing of the attempt is left
+    committed = pointer_step(store, EXPERIMENT, RUN)
+    again = _two_nodes(argv, log, 0)
+    try:
+        assert [n.wait(timeout=300) for n in again] == [0, 0], log.read_text()[-3000:]
+    except BaseException:
+        for n in again:
+            _end(n, [])
+        raise
+    assert f"at step {committed} " in log.read_text()[len(text):]
+    assert pointer_step(store, EXPERIMENT, RUN) == 40
