@@ -36,10 +36,10 @@ def trainer_argv(config: Path, store: str) -> list[str]:
 
 
 def start_torchrun(argv: list[str], nproc: int, environ: dict[str, str],
-                   log: Path) -> subprocess.Popen:
+                   log: Path, *launcher_args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "trainer.ranks", "--nproc-per-node", str(nproc),
-         "--grace-seconds", "60", "--", *argv],
+         "--grace-seconds", "60", *launcher_args, "--", *argv],
         cwd=ROOT, env=environ, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 

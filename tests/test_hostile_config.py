@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.trainer_proc import ROOT
-from trainer.config import MAX_TASK_ARGS_DEPTH, config_from_dict, read_config_file
+from trainer.config import MAX_TASK_ARGS_DEPTH, config_from_dict
+from trainer.config_file import read_config_file
 from trainer.errors import CheckpointError, ConfigError
 from trainer.repo import CheckpointRepo
 from trainer.session import CheckpointSession

@@ -110,7 +110,7 @@ def test_the_no_block_example_runs_under_dagster_as_a_command_and_a_second_launc
     """The last step of the README's "Your script in five minutes"."""
     from ckpt_assets.definitions import make_resources
     from tests.dagster_fixtures import checkpoints, materialize_run, step_failure_metadata
-    from trainer.config import read_config_file
+    from trainer.config_file import read_config_file
 
     store = str(tmp_path / "s")
     cfg = read_config_file(ROOT / "examples" / "no_block" / "run.yaml")

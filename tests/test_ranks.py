@@ -95,9 +95,44 @@ def test_a_global_batch_that_does_not_split_evenly_is_refused_naming_the_multipl
         ResumableLoader(list(range(64)), 8, rank=0, world=3)
 
 
-def test_several_nodes_without_a_rendezvous_are_refused_with_what_to_pass():
-    with pytest.raises(SystemExit):
-        parse(["--nproc-per-node", "2", "--nnodes", "2", "--", "python", "x.py"])
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--nnodes", "2"], "several nodes need --rdzv-endpoint HOST:PORT"),
+    (["--nproc-per-node", "2000"], "--nproc-per-node 2000 is out of range: pass 1 to 1024"),
+    (["--nproc-per-node", "0"], "--nproc-per-node 0 is out of range"),
+    (["--nnodes", "1025", "--rdzv-endpoint", "h:1", "--rdzv-id", "r"], "--nnodes 1025"),
+    (["--rdzv-endpoint", "node0"], "--rdzv-endpoint: rendezvous endpoint 'node0' is not "
+                                   "HOST:PORT"),
+    (["--rdzv-endpoint", "node0:99999"], "is not HOST:PORT (a port from 1 to 65535"),
+    (["--heartbeat-timeout-s", "0"], "--heartbeat-timeout-s 0 is out of range"),
+])
+def test_a_launch_the_config_would_refuse_exits_2_with_one_line_saying_what_to_pass(
+        flags, says, capsys):
+    argv = ["--nproc-per-node", "2", *flags, "--", "python", "x.py"]
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv)
+    assert exit_.value.code == Outcome.BAD_INPUT.exit_code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], lines
+
+
+def test_a_rendezvous_endpoint_on_one_node_is_where_its_ranks_meet():
+    from torch.distributed import run as torchrun
+
+    from trainer.ranks import torchrun_args
+
+    args, command = parse(["--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29411",
+                           "--", "python", "x.py"])
+    parsed = torchrun.parse_args(torchrun_args(args, command))
+    assert parsed.rdzv_endpoint == "127.0.0.1:29411" and parsed.rdzv_backend == "c10d"
+    assert not parsed.standalone and parsed.nnodes == "1"
+
+
+def test_the_config_refuses_a_rendezvous_endpoint_that_is_not_host_port():
+    from trainer.config import DistributedConfig
+
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        DistributedConfig(rdzv_endpoint="node0")
+    assert DistributedConfig(rdzv_endpoint="node0:29400").rdzv_endpoint == "node0:29400"
 
 
 # -- slow: real ranks ------------------------------------------------------------------------

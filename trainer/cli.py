@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     # Imported here so that `--help` and argument errors answer without loading torch.
-    from trainer.config import load_config
+    from trainer.config_file import load_config
     from trainer.loop import train
     from trainer.report import Reporter, report_failure
 

@@ -12,13 +12,10 @@ loop) or a `command` (the user's own script, which owns its loop and checkpoints
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.contract import RESERVED_PREFIXES, Env, reserved
@@ -36,6 +33,15 @@ MAX_SEED = 2**32 - 1
 # More threads or DataLoader workers than any machine runs: a typo, and torch would try to
 # start them all (beyond 2**31 - 1 it refuses the number outright).
 MAX_PARALLEL = 1024
+
+
+def rendezvous_problem(endpoint: str) -> str | None:
+    """What is wrong with a rendezvous endpoint (None: a HOST:PORT torchrun can use)."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return (f"rendezvous endpoint {endpoint!r} is not HOST:PORT (a port from 1 to 65535 "
+                "on node 0, reachable from every node), e.g. 10.0.0.5:29400")
+    return None
 # AdamW divides the learning rate by 1 - beta1 (down to about 1e-16) and multiplies it by
 # the weight decay; the results must fit a float32 parameter (3.4e38) or the step raises.
 MAX_LR = 1e6
@@ -132,14 +138,22 @@ class DistributedConfig(Section):
                                 "rank, and the global batch is split over the ranks)")
     nnodes: int = Field(1, ge=1, le=MAX_PARALLEL, description="nodes; above 1, every node "
                         "runs the same `python -m trainer.ranks` command (README)")
-    rdzv_endpoint: str | None = Field(None, description="several nodes: host:port of node 0 "
-                                      "that every node reaches")
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous: "
+                                      "several nodes: node 0's, reachable from every node; "
+                                      "one node: a port of this machine (else a free one)")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="task mode's process group: auto is nccl on CUDA, else gloo")
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and (problem := rendezvous_problem(v)):
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _rendezvous(self) -> DistributedConfig:
@@ -345,54 +359,3 @@ def parse(model: type[Section], raw: Any, prefix: str = "") -> Any:
 
 def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
     return parse(TrainConfig, raw)
-
-
-class _NoAliasLoader(yaml.SafeLoader):
-    """YAML without anchors and aliases: a few hundred bytes of aliases can expand to
-    millions of values (a 'billion laughs'), and configs have no need for them."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.events.AliasEvent):
-            event = self.peek_event()
-            raise ConfigError(f"YAML aliases (*{event.anchor}) are not allowed in a config "
-                              f"(line {event.start_mark.line + 1}); write the values out")
-        return super().compose_node(parent, index)
-
-
-def _read_s3_text(uri: str) -> str:
-    from trainer.storage.s3 import read_uri
-
-    return read_uri(uri).decode("utf-8")
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The raw mapping in a JSON or YAML config file (a path, or an s3://bucket/key object:
-    a trainer on another machine reads the registered config from the store); ConfigError
-    says what is wrong."""
-    p = Path(path)
-    try:
-        text = _read_s3_text(str(path)) if str(path).startswith("s3://") else p.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist; pass --config with a JSON or "
-                          "YAML file") from None
-    except OSError as e:
-        raise ConfigError(f"config file {p} cannot be read: {e.strerror}") from None
-    yaml_file = p.suffix in (".yaml", ".yml")
-    try:
-        if yaml_file:
-            raw = yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a safe loader)
-        else:
-            raw = json.loads(text)
-    except ConfigError:
-        raise
-    except Exception as e:  # any parse error is bad input
-        raise ConfigError(f"config file {p} is not valid {'YAML' if yaml_file else 'JSON'}: {e}") from None
-    if not isinstance(raw, dict):
-        # An empty file, `null` or `[]` would otherwise register an all-defaults run.
-        raise ConfigError(f"config file {path} holds {json.dumps(raw)[:40]}, not a mapping of "
-                          "config keys; write the run's keys (task, max_steps, ...) in it")
-    return raw
-
-
-def load_config(path: str | Path) -> TrainConfig:
-    return config_from_dict(read_config_file(path))

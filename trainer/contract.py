@@ -41,6 +41,8 @@ class Env(StrEnum):
     RESUME_FROM = "CKPT_RESUME_FROM"  # also read standalone: the checkpoint to resume from
     EXIT_WITH_PARENT = "CKPT_EXIT_WITH_PARENT"
     MTBF = "CKPT_MTBF"  # the experiment's mean time between failures (JSON of `Mtbf`)
+    # Written by `python -m trainer.ranks` for its ranks: where each beats (trainer.rank_watch).
+    RANK_BEATS = "CKPT_RANK_BEATS"
 
 
 CONTRACT_NAMES = frozenset(e.value for e in Env)

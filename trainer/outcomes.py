@@ -93,7 +93,9 @@ class Outcome(Enum):
                   "superseded: a newer attempt of the same run took it over (fenced)")
     RANK_LOST = ("rank_lost", 7, Kind.KILLED,
                  "a multi-rank attempt lost a rank: a collective among the ranks failed "
-                 "(a peer died) or passed `checkpoint.collective_timeout_s` (a peer hung)")
+                 "(a peer died) or passed `checkpoint.collective_timeout_s` (a peer hung), "
+                 "or a rank sent its launcher no liveness beat for the heartbeat timeout "
+                 "(frozen)")
     PREEMPTED = ("preempted", 143, Kind.PREEMPTED,
                  "stopped by SIGTERM/SIGINT after committing a checkpoint (or killed by one)")
     TERMINATED = ("terminated", None, Kind.PREEMPTED,

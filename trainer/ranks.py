@@ -1,7 +1,7 @@
 """`python -m trainer.ranks`: start an attempt's ranks through torchrun, exit as one process.
 
-    python -m trainer.ranks --nproc-per-node 2 [--nnodes 2 --rdzv-endpoint HOST:PORT
-        --rdzv-id RUN] [--grace-seconds 60] -- COMMAND [ARGS...]
+    python -m trainer.ranks --nproc-per-node 2 [--nnodes 2] [--rdzv-endpoint HOST:PORT
+        --rdzv-id RUN] [--grace-seconds 60] [--heartbeat-timeout-s 30] -- COMMAND [ARGS...]
 
 runs COMMAND once per rank with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), its own restarts off: the orchestrator owns resumes, so one
@@ -14,21 +14,35 @@ would read as a bug; this launcher exits with the attempt's cause instead
   divergence, a store that is gone, superseded);
 * else a lost rank (7) if any rank saw one, else a preemption (143).
 
+Every rank is watched (`trainer.rank_watch`): each rank's session beats a file of this
+launcher's; a rank silent for `--heartbeat-timeout-s` (frozen: SIGSTOP, a debugger) is
+killed and counts as lost (7), so the attempt ends within seconds of the timeout instead of
+waiting out the collective timeout.
+
 SIGTERM or SIGINT to this process is passed to every rank (torchrun does it); the ranks
 agree on one step, commit it and exit 143; ranks still running after `--grace-seconds` are
-killed. One node (`--nnodes 1`, the default) rendezvouses on a free local port; several
-nodes run this same command on every node with the same `--rdzv-endpoint` (a host:port of
-node 0 that all nodes reach) and `--rdzv-id`.
+killed. One node (`--nnodes 1`, the default) rendezvouses on a free local port, or on
+`--rdzv-endpoint` when one is given; several nodes run this same command on every node
+with the same `--rdzv-endpoint` (a host:port of node 0 that all nodes reach) and
+`--rdzv-id`. What a run's config refuses (`distributed`) is refused here too: exit 2, one
+line that says what to pass.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
+from typing import NoReturn
 
+from trainer.config import MAX_COLLECTIVE_S, MAX_PARALLEL, rendezvous_problem
+from trainer.contract import Env
 from trainer.outcomes import STOP_SIGNALS, Outcome, signal_of
+from trainer.rank_watch import RankWatch
 
 # torchrun's variables, read by the session to know its rank without a process group.
 RANK_ENV = "RANK"
@@ -36,6 +50,11 @@ WORLD_SIZE_ENV = "WORLD_SIZE"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 # A rank's own failure that only reports another's: it lost a peer, or was told to stop.
 ECHOES = (Outcome.RANK_LOST, Outcome.PREEMPTED)
+# A rank whose liveness beat is older than this is lost (`trainer.rank_watch`): long above
+# its 1 s beat, far below the collective timeout (600 s) it would otherwise wait out.
+HEARTBEAT_TIMEOUT_S = 30.0
+# torchrun's own default rendezvous id, for one node on an endpoint of its own.
+DEFAULT_RDZV_ID = "none"
 
 
 def env_rank(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
@@ -78,6 +97,12 @@ def attempt_exit(rank_codes: Mapping[int, int]) -> int:
     return Outcome.PREEMPTED.exit_code
 
 
+def refuse(message: str) -> NoReturn:
+    """Bad input to the launcher: one line that says what to do, exit 2 (`bad_input`)."""
+    print(f"python -m trainer.ranks: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(Outcome.BAD_INPUT.exit_code)
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="python -m trainer.ranks", description=__doc__.split("\n")[0])
     p.add_argument("--nproc-per-node", type=int, required=True)
@@ -85,48 +110,73 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rdzv-endpoint", default=None)
     p.add_argument("--rdzv-id", default=None)
     p.add_argument("--grace-seconds", type=int, default=60)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S)
     if "--" not in argv:
-        p.error("put the command after `--`: python -m trainer.ranks [...] -- COMMAND")
+        refuse("put the command after `--`: python -m trainer.ranks [...] -- COMMAND")
     cut = argv.index("--")
     args, command = p.parse_args(argv[:cut]), argv[cut + 1:]
     if not command:
-        p.error("no command after `--`")
-    if args.nproc_per_node < 1 or args.nnodes < 1:
-        p.error("--nproc-per-node and --nnodes must be at least 1")
-    from trainer.config import MAX_PARALLEL  # here: the launcher's help needs no pydantic
-
-    if args.nproc_per_node > MAX_PARALLEL or args.nnodes > MAX_PARALLEL:
-        p.error(f"--nproc-per-node and --nnodes must be at most {MAX_PARALLEL}, the bound of "
-                "the config's distributed.nproc_per_node and nnodes (one process per rank)")
-    if args.nnodes > 1 and not (args.rdzv_endpoint and args.rdzv_id):
-        p.error("several nodes need --rdzv-endpoint HOST:PORT (node 0's, reachable from "
-                "every node) and --rdzv-id (the same on every node, e.g. the run's name)")
+        refuse("no command after `--`: python -m trainer.ranks [...] -- COMMAND")
+    check(args)
     return args, command
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse what the config's `distributed` section refuses, in its words."""
+    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
+        if not 1 <= value <= MAX_PARALLEL:
+            refuse(f"{flag} {value} is out of range: pass 1 to {MAX_PARALLEL} "
+                   "(distributed.nproc_per_node / distributed.nnodes of a run's config)")
+    if args.rdzv_endpoint is not None and (problem := rendezvous_problem(args.rdzv_endpoint)):
+        refuse(f"--rdzv-endpoint: {problem}")
+    if args.nnodes > 1 and not (args.rdzv_endpoint and args.rdzv_id):
+        refuse("several nodes need --rdzv-endpoint HOST:PORT (node 0's, reachable from "
+               "every node) and --rdzv-id (the same on every node, e.g. the run's name)")
+    if not 0 < args.heartbeat_timeout_s <= MAX_COLLECTIVE_S:
+        refuse(f"--heartbeat-timeout-s {args.heartbeat_timeout_s:g} is out of range: pass "
+               f"seconds above 0, at most {MAX_COLLECTIVE_S:.0f}")
 
 
 def torchrun_args(args: argparse.Namespace, command: list[str]) -> list[str]:
     out = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes),
            "--max-restarts", "0", "--shutdown-timeout", str(args.grace_seconds)]
-    if args.nnodes == 1:
+    if args.rdzv_endpoint is None:  # one node, nothing asked: a free local port
         out.append("--standalone")
-    else:
+    else:  # one node on the port asked for, or several nodes meeting there
         out += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
-                "--rdzv-id", args.rdzv_id]
+                "--rdzv-id", args.rdzv_id or DEFAULT_RDZV_ID]
     # `--` first: argparse would take a command argument like `--run` for an abbreviation of
     # one of torchrun's own options.
     return [*out, "--no-python", "--", *command]
 
 
 def main(argv: list[str] | None = None) -> int:
+    args, command = parse(sys.argv[1:] if argv is None else argv)
+    beats = Path(tempfile.mkdtemp(prefix="ckpt-rank-beats-"))
+    # torchrun hands its own environment to every rank: this is where each one beats.
+    os.environ[Env.RANK_BEATS] = str(beats)
+    watch = RankWatch(beats, args.heartbeat_timeout_s)
+    watch.start()
+    try:
+        return run_torchrun(args, command, watch)
+    finally:
+        watch.stop()
+        shutil.rmtree(beats, ignore_errors=True)
+
+
+def run_torchrun(args: argparse.Namespace, command: list[str], watch: RankWatch) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args, command = parse(sys.argv[1:] if argv is None else argv)
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(args, command)))
     except ChildFailedError as e:
-        return attempt_exit({rank: f.exitcode for rank, f in e.failures.items()})
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        # A rank the watch killed for its silence was lost, not killed by a signal: its
+        # SIGKILL is the watch's, the cause is its freeze.
+        codes.update({rank: Outcome.RANK_LOST.exit_code for rank in watch.lost})
+        return attempt_exit(codes)
     except SignalException as e:
         # Asked to stop: every rank was passed the signal and had the grace to commit.
         return 128 + int(e.sigval)

@@ -118,6 +118,7 @@ from trainer.parts import (
     kind_of,
     seed_all,
 )
+from trainer.rank_watch import RankBeat
 from trainer.ranks import env_rank
 from trainer.records import CheckpointRecord, Lineage
 from trainer.repo import CheckpointRepo
@@ -173,6 +174,7 @@ class CheckpointSession:
         self._last_beat = 0.0
         self._calm_until, self._quiet_until = 0, 0.0  # `step`'s short path: none yet
         self._beat: Heartbeat | None = None
+        self._rank_beat: RankBeat | None = None  # several ranks: this one's, to its launcher
         self.ranks: Ranks | None = None
         self._closed = False
         self._in_block = False  # inside `with`: leaving the block ends the session
@@ -222,10 +224,7 @@ class CheckpointSession:
         drawn = rng_identity.torch_drawn()  # before the checkpoint's generators are set
         all_parts = {**(parts or {}), **named}
         sharded, wrapped = self._wrap_parts(all_parts)
-        self.ranks = Ranks.detect(self.triggers.collective_timeout_s)
-        if self.ranks is not None and self.triggers.async_save:
-            raise ConfigError("checkpoint.async_save is for a single rank: several ranks save "
-                              "synchronously (each writes its share in parallel); set it false")
+        self.ranks = self._join_ranks()
         if sharded is not None and self.triggers.async_save:
             raise ConfigError("checkpoint.async_save does not cover fully_shard-ed parts: "
                               f"{', '.join(sharded.names)} save synchronously through DCP "
@@ -276,6 +275,19 @@ class CheckpointSession:
         self._part_kinds = {name: kind_of(obj) for name, obj in all_parts.items()}
         return sharded, {name: Measured(part, name, self._sizes_of_save)
                          for name, part in wrapped.items()}
+
+    def _join_ranks(self) -> Ranks | None:
+        """This process's place among several ranks (None: alone), its liveness beating."""
+        rank, world = env_rank()
+        if world > 1 and self._rank_beat is None:
+            # Every rank's liveness reaches its launcher, from before the first collective.
+            self._rank_beat = RankBeat(rank)
+            self._rank_beat.start()
+        ranks = Ranks.detect(self.triggers.collective_timeout_s)
+        if ranks is not None and self.triggers.async_save:
+            raise ConfigError("checkpoint.async_save is for a single rank: several ranks save "
+                              "synchronously (each writes its share in parallel); set it false")
+        return ranks
 
     def _resume_point(self, data_version: str | None
                       ) -> tuple[Manifest | None, list[tuple[str, str]], int]:
@@ -549,6 +561,8 @@ class CheckpointSession:
     def _stop_heartbeat(self, superseded: bool = False) -> None:
         if self._beat is not None:
             self._beat.stop(superseded)
+        if self._rank_beat is not None:
+            self._rank_beat.stop()
 
     @property
     def stop_requested(self) -> bool:

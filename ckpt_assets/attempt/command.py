@@ -153,7 +153,7 @@ def under_ranks(reg: Registration, trainer: TrainerSettings, argv: list[str]) ->
                str(d.nproc_per_node), "--nnodes", str(d.nnodes),
                # Every rank gets the grace to commit before torchrun kills it.
                "--grace-seconds", str(math.ceil(trainer.grace_period_seconds))]
-    if d.nnodes > 1:
+    if d.rdzv_endpoint:  # several nodes meet there; one node rendezvouses there alone
         wrapper += ["--rdzv-endpoint", d.rdzv_endpoint, "--rdzv-id", reg.run]
     return [*wrapper, "--", *argv]
 

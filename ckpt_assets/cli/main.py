@@ -135,7 +135,7 @@ def _store(uri: str | None):
 
 
 def _read_config(path: str) -> dict:
-    from trainer.config import read_config_file
+    from trainer.config_file import read_config_file
     from trainer.errors import ConfigError
 
     try:
