@@ -8,24 +8,42 @@ import json
 import signal
 from pathlib import Path
 
+import dagster as dg
 import pytest
 from mlflow.tracking import MlflowClient
 
 from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
+from ckpt_assets.attempt.process_group import AttemptProcesses
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.lifecycle.in_run import relaunch_decision, serve_backoff
+from ckpt_assets.lifecycle.in_run import (
+    relaunch_decision,
+    serve_backoff,
+    settle_after_preemption,
+)
 from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
 from ckpt_assets.records.lineage import format_lineage, lineage_report
 from ckpt_assets.runs.events import ATTEMPT_ENDED, partition_events
 from ckpt_assets.runs.settings import ResumeSettings, Setting
-from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_BUDGET, TAG_DECISION, TAG_DECISION_REASON
+from ckpt_assets.runs.tags import (
+    TAG_ATTEMPT,
+    TAG_BUDGET,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_PARENT_RUN_ID,
+)
 from tests.daemon_harness import Daemon, kill
 from tests.daemon_harness import training_config as training_config_e2e
 from tests.dagster_fixtures import *  # noqa: F403
-from tests.dagster_fixtures import materialize_run, step_failure_metadata, training_config
+from tests.dagster_fixtures import (
+    TrainerKiller,
+    materialize_run,
+    step_failure_metadata,
+    training_config,
+)
+from tests.polling import pid_alive
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
 from trainer.outcomes import Outcome
 from trainer.storage import open_store
@@ -61,10 +79,24 @@ def test_what_the_policy_never_resumes_is_never_relaunched(outcome):
     assert _relaunch(_ended(outcome)) is None
 
 
-def test_a_sigterm_of_the_trainer_is_left_to_the_sensors():
+def test_a_trainer_sigtermed_alone_is_relaunched_within_the_preemption_budget():
     ended = _ended(Outcome.PREEMPTED)
-    assert decide(ended).resume  # the sensors resume it, once the worker's fate is known
-    assert _relaunch(ended) is None
+    got = _relaunch(ended)
+    assert got == decide(ended, Budget(), ON.policy)
+    assert got.budget.preemptions == 1 and got.budget.transient == 0
+    cfg = ResumeSettings(policy=PolicyConfig(max_preemptions=1))
+    assert _relaunch(_ended(Outcome.PREEMPTED, 20, 2), got.budget, cfg) is None
+    # A preempted trainer whose run worker is stopping too: the sensors' (below, end to end).
+    assert _relaunch(ended, interrupted=True) is None
+
+
+def test_the_settle_after_a_preemption_returns_the_run_workers_own_interrupt_if_it_comes():
+    def interrupted(_s):
+        raise dg.DagsterExecutionInterruptedError()
+
+    assert settle_after_preemption(ON, sleep=lambda s: None) is None
+    assert isinstance(settle_after_preemption(ON, sleep=interrupted),
+                      dg.DagsterExecutionInterruptedError)
 
 
 def test_a_used_up_budget_is_not_relaunched_in_run_either():
@@ -206,6 +238,56 @@ def test_a_bug_in_the_training_code_is_never_relaunched(instance, tmp_path, mlfl
     assert [e["attempt"] for e in _ends(instance, "bug")] == [1]
 
 
+@pytest.mark.slow
+def test_a_runs_first_attempt_is_relaunched_from_its_standby_though_the_worker_set_torch_variables(
+        instance, tmp_path, mlflow_uri, monkeypatch):
+    """In a fresh run worker, the end-of-run imports that start once attempt 1 has spoken
+    import torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR, a variable torch reads at
+    start. Attempt 2 inherits the worker's environment as the run began, as attempt 1 and
+    its standby did: the standby fits, and the run's first relaunch is warm."""
+    import ckpt_assets.defs.assets as assets
+
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    # What the prefetch's import does to a fresh worker's environment (in this test process
+    # torch._dynamo was imported long ago, and the prefetch runs once per process).
+    monkeypatch.setattr(assets, "prefetch_end_of_run_imports", lambda evaluates: monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor")))
+    res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
+    out = materialize_run(instance, "warm-first", res, training=training_config(
+        task="tests.user_tasks:crash_once",
+        task_args={"crash_once_at": 15, "crash_marker": str(tmp_path / "crashed"),
+                   "crash_after_standby": True, "step_delay": 0.1}))
+    assert out.success and (tmp_path / "crashed").exists()
+    assert [e["attempt"] for e in _ends(instance, "warm-first")] == [1, 2]
+    started = _started(instance, out.run_id)
+    assert len(started) == 2 and all(WARM_STARTED in line for line in started), started
+
+
+@pytest.mark.slow
+def test_a_trainer_sigtermed_alone_is_relaunched_in_its_run_as_attempt_2(
+        instance, tmp_path, mlflow_uri, monkeypatch):
+    """Only the trainer is signalled (its pod deleted, its run worker's pod on another
+    node): the worker hears nothing while it settles, and the next attempt trains on in
+    the same Dagster run, on the preemption budget."""
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
+    store = tmp_path / "store"
+    res = make_resources(str(store), tracking_uri=mlflow_uri)
+    instance.add_dynamic_partitions("training_runs", ["sigtermed"])
+    killer = TrainerKiller(store, "default", "sigtermed", at_step=10, sig=signal.SIGTERM)
+    killer.start()
+    out = materialize_run(instance, "sigtermed", res,
+                          training=training_config(task_args={"step_delay": 0.05}))
+    killer.cancel()
+    assert killer.killed_pid and out.success
+    first, second = _ends(instance, "sigtermed")
+    assert (first["attempt"], first["failure_class"], first["exit_code"]) == (1, "preempted", 143)
+    assert (second["attempt"], second["failure_class"]) == (2, "success")
+    assert first["dagster_run_id"] == second["dagster_run_id"] == out.run_id
+    assert second["resumed_from_step"] == first["last_committed_step"] >= 10
+    assert Budget.from_tag(instance.get_run_by_id(out.run_id).tags[TAG_BUDGET]).preemptions == 1
+
+
 # -- end to end under a real dagster-daemon, default settings ------------------------------
 
 @pytest.mark.slow
@@ -238,5 +320,35 @@ def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
         assert daemon.max_active["in-run"] == 1
         assert_bitwise_equal(uninterrupted, training_state(
             final_state(Path(daemon.store), run="in-run")))
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.slow
+def test_a_trainer_whose_run_worker_is_sigtermed_too_is_left_to_the_sensors(tmp_path,
+                                                                            monkeypatch):
+    """The whole pod or node is going: the trainer is signalled, and its run worker moments
+    after the trainer has committed and exited. The worker's own interrupt ends the settle:
+    nothing is relaunched in its run, which ends, and the sensors resume it as a new run."""
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the daemon inherits this
+    daemon = Daemon.start(tmp_path / "d", str(tmp_path / "store"))
+    try:
+        daemon.launch("node-going", training_config_e2e("node-going"), tmp_path)
+        hb = daemon.wait_for_step("node-going", 15, attempt=1)
+        (run,) = daemon.runs("node-going")
+        worker = AttemptProcesses.of_run(daemon.instance.get_run_by_id(run.run_id)).worker.pid
+        kill(hb["pid"], signal.SIGTERM)
+        daemon.wait_until(lambda: not pid_alive(hb["pid"]), "the trainer to commit and exit",
+                          every=0.02)
+        kill(worker, signal.SIGTERM)
+        final = daemon.wait_done("node-going")
+        first, resume = daemon.runs("node-going")
+        assert final.run_id == resume.run_id and resume.tags[TAG_PARENT_RUN_ID] == first.run_id
+        assert first.status.value in ("FAILURE", "CANCELED") and first.tags[TAG_ATTEMPT] == "1"
+        assert resume.tags[TAG_ATTEMPT] == "2"
+        # The first run's only attempt; none was relaunched beside the stopping worker.
+        assert [e["attempt"] for e in _ends(daemon.instance, "node-going")
+                if e["dagster_run_id"] == first.run_id] in ([1], [])
+        assert daemon.max_active["node-going"] == 1
     finally:
         daemon.stop()
