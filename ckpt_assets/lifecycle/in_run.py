@@ -20,8 +20,8 @@ What is relaunched here is narrower than what the policy resumes:
   the worker's own SIGTERM/SIGINT into an interrupt of the step's thread
   (`DagsterExecutionInterruptedError`), so a worker that is going has been interrupted, or
   is within moments. `settle_after_preemption` waits those moments
-  (`ResumeSettings.in_run_preempt_settle_s`) in that thread; an interrupt that arrives
-  meanwhile leaves the attempt to the sensors (the run ends interrupted and is resumed as a
+  (`ResumeSettings.in_run_preempt_settle_s`) with the interrupt captured (a flag of its
+  own process); an interrupt that arrives meanwhile leaves the attempt to the sensors (the run ends interrupted and is resumed as a
   new run once the worker is gone, within the preemption budget), as does a run whose
   termination Dagster has begun (not STARTED: Dagster marks it CANCELING before it
   interrupts the worker). A notice that reaches the worker later still (a node drained pod
@@ -55,6 +55,11 @@ from ckpt_assets.lifecycle.ended import liveness_outcome
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.state import RunState, State, state_observation
 from ckpt_assets.runs.clock import iso
+from ckpt_assets.runs.dagster_private import (
+    capture_interrupts,
+    check_captured_interrupt,
+    pop_captured_interrupt,
+)
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
 from ckpt_assets.runs.view import RunView
@@ -86,18 +91,26 @@ def relaunch_decision(ended: AttemptEnd, used: Budget, settings: ResumeSettings,
 def consider_relaunch(context, ended: AttemptEnd, proc: ProcessOutcome,
                       settings: ResumeSettings) -> Decision | None:
     """`relaunch_decision` for the step's own run, read from its tags as they are now. A
-    preempted trainer first waits out `settle_after_preemption`: an interrupt of the run
-    worker that arrives meanwhile is set on `proc` (the step re-raises it once the attempt
-    is recorded) and nothing is relaunched."""
+    preempted trainer first waits out `settle_after_preemption`. Meanwhile the run
+    worker's own SIGTERM/SIGINT is noted rather than raised mid-decision: it is set on
+    `proc` (the step re-raises it once the attempt is recorded) and nothing is relaunched."""
     if not ended.outcome.failed:
         return None
-    decision = _consider(context, ended, proc.interrupted is not None, settings)
-    if decision is None or ended.outcome is not Outcome.PREEMPTED:
-        return decision
-    proc.interrupted = settle_after_preemption(settings)
-    # Read once more: Dagster marks a run it terminates CANCELING before it interrupts the
-    # worker, and a stop for good tags the run first.
-    return _consider(context, ended, proc.interrupted is not None, settings)
+    with capture_interrupts():
+        decision = _consider(context, ended, proc.interrupted is not None, settings)
+        if decision is not None and ended.outcome is Outcome.PREEMPTED:
+            context.log.info(f"attempt {ended.attempt} was stopped by "
+                             f"{ended.signal or 'SIGTERM'} while its run worker lives: "
+                             f"{settings.in_run_preempt_settle_s:g}s for a stop of the "
+                             "worker's own before it is relaunched in this run")
+            settle_after_preemption(settings)
+            # Read once more: Dagster marks a run it terminates CANCELING before it
+            # interrupts the worker, and a stop for good tags the run first.
+            decision = _consider(context, ended, False, settings)
+        if pop_captured_interrupt():  # the worker is stopping: the sensors' turn
+            proc.interrupted = proc.interrupted or DagsterExecutionInterruptedError()
+            return None
+    return decision
 
 
 def _consider(context, ended: AttemptEnd, interrupted: bool,
@@ -110,17 +123,20 @@ def _consider(context, ended: AttemptEnd, interrupted: bool,
                              or run.status != DagsterRunStatus.STARTED)
 
 
-def settle_after_preemption(settings: ResumeSettings,
-                            sleep=time.sleep) -> BaseException | None:
-    """Wait `in_run_preempt_settle_s` in the step's own thread, where Dagster raises the
-    run worker's own SIGTERM/SIGINT, and return that interrupt if it came (the worker is
-    stopping too: the attempt is the sensors'), else None. Not a poll of anything: a
-    signal to this process ends the wait at once."""
-    try:
-        sleep(settings.in_run_preempt_settle_s)
-    except (DagsterExecutionInterruptedError, KeyboardInterrupt) as e:
-        return e
-    return None
+SETTLE_LOOK_S = 0.05  # how often the settle looks at the worker's own interrupt flag
+
+
+def settle_after_preemption(settings: ResumeSettings, interrupted=check_captured_interrupt,
+                            clock=time.monotonic, sleep=time.sleep) -> bool:
+    """Wait up to `in_run_preempt_settle_s` for the run worker's own SIGTERM/SIGINT (as
+    Dagster's handler, under `capture_interrupts`, notes it in this process); whether it
+    came. A flag of this process, not another system's record: it ends the wait at once."""
+    deadline = clock() + settings.in_run_preempt_settle_s
+    while not interrupted():
+        if clock() >= deadline:
+            return False
+        sleep(SETTLE_LOOK_S)
+    return True
 
 
 def relaunch_words(ended: AttemptEnd, decision: Decision) -> str:
