@@ -26,6 +26,7 @@ import dagster as dg
 import pytest
 
 from ckpt_assets.defs.resources import MLFLOW_UI_URL_ENV
+from ckpt_assets.runs.settings import Setting
 from tests.browser_harness import (
     ARTIFACTS,
     CHROMIUM,
@@ -71,7 +72,10 @@ def scenario(browser, tmp_path_factory):
     """`dagster dev` with two runs launched and `preempted` preempted; not waited for."""
     work = tmp_path_factory.mktemp("browser")
     dev, url = start_dagster_dev(work, str(work / "store"),
-                                 extra_env={MLFLOW_UI_URL_ENV: MLFLOW_UI})
+                                 # `preempted` is resumed as a new run by the sensors
+                                 # (in-run, its trainer SIGTERMed alone would train on).
+                                 extra_env={MLFLOW_UI_URL_ENV: MLFLOW_UI,
+                                            Setting.IN_RUN_RELAUNCH.value: "0"})
     try:
         # The bug first: `preempted` must still be training when it is looked for.
         _launch(dev, "buggy", training_config("buggy", task_args={"fail_at_step": 12}), work)

@@ -24,6 +24,7 @@ from ckpt_assets.defs.checks import TRAINING_CHECKS
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.runs.names import PARTITIONS_NAME
+from ckpt_assets.runs.settings import Setting
 from ckpt_assets.runs.tags import PARTITION_TAG, TAG_CHECKED_RUN
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import TrainerKiller, step_failure_metadata, training_config
@@ -196,7 +197,10 @@ def test_a_check_run_evaluates_each_check_on_the_partition_of_the_training_run(i
 
 @pytest.mark.slow
 def test_an_interrupted_attempt_leaves_no_check_evaluation_and_its_resume_gets_passing_checks(
-        instance, tmp_path, mlflow_uri):
+        instance, tmp_path, mlflow_uri, monkeypatch):
+    # The sensor path: a preempted attempt fails its run, and the resume is a new run (with
+    # in-run relaunch on, a trainer SIGTERMed alone trains on in the same run).
+    monkeypatch.setenv(Setting.IN_RUN_RELAUNCH, "0")
     store_dir = tmp_path / "store"
     resources = make_resources(str(store_dir), tracking_uri=mlflow_uri)
     train = defs.resolve_job_def("train_job")

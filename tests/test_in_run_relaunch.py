@@ -13,19 +13,36 @@ from mlflow.tracking import MlflowClient
 
 from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
+from ckpt_assets.attempt.process_group import AttemptProcesses
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.lifecycle.in_run import relaunch_decision, serve_backoff
+from ckpt_assets.lifecycle.in_run import (
+    relaunch_decision,
+    serve_backoff,
+    settle_after_preemption,
+)
 from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
 from ckpt_assets.records.lineage import format_lineage, lineage_report
 from ckpt_assets.runs.events import ATTEMPT_ENDED, partition_events
 from ckpt_assets.runs.settings import ResumeSettings, Setting
-from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_BUDGET, TAG_DECISION, TAG_DECISION_REASON
+from ckpt_assets.runs.tags import (
+    TAG_ATTEMPT,
+    TAG_BUDGET,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_PARENT_RUN_ID,
+)
 from tests.daemon_harness import Daemon, kill
 from tests.daemon_harness import training_config as training_config_e2e
 from tests.dagster_fixtures import *  # noqa: F403
-from tests.dagster_fixtures import materialize_run, step_failure_metadata, training_config
+from tests.dagster_fixtures import (
+    TrainerKiller,
+    materialize_run,
+    step_failure_metadata,
+    training_config,
+)
+from tests.polling import pid_alive
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
 from trainer.outcomes import Outcome
 from trainer.storage import open_store
@@ -61,10 +78,27 @@ def test_what_the_policy_never_resumes_is_never_relaunched(outcome):
     assert _relaunch(_ended(outcome)) is None
 
 
-def test_a_sigterm_of_the_trainer_is_left_to_the_sensors():
+def test_a_trainer_sigtermed_alone_is_relaunched_within_the_preemption_budget():
     ended = _ended(Outcome.PREEMPTED)
-    assert decide(ended).resume  # the sensors resume it, once the worker's fate is known
-    assert _relaunch(ended) is None
+    got = _relaunch(ended)
+    assert got == decide(ended, Budget(), ON.policy)
+    assert got.budget.preemptions == 1 and got.budget.transient == 0
+    cfg = ResumeSettings(policy=PolicyConfig(max_preemptions=1))
+    assert _relaunch(_ended(Outcome.PREEMPTED, 20, 2), got.budget, cfg) is None
+    # A preempted trainer whose run worker is stopping too: the sensors' (below, end to end).
+    assert _relaunch(ended, interrupted=True) is None
+
+
+def test_the_settle_after_a_preemption_ends_at_the_run_workers_own_interrupt_or_its_bound():
+    now = [0.0]
+    heard = iter([False, False, True])
+    assert settle_after_preemption(ON, lambda: next(heard), lambda: now[0],
+                                   lambda s: now.__setitem__(0, now[0] + s))
+    assert now[0] < ON.in_run_preempt_settle_s
+    now = [0.0]
+    assert not settle_after_preemption(ON, lambda: False, lambda: now[0],
+                                       lambda s: now.__setitem__(0, now[0] + s))
+    assert now[0] >= ON.in_run_preempt_settle_s
 
 
 def test_a_used_up_budget_is_not_relaunched_in_run_either():
@@ -128,6 +162,13 @@ def _started(instance, run_id: str) -> list[str]:
     """The run's log lines that say an attempt's process started."""
     return [r.user_message for r in instance.all_logs(run_id)
             if r.user_message.startswith(PROCESS_STARTED)]
+
+
+SETTLING = "for a stop of the worker's own before it is relaunched in this run"
+
+
+def _said(instance, run_id: str, words: str) -> bool:
+    return any(words in (r.user_message or "") for r in instance.all_logs(run_id))
 
 
 def _ends(instance, key: str) -> list[dict]:
@@ -206,6 +247,56 @@ def test_a_bug_in_the_training_code_is_never_relaunched(instance, tmp_path, mlfl
     assert [e["attempt"] for e in _ends(instance, "bug")] == [1]
 
 
+@pytest.mark.slow
+def test_a_runs_first_attempt_is_relaunched_from_its_standby_though_the_worker_set_torch_variables(
+        instance, tmp_path, mlflow_uri, monkeypatch):
+    """In a fresh run worker, the end-of-run imports that start once attempt 1 has spoken
+    import torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR, a variable torch reads at
+    start. Attempt 2 inherits the worker's environment as the run began, as attempt 1 and
+    its standby did: the standby fits, and the run's first relaunch is warm."""
+    import ckpt_assets.defs.assets as assets
+
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    # What the prefetch's import does to a fresh worker's environment (in this test process
+    # torch._dynamo was imported long ago, and the prefetch runs once per process).
+    monkeypatch.setattr(assets, "prefetch_end_of_run_imports", lambda evaluates: monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor")))
+    res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
+    out = materialize_run(instance, "warm-first", res, training=training_config(
+        task="tests.user_tasks:crash_once",
+        task_args={"crash_once_at": 15, "crash_marker": str(tmp_path / "crashed"),
+                   "crash_after_standby": True, "step_delay": 0.1}))
+    assert out.success and (tmp_path / "crashed").exists()
+    assert [e["attempt"] for e in _ends(instance, "warm-first")] == [1, 2]
+    started = _started(instance, out.run_id)
+    assert len(started) == 2 and all(WARM_STARTED in line for line in started), started
+
+
+@pytest.mark.slow
+def test_a_trainer_sigtermed_alone_is_relaunched_in_its_run_as_attempt_2(
+        instance, tmp_path, mlflow_uri, monkeypatch):
+    """Only the trainer is signalled (its pod deleted, its run worker's pod on another
+    node): the worker hears nothing while it settles, and the next attempt trains on in
+    the same Dagster run, on the preemption budget."""
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
+    store = tmp_path / "store"
+    res = make_resources(str(store), tracking_uri=mlflow_uri)
+    instance.add_dynamic_partitions("training_runs", ["sigtermed"])
+    killer = TrainerKiller(store, "default", "sigtermed", at_step=10, sig=signal.SIGTERM)
+    killer.start()
+    out = materialize_run(instance, "sigtermed", res,
+                          training=training_config(task_args={"step_delay": 0.05}))
+    killer.cancel()
+    assert killer.killed_pid and out.success
+    first, second = _ends(instance, "sigtermed")
+    assert (first["attempt"], first["failure_class"], first["exit_code"]) == (1, "preempted", 143)
+    assert (second["attempt"], second["failure_class"]) == (2, "success")
+    assert first["dagster_run_id"] == second["dagster_run_id"] == out.run_id
+    assert second["resumed_from_step"] == first["last_committed_step"] >= 10
+    assert Budget.from_tag(instance.get_run_by_id(out.run_id).tags[TAG_BUDGET]).preemptions == 1
+
+
 # -- end to end under a real dagster-daemon, default settings ------------------------------
 
 @pytest.mark.slow
@@ -231,6 +322,10 @@ def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
         final = daemon.wait_done("in-run")
         assert [r.run_id for r in daemon.runs("in-run")] == [final.run_id]
         assert TAG_DECISION not in final.tags and final.tags[TAG_ATTEMPT] == "2"
+        # Attempt 2 was the standby started beside attempt 1, though this fresh run worker
+        # imported torch meanwhile (its end-of-run imports).
+        started = _started(daemon.instance, final.run_id)
+        assert len(started) == 2 and all(WARM_STARTED in line for line in started), started
         assert Budget.from_tag(final.tags[TAG_BUDGET]).transient == 1
         rep = lineage_report(daemon.instance, open_store(daemon.store), "in-run")
         assert [(a["attempt"], a["failure_class"]) for a in rep["attempts"]] == [
@@ -238,5 +333,40 @@ def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
         assert daemon.max_active["in-run"] == 1
         assert_bitwise_equal(uninterrupted, training_state(
             final_state(Path(daemon.store), run="in-run")))
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.slow
+def test_a_trainer_whose_run_worker_is_sigtermed_too_is_left_to_the_sensors(tmp_path,
+                                                                            monkeypatch):
+    """The whole pod or node is going: the trainer is signalled, and its run worker moments
+    after the trainer has committed and exited. The worker's own interrupt ends the settle:
+    nothing is relaunched in its run, which ends, and the sensors resume it as a new run."""
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the daemon inherits this
+    daemon = Daemon.start(tmp_path / "d", str(tmp_path / "store"))
+    try:
+        daemon.launch("node-going", training_config_e2e("node-going"), tmp_path)
+        hb = daemon.wait_for_step("node-going", 15, attempt=1)
+        (run,) = daemon.runs("node-going")
+        worker = AttemptProcesses.of_run(daemon.instance.get_run_by_id(run.run_id)).worker.pid
+        kill(hb["pid"], signal.SIGTERM)
+        # The trainer has committed and exited, and the step waits for a stop of its own.
+        daemon.wait_until(lambda: _said(daemon.instance, run.run_id, SETTLING),
+                          "the step to settle", every=0.05)
+        assert not pid_alive(hb["pid"])
+        kill(worker, signal.SIGTERM)
+        final = daemon.wait_done("node-going")
+        first, resume = daemon.runs("node-going")
+        assert final.run_id == resume.run_id and resume.tags[TAG_PARENT_RUN_ID] == first.run_id
+        # (A relaunch would have tagged the run with attempt 2.)
+        assert first.status.value in ("FAILURE", "CANCELED")
+        assert first.tags.get(TAG_ATTEMPT, "1") == "1"
+        assert resume.tags[TAG_ATTEMPT] == "2"
+        # The first run's only attempt; none was relaunched beside the stopping worker.
+        assert [e["attempt"] for e in _ends(daemon.instance, "node-going")
+                if e["dagster_run_id"] == first.run_id] == [1]
+        assert not _said(daemon.instance, first.run_id, "relaunching the trainer in this run")
+        assert daemon.max_active["node-going"] == 1
     finally:
         daemon.stop()

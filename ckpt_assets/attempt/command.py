@@ -46,6 +46,8 @@ class TrainerSettings(Protocol):
     def log_level(self) -> str: ...
     @property
     def grace_period_seconds(self) -> float: ...
+    @property
+    def worker_environ(self) -> dict[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,11 @@ def attempt_mtbf(context, store: ObjectStore, reg: Registration) -> Mtbf | None:
 
 
 def base_env(trainer: TrainerSettings, aws_env: dict[str, str]) -> dict[str, str]:
-    """The environment an attempt's process starts from: ours without the contract's
-    variables (a stale one must never reach the trainer), plus the store's credentials."""
-    env = {**LaunchEnv.scrubbed(os.environ), **aws_env, **trainer.extra_env,
+    """The environment an attempt's process starts from: the run worker's as the run began
+    (`worker_environ`: the same for every attempt, so a standby fits each) without the
+    contract's variables (a stale one must never reach the trainer), plus the store's
+    credentials as they are now."""
+    env = {**LaunchEnv.scrubbed(trainer.worker_environ), **aws_env, **trainer.extra_env,
            "PYTHONUNBUFFERED": "1"}
     # The user's modules first (TrainerSettings.pythonpath), then ckpt-assets itself, so
     # both the trainer and a task module outside this repository import.

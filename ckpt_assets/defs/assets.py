@@ -227,8 +227,7 @@ def _one_attempt(step: _Step, ids: AttemptIds):
         tracker.catch_up(late)
     ended = report.outcome(repo, proc, context)
     ended = named_if_stopped(context.instance, context.run.run_id, ended)
-    relaunch = (consider_relaunch(context, ended, proc.interrupted is not None, step.settings)
-                if ended.outcome.failed else None)
+    relaunch = consider_relaunch(context, ended, proc, step.settings)
     _record_end(context, ended, proc, tracker, report, relaunching=relaunch is not None)
     return ended, tracker, relaunch
 

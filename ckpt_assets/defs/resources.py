@@ -149,6 +149,20 @@ class TrainerResource(dg.ConfigurableResource):
     # them in one process, with one instance of each resource), so that the standby its
     # first step starts is the one the training step hands the first attempt to.
     _warm: WarmTrainer | None = PrivateAttr(default=None)
+    # The run worker's environment as the run's first attempt (or its standby) inherited it.
+    _environ: dict[str, str] | None = PrivateAttr(default=None)
+
+    @property
+    def worker_environ(self) -> dict[str, str]:
+        """What every attempt of this run inherits of the run worker's environment: the
+        environment as the run first started one. Libraries the worker loads meanwhile add
+        variables for themselves (importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR,
+        MLflow a telemetry id); one that torch reads at start reaching only later attempts
+        made the standby started beside the first attempt unfit for the second, which then
+        started cold."""
+        if self._environ is None:
+            self._environ = dict(os.environ)
+        return self._environ
 
     def warm_trainer(self, log) -> WarmTrainer:
         """This run's warm trainer (`ckpt_assets.attempt.warm_start`), logging to `log`."""
@@ -161,6 +175,7 @@ class TrainerResource(dg.ConfigurableResource):
         if self._warm is not None:  # a standby no step handed an attempt (a step failed)
             self._warm.close()
             self._warm = None
+        self._environ = None  # the next run inherits the worker's environment as it is then
 
     @property
     def in_pod(self) -> bool:

@@ -11,12 +11,22 @@ run's `ckpt/budget` tag, so a later sensor resume of the same run continues the 
 
 What is relaunched here is narrower than what the policy resumes:
 
-* only outcomes in `IN_RUN_OUTCOMES`, the trainer's own death while its worker lives. A
-  SIGTERM of the trainer (`preempted`) is left to the sensors: a preemption notice goes to
-  the whole pod or node, so the run worker is about to be stopped too, and a trainer
-  relaunched beside it would be killed again mid-start (or, worse, outlive a worker the
-  reconciler then declares lost). The sensors resume it as a new run once the worker is
-  gone, within the preemption budget.
+* only outcomes in `IN_RUN_OUTCOMES`, the trainer's own end while its worker lives. A
+  trainer stopped by SIGTERM (`preempted`) is one of them only when the signal was for the
+  trainer alone (its pod deleted while the run worker's pod lives on another node, or a
+  signal to its pid): a preemption notice to the whole pod or node reaches the run worker
+  too, and a trainer relaunched beside a worker that is stopping would be stopped again
+  mid-start. The run worker tells the two apart from what it knows of itself: Dagster turns
+  the worker's own SIGTERM/SIGINT into an interrupt of the step's thread
+  (`DagsterExecutionInterruptedError`), so a worker that is going has been interrupted, or
+  is within moments. `settle_after_preemption` waits those moments
+  (`ResumeSettings.in_run_preempt_settle_s`) with the interrupt captured (a flag of its
+  own process); an interrupt that arrives meanwhile leaves the attempt to the sensors (the run ends interrupted and is resumed as a
+  new run once the worker is gone, within the preemption budget), as does a run whose
+  termination Dagster has begun (not STARTED: Dagster marks it CANCELING before it
+  interrupts the worker). A notice that reaches the worker later still (a node drained pod
+  by pod) stops the relaunched attempt the way any interrupt stops an attempt: it commits,
+  exits 143, and the sensors resume the run; nothing is lost but the attempt's start-up.
 * only back-offs up to `ResumeSettings.in_run_max_delay_s`, served by sleeping in the step;
   a longer one ends the step, and the reconciler launches the resume when it is due.
 * never when the run was interrupted or asked to stop (`ckpt/no_resume`), nor when the
@@ -37,22 +47,29 @@ from __future__ import annotations
 
 import time
 
-from dagster import DagsterRunStatus
+from dagster import DagsterExecutionInterruptedError, DagsterRunStatus
 
 from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.attempt.process import ProcessOutcome
 from ckpt_assets.lifecycle.ended import liveness_outcome
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.state import RunState, State, state_observation
 from ckpt_assets.runs.clock import iso
+from ckpt_assets.runs.dagster_private import (
+    capture_interrupts,
+    check_captured_interrupt,
+    pop_captured_interrupt,
+)
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
 from ckpt_assets.runs.view import RunView
 from trainer.outcomes import Outcome
 
-# The trainer died and nothing says its run worker is about to: a relaunch here is safe.
+# The trainer ended and nothing says its run worker is about to: a relaunch here is safe.
 # (A rank that only lost its peers is such a death too: the peer's process died or hung.)
+# A preempted one only once `settle_after_preemption` heard no interrupt of the worker.
 IN_RUN_OUTCOMES = frozenset({Outcome.KILLED_BY_SIGNAL, Outcome.STORAGE_UNAVAILABLE,
-                             Outcome.RANK_LOST})
+                             Outcome.RANK_LOST, Outcome.PREEMPTED})
 
 
 def relaunch_decision(ended: AttemptEnd, used: Budget, settings: ResumeSettings, *,
@@ -71,15 +88,55 @@ def relaunch_decision(ended: AttemptEnd, used: Budget, settings: ResumeSettings,
     return decision
 
 
-def consider_relaunch(context, ended: AttemptEnd, interrupted: bool,
+def consider_relaunch(context, ended: AttemptEnd, proc: ProcessOutcome,
                       settings: ResumeSettings) -> Decision | None:
-    """`relaunch_decision` for the step's own run, read from its tags as they are now."""
+    """`relaunch_decision` for the step's own run, read from its tags as they are now. A
+    preempted trainer first waits out `settle_after_preemption`. Meanwhile the run
+    worker's own SIGTERM/SIGINT is noted rather than raised mid-decision: it is set on
+    `proc` (the step re-raises it once the attempt is recorded) and nothing is relaunched."""
+    if not ended.outcome.failed:
+        return None
+    with capture_interrupts():
+        decision = _consider(context, ended, proc.interrupted is not None, settings)
+        if decision is not None and ended.outcome is Outcome.PREEMPTED:
+            context.log.info(f"attempt {ended.attempt} was stopped by "
+                             f"{ended.signal or 'SIGTERM'} while its run worker lives: "
+                             f"{settings.in_run_preempt_settle_s:g}s for a stop of the "
+                             "worker's own before it is relaunched in this run")
+            settle_after_preemption(settings)
+            # Read once more: Dagster marks a run it terminates CANCELING before it
+            # interrupts the worker, and a stop for good tags the run first.
+            decision = _consider(context, ended, False, settings)
+        if pop_captured_interrupt():  # the worker is stopping: the sensors' turn
+            proc.interrupted = proc.interrupted or DagsterExecutionInterruptedError()
+            return None
+    return decision
+
+
+def _consider(context, ended: AttemptEnd, interrupted: bool,
+              settings: ResumeSettings) -> Decision | None:
     run = context.instance.get_run_by_id(context.run.run_id) or context.run
     view = RunView.of(run)
     return relaunch_decision(ended, Budget.from_tag(view.budget), settings,
                              interrupted=interrupted, stop_requested=view.stop_requested,
                              taken_over=liveness_outcome(run) is not None
                              or run.status != DagsterRunStatus.STARTED)
+
+
+SETTLE_LOOK_S = 0.05  # how often the settle looks at the worker's own interrupt flag
+
+
+def settle_after_preemption(settings: ResumeSettings, interrupted=check_captured_interrupt,
+                            clock=time.monotonic, sleep=time.sleep) -> bool:
+    """Wait up to `in_run_preempt_settle_s` for the run worker's own SIGTERM/SIGINT (as
+    Dagster's handler, under `capture_interrupts`, notes it in this process); whether it
+    came. A flag of this process, not another system's record: it ends the wait at once."""
+    deadline = clock() + settings.in_run_preempt_settle_s
+    while not interrupted():
+        if clock() >= deadline:
+            return False
+        sleep(SETTLE_LOOK_S)
+    return True
 
 
 def relaunch_words(ended: AttemptEnd, decision: Decision) -> str:

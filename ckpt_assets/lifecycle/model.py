@@ -76,7 +76,9 @@ TABLE: tuple[Transition, ...] = (
     Transition(S.TRAINING, E.CHECKPOINT_COMMITTED, S.TRAINING, "attempt.messages",
                "a checkpoint observation on the partition, MLflow's metrics"),
     Transition(S.TRAINING, E.RELAUNCHED_IN_RUN, S.TRAINING, "lifecycle.in_run",
-               "the next attempt's number, start and budget on the run; a state observation"),
+               "the next attempt's number, start and budget on the run; a state observation "
+               "(a killed trainer at once; a preempted one once its run worker heard no stop "
+               "of its own within the settle)"),
     Transition(S.TRAINING, E.FINISHED, S.FINISHED, "defs.assets",
                "attempt_ended (success); the final model"),
     Transition(S.TRAINING, E.ATTEMPT_ENDED, S.DECIDING, "defs.assets",

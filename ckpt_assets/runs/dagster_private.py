@@ -23,7 +23,11 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 from dagster._core.errors import DagsterRunAlreadyExists
 from dagster._core.events import EngineEventData
-from dagster._utils.interrupts import capture_interrupts
+from dagster._utils.interrupts import (
+    capture_interrupts,
+    check_captured_interrupt,
+    pop_captured_interrupt,
+)
 
 from ckpt_assets.runs.names import TRAIN_JOB, WORKSPACE_FILE
 
@@ -32,7 +36,8 @@ if TYPE_CHECKING:
     from dagster._core.remote_representation.code_location import CodeLocation
     from dagster._core.workspace.context import BaseWorkspaceRequestContext
 
-__all__ = ["DagsterRunAlreadyExists", "capture_interrupts", "report_engine_event",
+__all__ = ["DagsterRunAlreadyExists", "capture_interrupts", "check_captured_interrupt",
+           "pop_captured_interrupt", "report_engine_event",
            "daemon_types", "TrainingLocation", "open_training_location", "create_training_run",
            "SubmitError"]
 

@@ -29,6 +29,7 @@ class Setting(StrEnum):
     STOP_GRACE_S = "CKPT_STOP_GRACE_S"
     IN_RUN_RELAUNCH = "CKPT_IN_RUN_RELAUNCH"
     IN_RUN_MAX_DELAY_S = "CKPT_IN_RUN_MAX_DELAY_S"
+    IN_RUN_PREEMPT_SETTLE_S = "CKPT_IN_RUN_PREEMPT_SETTLE_S"
     WARM_TRAINER = "CKPT_WARM_TRAINER"
 
 
@@ -63,6 +64,11 @@ class ResumeSettings:
     # differently. Off (`CKPT_IN_RUN_RELAUNCH=0`), every failure goes through the sensors.
     in_run_relaunch: bool = True
     in_run_max_delay_s: float = 60.0
+    # A trainer stopped by SIGTERM is relaunched in its run only if its run worker has not
+    # been interrupted within this long of its end: a notice to the whole pod or node
+    # reaches the worker too, within moments (`ckpt_assets.lifecycle.in_run`). The price of
+    # telling the two apart, paid only by a preempted trainer's relaunch.
+    in_run_preempt_settle_s: float = 2.0
     # ... by a standby process that imported torch while the attempt before it trained
     # (`ckpt_assets.attempt.warm_start`): one idle interpreter per training step, for a restart
     # about 2 s shorter. Off (`CKPT_WARM_TRAINER=0`), a relaunch starts cold.
@@ -85,6 +91,8 @@ class ResumeSettings:
             stop_grace_s=float(env(Setting.STOP_GRACE_S, cls.stop_grace_s)),
             in_run_relaunch=switch(Setting.IN_RUN_RELAUNCH, cls.in_run_relaunch),
             in_run_max_delay_s=float(env(Setting.IN_RUN_MAX_DELAY_S, cls.in_run_max_delay_s)),
+            in_run_preempt_settle_s=float(env(Setting.IN_RUN_PREEMPT_SETTLE_S,
+                                              cls.in_run_preempt_settle_s)),
             warm_trainer=switch(Setting.WARM_TRAINER, cls.warm_trainer))
 
 
