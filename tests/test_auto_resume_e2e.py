@@ -113,8 +113,11 @@ def _check_one_mlflow_run(daemon, name, final, attempts: int):
     assert run.info.status == "FINISHED"
     assert run.data.tags["dagster_run_id"] == final.run_id
     assert run.data.tags["attempt"] == str(attempts)
+    # One point per step (a late catch-up logs older steps after newer ones: MLflow plots
+    # by step), up to the run's last.
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
-    assert steps == sorted(set(steps)) and steps[-1] == training_config(name)["max_steps"], steps
+    assert len(steps) == len(set(steps)), steps
+    assert max(steps) == training_config(name)["max_steps"], steps
 
 
 def _checkpoint_events(daemon, name) -> list[dict]:

@@ -25,6 +25,7 @@ import dagster as dg
 
 from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.process import ProcessOutcome
+from ckpt_assets.lifecycle.decision_record import mirror_tags, read_decision
 from ckpt_assets.mlflow.tracking import MlflowTracker
 from ckpt_assets.records.metadata import checkpoint_metadata, to_metadata
 from ckpt_assets.runs.dagster_private import report_engine_event
@@ -36,7 +37,9 @@ from ckpt_assets.runs.events import (
     recorded_checkpoint_names,
 )
 from ckpt_assets.runs.tags import (
+    PARTITION_TAG,
     TAG_ATTEMPT,
+    TAG_DECISION,
     TAG_DECISION_REASON,
     TAG_PARENT_RUN_ID,
     TAG_RESUMED_BY,
@@ -55,6 +58,7 @@ from trainer.errors import CheckpointError, StorageError, TrainerError
 from trainer.outcomes import Outcome, signal_name
 from trainer.records import CheckpointRecord
 from trainer.repo import CheckpointRepo
+from trainer.storage import ObjectStore
 
 TRACEBACK_MAX_CHARS = 20_000  # the end of a traceback is where the error is
 
@@ -242,18 +246,27 @@ def attempt_failure(ended: AttemptEnd, report: AttemptReport) -> dg.Failure:
     return dg.Failure(description=failure_description(ended), metadata=md, allow_retries=False)
 
 
-def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log) -> str | None:
+def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log,
+                store: ObjectStore | None = None) -> str | None:
     """A resume run, once it runs, links itself and the failed run it resumes both ways.
 
     The sensor decides on the failed run and writes its decision there, but the resume's
     run id exists only after the daemon launched it: so the resume says it, here, in its
     own log (`/runs/<parent>`) and on the failed run (an engine event and the tag
-    `ckpt/resumed_by`). Returns the parent's run id; best-effort (never fails the step)."""
+    `ckpt/resumed_by`). The failed run's record has long settled by now, so this is also
+    where its decision's tags are put back if Dagster's rewrite of the ended run dropped
+    them (`lifecycle.decision_record`). Returns the parent's run id; best-effort (never
+    fails the step)."""
     parent_id = run.tags.get(TAG_PARENT_RUN_ID)
     if not parent_id:
         return None
     try:
         parent = instance.get_run_by_id(parent_id)
+        if parent is not None and store is not None and TAG_DECISION not in parent.tags:
+            rec = read_decision(store, run.tags.get(PARTITION_TAG, ""), parent_id)
+            if rec is not None:
+                instance.add_run_tags(parent_id, mirror_tags(rec))
+                parent = instance.get_run_by_id(parent_id)
         reason = parent.tags.get(TAG_DECISION_REASON, "") if parent is not None else ""
         attempt = run.tags.get(TAG_ATTEMPT, "?")
         # Engine events, not log lines: their dagster_run metadata is a link in the UI.

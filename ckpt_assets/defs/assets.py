@@ -141,7 +141,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     ids = AttemptIds(attempt_number(context, repo), context.run.run_id,
                      context.run.tags.get(TAG_ROOT_RUN_ID) or context.run.run_id, git_commit())
     dataset = DatasetRecord.from_dict(training_dataset)
-    link_resume(context.instance, context.run, context.log)
+    link_resume(context.instance, context.run, context.log, store)
     context.log_event(state_observation(run_state(context.instance, reg.run)))
     # Before this attempt commits anything: what earlier attempts committed unseen.
     seen = record_unseen_checkpoints(context, repo, reg.run)

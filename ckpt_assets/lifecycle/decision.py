@@ -23,13 +23,17 @@ from dataclasses import asdict
 import dagster as dg
 
 from ckpt_assets.attempt.end import AttemptEnd
-from ckpt_assets.lifecycle.decision_record import DecisionRecord, create_once, read_decision
+from ckpt_assets.lifecycle.decision_record import (
+    DecisionRecord,
+    create_once,
+    mirror_tags,
+    read_decision,
+)
 from ckpt_assets.lifecycle.ended import failure_of, run_repo
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.state import report_state
 from ckpt_assets.lifecycle.stop import stop_reason_text
 from ckpt_assets.records.metadata import to_metadata
-from ckpt_assets.runs.clock import iso
 from ckpt_assets.runs.dagster_private import report_engine_event
 from ckpt_assets.runs.names import TRAIN_JOB
 from ckpt_assets.runs.queries import is_training_run, newest_training_run
@@ -39,14 +43,8 @@ from ckpt_assets.runs.tags import (
     PARTITION_TAG,
     TAG_ATTEMPT,
     TAG_BUDGET,
-    TAG_DECIDED_AT,
     TAG_DECISION,
-    TAG_DECISION_REASON,
-    TAG_FAILURE_CLASS,
-    TAG_FAILURE_KIND,
-    TAG_NEXT_BUDGET,
     TAG_PARENT_RUN_ID,
-    TAG_RESUME_AT,
     TAG_RESUME_FROM,
     TAG_ROOT_RUN_ID,
 )
@@ -79,16 +77,6 @@ def decision_of(run: dg.DagsterRun, store: StoreSource | None) -> DecisionRecord
                           view.failure_kind or "", view.failure_class or "",
                           view.decision_reason, view.decided_at or 0.0, view.resume_at,
                           view.next_budget, view.attempt, None)
-
-
-def mirror_tags(rec: DecisionRecord) -> dict[str, str]:
-    """The decision as the failed run's tags: what people, `list` and the reconciler's
-    queries read."""
-    return {TAG_DECISION: "resume" if rec.resume else "stop",
-            TAG_DECISION_REASON: rec.reason[:400], TAG_FAILURE_KIND: rec.kind,
-            TAG_FAILURE_CLASS: rec.failure_class, TAG_DECIDED_AT: iso(rec.decided_at),
-            TAG_NEXT_BUDGET: rec.next_budget,
-            **({TAG_RESUME_AT: iso(rec.resume_at)} if rec.resume_at is not None else {})}
 
 
 def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,

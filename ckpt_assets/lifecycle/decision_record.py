@@ -14,7 +14,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 
+from ckpt_assets.runs.clock import iso
 from ckpt_assets.runs.registration import validate_partition_key
+from ckpt_assets.runs.tags import (
+    TAG_DECIDED_AT,
+    TAG_DECISION,
+    TAG_DECISION_REASON,
+    TAG_FAILURE_CLASS,
+    TAG_FAILURE_KIND,
+    TAG_NEXT_BUDGET,
+    TAG_RESUME_AT,
+)
 from trainer.errors import AlreadyExistsError, StorageError
 from trainer.storage import ObjectStore
 
@@ -69,3 +79,13 @@ def create_once(store: ObjectStore, rec: DecisionRecord) -> tuple[DecisionRecord
             raise StorageError(f"{store.uri_for(key)} was created by another writer and "
                                "cannot be read; check the store") from None
         return winner, False
+
+
+def mirror_tags(rec: DecisionRecord) -> dict[str, str]:
+    """The decision as the failed run's tags: what people, `list` and the reconciler's
+    queries read."""
+    return {TAG_DECISION: "resume" if rec.resume else "stop",
+            TAG_DECISION_REASON: rec.reason[:400], TAG_FAILURE_KIND: rec.kind,
+            TAG_FAILURE_CLASS: rec.failure_class, TAG_DECIDED_AT: iso(rec.decided_at),
+            TAG_NEXT_BUDGET: rec.next_budget,
+            **({TAG_RESUME_AT: iso(rec.resume_at)} if rec.resume_at is not None else {})}
