@@ -129,3 +129,18 @@ def test_a_rerun_after_a_sigkilled_ckpt_assets_run_is_linked_as_the_killed_runs_
     assert first["end"] == "worker_lost"
     (row,) = json.loads(cli("list", "--json").stdout)
     assert (row["state"], row["attempt"]) == ("finished", 2)
+
+
+@pytest.mark.slow
+def test_a_finished_run_run_again_by_hand_trains_nothing_and_exits_0(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    name = "done-once"
+    config = _config(tmp_path, name, max_steps=10)
+    first = _ci_run(tmp_path, name, config)
+    assert first.wait(600) == 0, (tmp_path / f"{name}.log").read_text()[-6000:]
+    again = subprocess.run([PYTHON, "-m", "ckpt_assets", "run", name], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"training run {name} already finished" in again.stdout
+    assert len(dg.DagsterInstance.get().get_runs()) == 1  # nothing launched

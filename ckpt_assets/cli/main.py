@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="extra run tag (repeatable)")
     la.add_argument("--force", action="store_true",
                     help="queue another run even if the run already has a queued or running "
-                         "Dagster run")
+                         "Dagster run, or has finished")
 
     ru = sub.add_parser("run", parents=[common],
                         help="register if needed, then train the run in this process (no "
@@ -201,13 +201,17 @@ def _launch_tags(args) -> dict[str, str]:
 def cmd_launch(args) -> int:
     """Register if needed, then queue a train_job run (`ckpt_assets.runs.submit`): once, even
     when launches of the name race. A run that is active already is what the user asked
-    for: that is reported, and the launch succeeds without queuing another."""
-    from ckpt_assets.lifecycle.rerun import rerun_tags
+    for: that is reported, and the launch succeeds without queuing another; so is a run
+    that finished (`--force` queues one all the same)."""
+    from ckpt_assets.lifecycle.rerun import already_finished, rerun_tags
     from ckpt_assets.runs.submit import SubmitError, launch_training_run
 
     tags = _launch_tags(args)
     instance, store = _validated(args)
     reg = _registered(args, instance, store)
+    if not args.force and (done := already_finished(instance, reg)):
+        print(done)
+        return EXIT_OK
     try:
         launch = launch_training_run(instance, args.name,
                                      {**rerun_tags(instance, args.name), **tags},
@@ -279,11 +283,14 @@ def cmd_run(args) -> int:
     """Train the run here, through the assets, and exit with its attempt's code
     (`ckpt_assets.cli.run_here`): the daemon-less path for CI."""
     from ckpt_assets.cli.run_here import run_in_process
-    from ckpt_assets.lifecycle.rerun import rerun_tags
+    from ckpt_assets.lifecycle.rerun import already_finished, rerun_tags
     from ckpt_assets.runs.tags import TAG_ATTEMPT
 
     instance, store = _validated(args)
     reg = _registered(args, instance, store)
+    if done := already_finished(instance, reg):
+        print(done)
+        return EXIT_OK
     tags = rerun_tags(instance, args.name)
     what = f"attempt {tags[TAG_ATTEMPT]}" if tags else "training"
     print(f"{what} of training run {reg.run} (experiment {reg.experiment}) in this process",

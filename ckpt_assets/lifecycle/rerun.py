@@ -12,7 +12,10 @@ import dagster as dg
 
 from ckpt_assets.lifecycle.ended import recorded_end
 from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
+from ckpt_assets.lifecycle.model import Event, State, allows
+from ckpt_assets.lifecycle.state import run_state
 from ckpt_assets.runs.queries import ENDED_UNSUCCESSFULLY, newest_training_run, training_runs_of
+from ckpt_assets.runs.registration import Registration
 from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.runs.view import RunView
 
@@ -35,3 +38,16 @@ def rerun_tags(instance: dg.DagsterInstance, name: str) -> dict[str, str]:
         view.attempt if view.attempt_tagged else len(training_runs_of(instance, name)))
     return {TAG_PARENT_RUN_ID: failed.run_id, TAG_ROOT_RUN_ID: view.root_run_id,
             TAG_ATTEMPT: str(attempt + 1)}
+
+
+def already_finished(instance: dg.DagsterInstance, reg: Registration) -> str | None:
+    """Why launching `reg`'s run by hand would train nothing, in words, or None. A run that
+    reached its final checkpoint is done (`lifecycle.model`: no launch from `finished`);
+    training past its end is asked for explicitly, with `checkpoint.continue_finished`."""
+    state = run_state(instance, reg.run)
+    if allows(state.state, Event.LAUNCHED) or state.state != State.FINISHED \
+            or reg.config.checkpoint.continue_finished:
+        return None
+    return (f"training run {reg.run} already finished ({state.detail}); nothing to train. "
+            "To train past its end, set checkpoint.continue_finished: true in its config and "
+            "launch it again, or register a new run")
