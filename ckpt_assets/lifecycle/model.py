@@ -58,8 +58,9 @@ S, E = State, Event
 _LAUNCH = ("runs.submit", "a train_job run of the partition; a re-run by hand is tagged as "
            "the failed run's child (lifecycle.rerun)")
 _DECIDE = "lifecycle.decision"
-_DECIDED = "the decision on the ended run (ckpt/decision, its reason, outcome and budget), " \
-           "in its log and as the partition's state"
+_DECIDED = ("the decision, created once in the store (DECISIONS/<run>/<dagster run>.json); "
+            "its mirror on the ended run (ckpt/decision, reason, outcome, budget), in its log "
+            "and as the partition's state")
 _STOP = ("lifecycle.stop", "ckpt/no_resume on every active run before it is ended, and a "
          "pending resume withdrawn")
 
