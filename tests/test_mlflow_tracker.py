@@ -47,6 +47,13 @@ def test_a_nested_config_flattens_to_dotted_string_params_without_nulls():
                     "task": "pkg.mod:build", "we_rd": "True"}
 
 
+def test_a_training_runs_experiment_opens_on_mlflows_training_view_not_the_genai_one(resource):
+    t = tracker(resource, "kind", experiment="kind-exp")
+    client = MlflowClient(tracking_uri=resource.resolved_tracking_uri)
+    exp = client.get_experiment(_run(resource, t).info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+
+
 def test_the_config_is_logged_once_and_a_resumed_attempt_skips_what_is_already_there(resource):
     cfg = {"max_steps": 40, "optim": {"lr": 0.05}, "task_args": {"hidden": 32}}
     first = tracker(resource, "params-once")

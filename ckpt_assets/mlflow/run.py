@@ -15,6 +15,8 @@ from typing import Any
 from trainer.contract import Started
 
 TRAINING_RUN_TAG = "training_run"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"  # the MLflow UI's model-training view
 
 # MLflow's limits (mlflow.utils.validation): longer values are refused, not truncated.
 PARAM_VALUE_MAX = 6000
@@ -221,6 +223,10 @@ def find_or_create_run(client, resource, experiment: str, training_run: str) -> 
             exp_id = exp.experiment_id
     else:
         exp_id = exp.experiment_id
+    if exp is None or exp.tags.get(EXPERIMENT_KIND_TAG) is None:
+        # MLflow 3 guesses an untagged experiment's kind and may open it on its (empty) GenAI
+        # view; a training run's experiment opens on the runs and their metrics.
+        client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
 
     def search():
         return client.search_runs(
