@@ -144,3 +144,29 @@ def test_a_finished_run_run_again_by_hand_trains_nothing_and_exits_0(
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"training run {name} already finished" in again.stdout
     assert len(dg.DagsterInstance.get().get_runs()) == 1  # nothing launched
+
+
+@pytest.mark.slow
+def test_a_preempted_ckpt_assets_run_prints_a_short_summary_and_what_to_run_next(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    name = "told"
+    config = _config(tmp_path, name, max_steps=2000, task_args={"step_delay": 0.02})
+    proc = subprocess.Popen([PYTHON, "-m", "ckpt_assets", "run", name, "--config", str(config)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_committed(store_uri, name, 10)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    lines = out.strip().splitlines()
+    assert "Traceback" not in out + err and "DEBUG" not in out + err, (out, err)
+    assert len(lines) <= 4, out  # the start, the summary and what comes next
+    assert "ended preempted (exit 143); last committed step" in out
+    assert f"no daemon runs here: run `ckpt-assets run {name}` again" in out
+    assert "resume sensors" not in out  # no promise of sensors where none run
+    log = Path(dagster_home) / "logs" / f"run-{name}.log"
+    assert "DagsterExecutionInterruptedError" in log.read_text() or log.stat().st_size > 0

@@ -35,11 +35,11 @@ others name it and exit 0.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
+from ckpt_assets.cli.parser import parser
 from ckpt_assets.runs.names import REPO_ROOT
 from trainer import strict_json
 from trainer.outcomes import Outcome
@@ -54,63 +54,6 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = EXIT_BAD_INPUT):
         super().__init__(message)
         self.code = code
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_BAD_INPUT, f"ckpt-assets: error: {message}\n")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m ckpt_assets", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--store", default=None, help="checkpoint store URI")
-    common = argparse.ArgumentParser(add_help=False)  # --store after the command works too
-    common.add_argument("--store", default=argparse.SUPPRESS, help="checkpoint store URI")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    r = sub.add_parser("register", parents=[common], help="record a run's training config and add its partition")
-    r.add_argument("name", help="training run name = partition key")
-    r.add_argument("--config", required=True, help="training config file (JSON or YAML)")
-    r.add_argument("--experiment", default=None)
-
-    la = sub.add_parser("launch", parents=[common], help="register if needed, then queue a train_job run")
-    la.add_argument("name")
-    la.add_argument("--config", default=None, help="training config (needed the first time)")
-    la.add_argument("--experiment", default=None)
-    la.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra run tag (repeatable)")
-    la.add_argument("--force", action="store_true",
-                    help="queue another run even if the run already has a queued or running "
-                         "Dagster run, or has finished")
-
-    ru = sub.add_parser("run", parents=[common],
-                        help="register if needed, then train the run in this process (no "
-                             "daemon); exit with the attempt's exit code")
-    ru.add_argument("name")
-    ru.add_argument("--config", default=None, help="training config (needed the first time)")
-    ru.add_argument("--experiment", default=None)
-
-    st = sub.add_parser("stop", parents=[common],
-                        help="terminate the run's active Dagster run and mark it not to be resumed")
-    st.add_argument("name")
-    st.add_argument("--reason", default=None, help="why (recorded on the run)")
-    st.add_argument("--force", action="store_true",
-                    help="also mark runs canceled whose run worker cannot be reached")
-
-    li = sub.add_parser("list", parents=[common], help="training runs with state, attempts and latest checkpoint")
-    li.add_argument("--json", action="store_true")
-    li.add_argument("--experiment", action="append", default=[],
-                    help="also look for standalone runs in this experiment (repeatable; "
-                         "the registered runs' experiments and 'default' always are)")
-
-    lg = sub.add_parser("lineage", parents=[common], help="attempts, checkpoints and final model of one run")
-    lg.add_argument("name")
-    lg.add_argument("--json", action="store_true")
-    lg.add_argument("--experiment", default=None,
-                    help="a standalone run's experiment (default: 'default')")
-    return p
 
 
 def _instance():
@@ -282,8 +225,9 @@ def _registered(args, instance, store):
 def cmd_run(args) -> int:
     """Train the run here, through the assets, and exit with its attempt's code
     (`ckpt_assets.cli.run_here`): the daemon-less path for CI."""
-    from ckpt_assets.cli.run_here import run_in_process
+    from ckpt_assets.cli.run_here import run_in_process, summary
     from ckpt_assets.lifecycle.rerun import already_finished, rerun_tags
+    from ckpt_assets.lifecycle.state import sensors_running
     from ckpt_assets.runs.tags import TAG_ATTEMPT
 
     instance, store = _validated(args)
@@ -293,9 +237,12 @@ def cmd_run(args) -> int:
         return EXIT_OK
     tags = rerun_tags(instance, args.name)
     what = f"attempt {tags[TAG_ATTEMPT]}" if tags else "training"
-    print(f"{what} of training run {reg.run} (experiment {reg.experiment}) in this process",
-          flush=True)
-    return run_in_process(instance, args.name, tags)
+    log = None if args.verbose else Path(instance.root_directory) / "logs" / f"run-{reg.run}.log"
+    print(f"{what} of training run {reg.run} (experiment {reg.experiment}) in this process"
+          + (f"; Dagster's log: {log} (--verbose shows it here)" if log else ""), flush=True)
+    code = run_in_process(instance, args.name, tags, log)
+    print(summary(instance, args.name, code, sensors_running(instance)), flush=True)
+    return code
 
 
 def cmd_list(args) -> int:
@@ -380,7 +327,7 @@ COMMANDS = {"register": cmd_register, "launch": cmd_launch, "run": cmd_run, "lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser(__doc__).parse_args(argv)
     from trainer.errors import ConfigError, StorageError, TrainerError
 
     try:

@@ -12,6 +12,10 @@ materialize`: the trainer commits a checkpoint and exits 143.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
+
 import dagster as dg
 
 from ckpt_assets.runs.events import ATTEMPT_ENDED, partition_events
@@ -22,15 +26,17 @@ INTERRUPTED = Outcome.PREEMPTED.exit_code
 UNKNOWN = Outcome.USER_CODE_ERROR.exit_code
 
 
-def run_in_process(instance: dg.DagsterInstance, name: str, tags: dict[str, str]) -> int:
-    """Run `train_job` for partition `name` here; return the attempt's exit code."""
+def run_in_process(instance: dg.DagsterInstance, name: str, tags: dict[str, str],
+                   log_path: Path | None = None) -> int:
+    """Run `train_job` for partition `name` here; return the attempt's exit code.
+    `log_path`: where Dagster's own log goes (None: this terminal)."""
     from ckpt_assets.definitions import defs
     from ckpt_assets.defs.jobs import train_job
     from ckpt_assets.runs.dagster_private import capture_interrupts
 
     job = defs.resolve_job_def(train_job.name)
     interrupted = False
-    with capture_interrupts():
+    with capture_interrupts(), _dagster_log(log_path):
         try:
             result = job.execute_in_process(instance=instance, partition_key=name, tags=tags,
                                             raise_on_error=False)
@@ -38,6 +44,44 @@ def run_in_process(instance: dg.DagsterInstance, name: str, tags: dict[str, str]
         except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError):
             interrupted, run_id = True, None
     return attempt_exit_code(instance, name, run_id, interrupted)
+
+
+@contextmanager
+def _dagster_log(path: Path | None) -> Iterator[None]:
+    """Dagster's console log (its DEBUG events, an interrupt's stack traces) into `path`:
+    a user reads the summary `run` prints at the end, and the file when they need more.
+    Dagster binds its console handler to `sys.stderr` when the run starts, so the
+    redirection holds for the whole run."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f, redirect_stderr(f), redirect_stdout(f):
+        yield
+
+
+def summary(instance: dg.DagsterInstance, name: str, code: int, daemon: bool) -> str:
+    """What `ckpt-assets run` says at the end: how the attempt ended, its last committed
+    step, and what comes next (no sensor is promised where no daemon runs)."""
+    ended = _last_end(instance, name)
+    step = ended.get("last_committed_step")
+    where = f" ({ended['checkpoint_uri']})" if ended.get("checkpoint_uri") else ""
+    outcome = Outcome.parse(ended.get("failure_class")) or Outcome.of_exit(code)
+    head = (f"attempt {ended.get('attempt', '?')} of training run {name} ended "
+            f"{outcome.value} (exit {code}); last committed step {step}{where}")
+    if outcome is Outcome.SUCCESS:
+        return f"training run {name} finished at step {step}{where}"
+    if not outcome.kind.resumable:
+        return f"{head}\nnot resumed: {outcome.kind.advice}"
+    if daemon:
+        return f"{head}\nthe resume sensors resume it ({outcome.kind.resume})"
+    return (f"{head}\nno daemon runs here: run `ckpt-assets run {name}` again to resume it "
+            f"from step {step}")
+
+
+def _last_end(instance: dg.DagsterInstance, name: str) -> dict:
+    ends = [md for md, _ in partition_events(instance, name, ATTEMPT_ENDED)]
+    return ends[-1] if ends else {}
 
 
 def attempt_exit_code(instance: dg.DagsterInstance, name: str, run_id: str | None,

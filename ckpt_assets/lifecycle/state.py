@@ -168,6 +168,13 @@ def daemon_running(instance: dg.DagsterInstance, daemon_type: str,
     return beat is not None and now - beat.timestamp <= DAEMON_SILENT_AFTER_S
 
 
+def sensors_running(instance: dg.DagsterInstance) -> bool:
+    """Whether a dagster-daemon runs the sensors (the resume sensors act on a failure)."""
+    from ckpt_assets.runs.dagster_private import daemon_types
+
+    return daemon_running(instance, daemon_types()[0])
+
+
 def without_daemon(instance: dg.DagsterInstance, state: RunState,
                    now: float | None = None) -> RunState:
     """`state`, its detail rewritten when what comes next needs a daemon that is not running."""

@@ -1,0 +1,69 @@
+"""`ckpt-assets`' command line: its commands, their arguments and their help."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainer.outcomes import Outcome
+
+EXIT_BAD_INPUT = Outcome.BAD_INPUT.exit_code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"ckpt-assets: error: {message}\n")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m ckpt_assets", description=description,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", default=None, help="checkpoint store URI")
+    common = argparse.ArgumentParser(add_help=False)  # --store after the command works too
+    common.add_argument("--store", default=argparse.SUPPRESS, help="checkpoint store URI")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("register", parents=[common], help="record a run's training config and add its partition")
+    r.add_argument("name", help="training run name = partition key")
+    r.add_argument("--config", required=True, help="training config file (JSON or YAML)")
+    r.add_argument("--experiment", default=None)
+
+    la = sub.add_parser("launch", parents=[common], help="register if needed, then queue a train_job run")
+    la.add_argument("name")
+    la.add_argument("--config", default=None, help="training config (needed the first time)")
+    la.add_argument("--experiment", default=None)
+    la.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra run tag (repeatable)")
+    la.add_argument("--force", action="store_true",
+                    help="queue another run even if the run already has a queued or running "
+                         "Dagster run, or has finished")
+
+    ru = sub.add_parser("run", parents=[common],
+                        help="register if needed, then train the run in this process (no "
+                             "daemon); exit with the attempt's exit code")
+    ru.add_argument("name")
+    ru.add_argument("--config", default=None, help="training config (needed the first time)")
+    ru.add_argument("--experiment", default=None)
+    ru.add_argument("--verbose", action="store_true",
+                    help="show Dagster's own log here instead of writing it to a file")
+
+    st = sub.add_parser("stop", parents=[common],
+                        help="terminate the run's active Dagster run and mark it not to be resumed")
+    st.add_argument("name")
+    st.add_argument("--reason", default=None, help="why (recorded on the run)")
+    st.add_argument("--force", action="store_true",
+                    help="also mark runs canceled whose run worker cannot be reached")
+
+    li = sub.add_parser("list", parents=[common], help="training runs with state, attempts and latest checkpoint")
+    li.add_argument("--json", action="store_true")
+    li.add_argument("--experiment", action="append", default=[],
+                    help="also look for standalone runs in this experiment (repeatable; "
+                         "the registered runs' experiments and 'default' always are)")
+
+    lg = sub.add_parser("lineage", parents=[common], help="attempts, checkpoints and final model of one run")
+    lg.add_argument("name")
+    lg.add_argument("--json", action="store_true")
+    lg.add_argument("--experiment", default=None,
+                    help="a standalone run's experiment (default: 'default')")
+    return p
