@@ -67,7 +67,7 @@ def boot_id() -> str | None:
         return None
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def stat_fields(pid: int) -> list[str] | None:
     """/proc/<pid>/stat's fields from the state on (the command name may hold spaces)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -89,7 +89,7 @@ class ProcessId:
     @classmethod
     def of(cls, pid: int | None = None) -> ProcessId:
         pid = os.getpid() if pid is None else pid
-        fields = _stat_fields(pid)
+        fields = stat_fields(pid)
         return cls(socket.gethostname(), boot_id(), pid,
                    int(fields[2]) if fields else os.getpgid(pid),
                    int(fields[19]) if fields else None)
@@ -101,12 +101,12 @@ class ProcessId:
 
     def running(self) -> bool:
         """Is this very process still running here (not a zombie, not a reused pid)?"""
-        fields = _stat_fields(self.pid)
+        fields = stat_fields(self.pid)
         return (fields is not None and fields[0] not in ("Z", "X")
                 and int(fields[19]) == self.start_ticks)
 
     def current_group(self) -> int | None:
-        fields = _stat_fields(self.pid)
+        fields = stat_fields(self.pid)
         return int(fields[2]) if fields else None
 
 
@@ -115,7 +115,7 @@ def group_members(pgid: int) -> list[int]:
     members = []
     for name in os.listdir("/proc"):
         if name.isdigit():
-            fields = _stat_fields(int(name))
+            fields = stat_fields(int(name))
             if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
                 members.append(int(name))
     return members

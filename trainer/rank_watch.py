@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from trainer.contract import Env
+from trainer.liveness import stat_fields
 from trainer.signals import on_a_helper_thread
 
 log = logging.getLogger("trainer.rank_watch")
@@ -89,19 +90,10 @@ class RankBeat:
                 return
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat's fields from the state on (the command name may hold spaces)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def child_exists(pid: int, parent: int) -> bool:
     """Is `pid` a child of `parent` that has not exited (stopped counts: it still exists)?
     A pid reused by another process is not our child."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return fields is not None and fields[0] not in ("Z", "X") and int(fields[1]) == parent
 
 
