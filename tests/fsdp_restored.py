@@ -21,7 +21,8 @@ from trainer import CheckpointSession  # noqa: E402
 store, run, out = sys.argv[1:4]
 dist.init_process_group("gloo")
 model, opt = build()
-with CheckpointSession(run=run, experiment="fsdp", store=store) as ckpt:
+with CheckpointSession(run=run, experiment="fsdp", store=store,
+                       continue_finished=True) as ckpt:  # it only inspects the state
     step = ckpt.restore(model=model, optimizer=opt)
     assert step > 0, "nothing was restored"
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -86,7 +86,7 @@ def test_every_hostile_config_exits_2_from_the_real_cli_without_a_traceback(tmp_
 def test_the_ranks_launcher_bounds_its_process_count_like_the_config_does():
     res = _cli(["-m", "trainer.ranks", "--nproc-per-node", "10000", "--", "true"])
     assert res.returncode == 2
-    assert "at most 1024" in res.stderr and "Traceback" not in res.stderr
+    assert "pass 1 to 1024" in res.stderr and "Traceback" not in res.stderr
 
 
 def _commit_one(store, run: str) -> None:

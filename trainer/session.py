@@ -358,9 +358,16 @@ class CheckpointSession:
     # -- a finished run, and the generators an attempt began with ---------------------------
     def _done(self, manifest: Manifest | None) -> bool:
         """The checkpoint to continue from is the run's final one, and continuing past it
-        was not asked for (`continue_finished`)."""
-        return (manifest is not None and manifest.meta.get("final") is True
-                and not self.triggers.continue_finished)
+        was not asked for: by `continue_finished`, or by raising the run's target (a
+        `max_steps` above the one it finished under: a script or config changed to train
+        longer says so itself). A loop that stopped early under the same target (a loss
+        low enough, early stopping) stays finished."""
+        if manifest is None or manifest.meta.get("final") is not True:
+            return False
+        target = manifest.meta.get("max_steps")
+        raised = (self.max_steps is not None and isinstance(target, int)
+                  and self.max_steps > target)
+        return not (self.triggers.continue_finished or raised)
 
     def _already_finished(self, manifest: Manifest) -> None:
         """A run that reached its final checkpoint is done: say so and end the process with
