@@ -36,20 +36,9 @@ import dagster as dg
 from ckpt_assets.lifecycle.ended import failure_of
 from ckpt_assets.lifecycle.lost_worker import lost_words, lost_worker
 from ckpt_assets.lifecycle.model import State
-from ckpt_assets.runs.clock import iso, parse_time
+from ckpt_assets.runs.clock import iso
 from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY, STATE
 from ckpt_assets.runs.queries import newest_training_run
-from ckpt_assets.runs.tags import (
-    PARTITION_TAG,
-    TAG_DECISION,
-    TAG_DECISION_REASON,
-    TAG_NO_RESUME,
-    TAG_PARENT_RUN_ID,
-    TAG_RESUME_AT,
-    TAG_RESUME_FROM,
-    TAG_STOP_REASON,
-    TAG_WORKER_LOST,
-)
 from ckpt_assets.runs.view import RunView
 from trainer.outcomes import Outcome
 
@@ -85,7 +74,8 @@ def run_state(instance: dg.DagsterInstance, partition: str,
     if run is None:
         return RunState(partition, State.NOT_LAUNCHED, "no Dagster run yet")
     outcome = None
-    if RunView.of(run).ended_unsuccessfully and run.tags.get(TAG_DECISION) is None:
+    view = RunView.of(run)
+    if view.ended_unsuccessfully and view.decision is None:
         outcome = failure_of(instance, run, None).outcome
     return state_of(run, time.time() if now is None else now, outcome)
 
@@ -93,63 +83,59 @@ def run_state(instance: dg.DagsterInstance, partition: str,
 def state_of(run: dg.DagsterRun, now: float, outcome: Outcome | None = None) -> RunState:
     """The state of the training run whose newest training run is `run`; `outcome`: how its
     attempt ended, when it ended and nothing decided yet."""
-    tags, status = run.tags, run.status
-    view = RunView.of(run)
-    attempt = view.attempt
-    partition = tags.get(PARTITION_TAG, "")
+    view, status = RunView.of(run), run.status
+    attempt, partition = view.attempt, view.partition
 
     def made(state: State, detail: str, resume_at: str | None = None,
              outcome: Outcome | None = None) -> RunState:
         return RunState(partition, state, detail, run.run_id, attempt, resume_at,
-                        status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED),
+                        view.ended_unsuccessfully,
                         outcome.value if outcome else view.failure_class)
 
-    resumed = f", resuming run {tags[TAG_PARENT_RUN_ID]} from " \
-              f"{tags.get(TAG_RESUME_FROM) or 'the latest checkpoint'}" \
-        if tags.get(TAG_PARENT_RUN_ID) else ""
+    from_where = view.resume_from or "the latest checkpoint"
+    resumed = (f", resuming run {view.parent_run_id} from {from_where}"
+               if view.parent_run_id else "")
     S = dg.DagsterRunStatus
     if status in (S.QUEUED, S.NOT_STARTED, S.STARTING):
         return made(State.RESUMING if resumed else State.QUEUED,
                     f"attempt {attempt} {status.value.lower()}{resumed}")
     if status == S.STARTED:
         procs = lost_worker(run)
-        lost = f"; {lost_words(procs)}: the reconciler ends it, or `{RERUN_HINT.format(run=partition)}` " \
-               "resumes it" if procs else ""
+        lost = (f"; {lost_words(procs)}: the reconciler ends it, or "
+                f"`{RERUN_HINT.format(run=partition)}` resumes it" if procs else "")
         return made(State.TRAINING, f"attempt {attempt}{resumed}{lost}")
     if status == S.CANCELING:
-        return made(State.STOPPING, "stopping for good" if tags.get(TAG_NO_RESUME) == "true"
+        return made(State.STOPPING, "stopping for good" if view.stop_requested
                     else "terminating; a termination is a preemption, resumed once it ends")
     if status == S.SUCCESS:
         # A resumed run reads apart from one never interrupted.
         interrupted = (f", after {attempt - 1} interrupted attempt(s): it resumed from "
-                       f"{tags.get(TAG_RESUME_FROM) or 'the latest checkpoint'}"
-                       if tags.get(TAG_PARENT_RUN_ID) and attempt > 1 else "")
+                       f"{from_where}" if view.parent_run_id and attempt > 1 else "")
         return made(State.FINISHED, f"attempt {attempt} finished the run{interrupted}")
-    return _ended_unsuccessfully(run, now, made, outcome)
+    return _ended_unsuccessfully(view, now, made, outcome)
 
 
-def _ended_unsuccessfully(run: dg.DagsterRun, now: float, made,
+def _ended_unsuccessfully(view: RunView, now: float, made,
                           outcome: Outcome | None) -> RunState:
-    tags = run.tags
-    if tags.get(TAG_NO_RESUME) == "true":
-        reason = tags.get(TAG_STOP_REASON)
+    if view.stop_requested:
+        reason = view.stop_reason
         return made(State.STOPPED_BY_USER, f"stopped on request ({reason})" if reason
                     else "stopped on request")
-    decision, reason = tags.get(TAG_DECISION), tags.get(TAG_DECISION_REASON, "")
-    if decision == "stop":
+    reason = view.decision_reason
+    if view.decision == "stop":
         return made(State.STOPPED_BY_POLICY, reason)
-    if decision == "resume":
-        due = parse_time(tags.get(TAG_RESUME_AT))
+    if view.decision == "resume":
+        due = view.resume_at
         if due is not None and now < due:
             return made(State.WAITING, f"resumes at {iso(due)} (in {due - now:.0f}s); {reason}",
                         iso(due))
         return made(State.RESUMING, f"launching the resume; {reason}")
-    lost = f": {tags[TAG_WORKER_LOST]}" if tags.get(TAG_WORKER_LOST) else ""
+    lost = f": {view.worker_lost}" if view.worker_lost else ""
     if outcome is not None and not outcome.kind.resumable:
         # Nothing to decide: the policy never resumes this outcome, daemon or not.
         return made(State.STOPPED_BY_POLICY, f"attempt ended {outcome.value}: not resumed: "
                                              f"{outcome.kind.advice}", outcome=outcome)
-    named = f" {outcome.value}" if outcome is not None else f" {run.status.value.lower()}"
+    named = f" {outcome.value}" if outcome is not None else f" {view.status.value.lower()}"
     return made(State.DECIDING, f"attempt ended{named}{lost}; the resume sensors decide "
                                 "within seconds", outcome=outcome)
 
