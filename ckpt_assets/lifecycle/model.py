@@ -105,16 +105,11 @@ TABLE: tuple[Transition, ...] = (
                "(run_key from the failed run's id: once)"),
 )
 
-_BY_KEY = {(t.state, t.event): t for t in TABLE}
-
-
-def transition(state: State, event: Event) -> Transition | None:
-    """The row for `event` in `state`; None: the event does not happen in that state."""
-    return _BY_KEY.get((state, event))
+_KEYS = frozenset((t.state, t.event) for t in TABLE)
 
 
 def allows(state: State, event: Event) -> bool:
-    return (state, event) in _BY_KEY
+    return (state, event) in _KEYS
 
 
 def table_markdown() -> str:
