@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
 from ckpt_assets.attempt.process_group import AttemptProcesses
+from ckpt_assets.attempt.warm_start import STANDBY_STARTED
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.decision import consider
@@ -42,7 +43,7 @@ from tests.dagster_fixtures import (
     step_failure_metadata,
     training_config,
 )
-from tests.polling import pid_alive
+from tests.polling import pid_alive, wait_for
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
 from trainer.outcomes import Outcome
 from trainer.storage import open_store
@@ -168,7 +169,12 @@ SETTLING = "for a stop of the worker's own before it is relaunched in this run"
 
 
 def _said(instance, run_id: str, words: str) -> bool:
-    return any(words in (r.user_message or "") for r in instance.all_logs(run_id))
+    return bool(_said_all(instance, run_id, words))
+
+
+def _said_all(instance, run_id: str, words: str) -> list[str]:
+    return [r.user_message for r in instance.all_logs(run_id)
+            if words in (r.user_message or "")]
 
 
 def _ends(instance, key: str) -> list[dict]:
@@ -318,6 +324,11 @@ def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
     try:
         daemon.launch("in-run", training_config_e2e("in-run"), tmp_path)
         hb = daemon.wait_for_step("in-run", 15, attempt=1)
+        # The relaunch's standby starts once attempt 1 has spoken (the first was attempt
+        # 1's own); a trainer killed before that is relaunched cold, a busy machine's case.
+        run_id = daemon.runs("in-run")[0].run_id
+        wait_for(lambda: len(_said_all(daemon.instance, run_id, STANDBY_STARTED)) >= 2, 120,
+                 what="the standby for a relaunch")
         kill(hb["pid"], signal.SIGKILL)
         final = daemon.wait_done("in-run")
         assert [r.run_id for r in daemon.runs("in-run")] == [final.run_id]

@@ -46,6 +46,7 @@ from ckpt_assets.attempt.process_group import (
     die_with_parent,
     signal_group,
     stop_group,
+    stops_held,
     this_machine,
 )
 from ckpt_assets.attempt.transport import PipesChannels
@@ -59,7 +60,7 @@ LEFTOVER_LOOKBACK = 5  # earlier training runs of the partition whose groups are
 # The run log line that marks the start (benchmarks/bench_resume_latency.py reads it).
 PROCESS_STARTED = "training process started"
 # ... and the words in it that say a standby became the process (`ckpt_assets.attempt.warm_start`).
-WARM_STARTED = "a standby that had torch imported"
+WARM_STARTED = "the standby trainer, which imported torch ahead of it"
 
 
 @dataclass
@@ -180,9 +181,10 @@ class _Supervised:
 def _supervise(context, session, attempt: Attempt, env: dict[str, str],
                output: str) -> _Supervised:
     argv, cwd, warm, grace_s = attempt.argv, attempt.cwd, attempt.warm, attempt.grace_s
-    proc = warm.take(argv, env, cwd, output) if warm is not None else None
-    warmed = proc is not None
-    proc = proc or start_process(argv, env, cwd, output)
+    with stops_held() as held:  # a stop that comes meanwhile is delivered inside the `try`
+        proc = warm.take(argv, env, cwd, output) if warm is not None else None
+        warmed = proc is not None
+        proc = proc or start_process(argv, env, cwd, output)
     group = ProcessRef.known(proc.pid)
     procs = AttemptProcesses(this_machine(), ProcessRef.known(os.getpid()), group, output)
     _record(context, procs)
@@ -197,6 +199,7 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
     seen, interrupted = 0, None
     try:
         try:
+            held.deliver()
             opener.wait_while_running(proc)
             while (rc := proc.poll()) is None:
                 msgs = session.get_custom_messages()

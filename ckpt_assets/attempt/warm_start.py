@@ -31,9 +31,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from ckpt_assets.attempt.process_group import die_with_parent
+from ckpt_assets.attempt.process_group import die_with_parent, stops_held
 from ckpt_assets.runs.settings import ResumeSettings
 from trainer.standby import MODULE, Handoff, entry, standing_env
+
+STANDBY_STARTED = "standby trainer started"  # the run's log line
 
 
 @dataclass
@@ -93,16 +95,21 @@ class WarmTrainer:
         process, so a helper thread's exit would stop it."""
         if self._standby is not None or entry(argv) is None:
             return
-        try:
-            proc = subprocess.Popen(
-                [argv[0], "-m", MODULE], env=standing_env(env), cwd=cwd,
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-                start_new_session=True)
-        except OSError as e:  # the next attempt starts cold; this one trains on
-            self.log.warning(f"could not start a standby trainer ({e}); a relaunch starts cold")
-            return
-        self._standby = _Standby(proc, argv[0], standing_env(env))
+        with stops_held() as held:
+            try:
+                proc = subprocess.Popen(
+                    [argv[0], "-m", MODULE], env=standing_env(env), cwd=cwd,
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+                    start_new_session=True)
+            except OSError as e:  # the next attempt starts cold; this one trains on
+                proc = None
+                self.log.warning(f"could not start a standby trainer ({e}); a relaunch "
+                                 "starts cold")
+        if proc is not None:  # recorded before a held stop is delivered: `close` ends it
+            self._standby = _Standby(proc, argv[0], standing_env(env))
+            self.log.info(f"{STANDBY_STARTED} (pid {proc.pid}) for the next attempt")
+        held.deliver()
 
     def close(self) -> None:
         standby, self._standby = self._standby, None
