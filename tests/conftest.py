@@ -26,9 +26,16 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_assets.runs.settings import Setting
 from tests.polling import wait_for
 
 SLOW = "slow"
+# The warm standby (ckpt_assets/attempt/warm_start.py) is one more torch-importing process
+# beside every run: on a 2-core machine, CPU the other tests' trainers wait for. It is on in
+# the tests marked `warm_standby`, whose subject it is; `CKPT_WARM_TRAINER=1` turns it on in
+# every test.
+WARM_STANDBY = "warm_standby"
+os.environ.setdefault(Setting.WARM_TRAINER.value, "0")
 # Fixtures that start a server process. A session-scoped one may already be running when a
 # fast test asks for it, so asking is refused too, not only starting one.
 PROCESS_FIXTURES = frozenset({"moto_server", "s3_env", "postgres_server"})
@@ -87,6 +94,12 @@ def pytest_configure(config):
     # starts by hand. The suite runs as it does in the foreground, wherever it is started.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(autouse=True)
+def _warm_standby_where_it_is_the_subject(request, monkeypatch):
+    if request.node.get_closest_marker(WARM_STANDBY) is not None:
+        monkeypatch.setenv(Setting.WARM_TRAINER.value, "1")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -182,6 +182,7 @@ def _ends(instance, key: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.warm_standby
 def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_identical(
         instance, tmp_path, mlflow_uri, monkeypatch):
     monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
@@ -254,6 +255,7 @@ def test_a_bug_in_the_training_code_is_never_relaunched(instance, tmp_path, mlfl
 
 
 @pytest.mark.slow
+@pytest.mark.warm_standby
 def test_a_runs_first_attempt_is_relaunched_from_its_standby_though_the_worker_set_torch_variables(
         instance, tmp_path, mlflow_uri, monkeypatch):
     """In a fresh run worker, the end-of-run imports that start once attempt 1 has spoken
@@ -306,6 +308,7 @@ def test_a_trainer_sigtermed_alone_is_relaunched_in_its_run_as_attempt_2(
 # -- end to end under a real dagster-daemon, default settings ------------------------------
 
 @pytest.mark.slow
+@pytest.mark.warm_standby
 def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
         tmp_path, monkeypatch):
     """The default path for the commonest failure: the trainer's process is SIGKILLed from

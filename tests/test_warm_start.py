@@ -41,6 +41,8 @@ from trainer.repo import CheckpointRepo
 from trainer.standby import MODULE, Handoff, entry, standing_env
 from trainer.storage import open_store
 
+pytestmark = pytest.mark.warm_standby  # off in the other tests (tests/conftest.py)
+
 PY = sys.executable
 LOG = logging.getLogger("test_warm_start")
 BASE_ENV = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(Path(__file__).parents[1]),
