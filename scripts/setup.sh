@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs the project with pinned dependencies; as root on
-# Debian, also the distribution's Chromium (tests/test_browser.py) and PostgreSQL (the team-
+# Debian, also the distribution's Chromium (tests/e2e/test_browser.py) and PostgreSQL (the team-
 # instance tests).
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
@@ -21,11 +21,11 @@ fi
 # The browser test drives /usr/bin/chromium through Playwright (whose own browser download
 # needs a CDN that CI cannot reach). Without root or apt the test skips, saying how to get it.
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "setup: installing Chromium (apt-get install chromium) for tests/test_browser.py"
+  echo "setup: installing Chromium (apt-get install chromium) for tests/e2e/test_browser.py"
   if ! { DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null &&
          DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
            chromium fonts-liberation >/dev/null; }; then
-    echo "setup: WARNING: could not install chromium; tests/test_browser.py will fail" >&2
+    echo "setup: WARNING: could not install chromium; tests/e2e/test_browser.py will fail" >&2
   fi
 fi
 

@@ -1,5 +1,5 @@
 """`dagster dev` (webserver + daemon) on a temporary instance, and a headless Chromium driven
-by Playwright, for tests/test_browser.py.
+by Playwright, for tests/e2e/test_browser.py.
 
 The browser is the distribution's Chromium (`/usr/bin/chromium`, Debian's `chromium` package,
 installed by scripts/setup.sh when run as root): Playwright's own browser download cannot
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import urllib.error
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from tests.daemon_harness import BIN, ROOT, Daemon, fresh_instance
 from tests.polling import wait_for
+from tests.ports import free_port
 
 CHROMIUM = Path(os.environ.get("CKPT_TEST_CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
@@ -44,12 +44,6 @@ def browser_required() -> bool:
     browser is a failure, not a skip."""
     return bool(os.environ.get("CI")) or (os.geteuid() == 0 and shutil.which("apt-get")
                                           is not None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(url: str) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -28,6 +27,7 @@ import pytest
 
 from ckpt_assets.runs.settings import Setting
 from tests.polling import wait_for
+from tests.ports import free_port
 
 SLOW = "slow"
 # The warm standby (ckpt_assets/attempt/warm_start.py) is one more torch-importing process
@@ -116,12 +116,6 @@ def pytest_runtest_call(item):
 
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _moto_server_command() -> list[str]:
     """moto's server with its conditional writes atomic (`tests/atomic_moto_server.py`)."""
     return [sys.executable, str(Path(__file__).parent / "atomic_moto_server.py")]
@@ -141,7 +135,7 @@ def _answers(url: str) -> bool:
 def moto_server(tmp_path_factory):
     """Start moto's S3 server on 127.0.0.1 (`_moto_server_command`), yield its endpoint URL,
     stop it."""
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -176,7 +170,7 @@ def postgres_server():
     from tests.postgres_server import require_postgres, running_postgres
 
     require_postgres()
-    with running_postgres(_free_port()) as server:
+    with running_postgres(free_port()) as server:
         yield server
 
 

@@ -343,15 +343,3 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 30) -> None:
         pass
     proc.wait()
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
-    return True

@@ -1,5 +1,5 @@
 """A user's script at the edges of a workflow, run as a real process by
-tests/test_workflow_edges.py: it may seed nothing, stop itself with a real SIGTERM, loop
+tests/standalone/test_workflow_edges.py: it may seed nothing, stop itself with a real SIGTERM, loop
 without end until its loss is low, or train no step at all."""
 
 import argparse

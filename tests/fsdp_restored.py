@@ -1,6 +1,6 @@
 """Restore the FSDP2 example's newest checkpoint at this world size and write what every
 rank's shards add up to (whole model and optimizer state, gathered to rank 0) to OUT:
-tests/test_fsdp.py compares it with the checkpoint's own bytes to prove a resharded load
+tests/standalone/test_fsdp.py compares it with the checkpoint's own bytes to prove a resharded load
 exact. Run under `python -m trainer.ranks --nproc-per-node N -- python THIS STORE RUN OUT`
 on a copy of a store (restoring claims the run); the checkpoint must be a run's final one,
 so that leaving the session commits nothing.

@@ -1,4 +1,4 @@
-"""Several real ranks of the trainer, for tests/test_ranks.py and tests/test_ranks_dagster.py.
+"""Several real ranks of the trainer, for tests/standalone/test_ranks.py and tests/e2e/test_ranks_dagster.py.
 
 `start_torchrun` starts `python -m trainer.ranks` (torchrun underneath) the way the
 orchestrator does; `start_direct` starts the rank processes itself with torchrun's
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.polling import pid_alive, wait_for
+from tests.ports import free_port
 from tests.trainer_proc import ROOT
 from trainer.ranks import LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV
 
@@ -41,12 +41,6 @@ def start_torchrun(argv: list[str], nproc: int, environ: dict[str, str],
         [sys.executable, "-m", "trainer.ranks", "--nproc-per-node", str(nproc),
          "--grace-seconds", "60", *launcher_args, "--", *argv],
         cwd=ROOT, env=environ, stdout=log.open("a"), stderr=subprocess.STDOUT)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_direct(argv: list[str], nproc: int, environ: dict[str, str],

@@ -11,7 +11,7 @@ process group is stopped. A pod deleted by anyone else (a preemption, a drain) e
 same way: a terminated container's status gives 143; a pod gone before its status was seen
 is 143 when its trainer reported stopping, else 137 (killed).
 
-tests/test_k8s_pod.py checks, without a cluster, the spec it creates (`k8s_pod`), how an
+tests/orchestrator/test_k8s_pod.py checks, without a cluster, the spec it creates (`k8s_pod`), how an
 ended or vanished pod's status reads, and the API's refusals as bad input (with fakes of
 the API); the pod's creation, watch, deletion and output against a real cluster are not.
 """

@@ -32,7 +32,7 @@ from trainer.errors import CheckpointError, CheckpointNotFoundError, StorageErro
 from trainer.repo import CheckpointRepo
 
 # Partitioned checks (an evaluation per training run, not one for the asset as a whole) are
-# a preview feature of Dagster 1.13 (pinned in constraints.txt); tests/test_checks.py pins
+# a preview feature of Dagster 1.13 (pinned in constraints.txt); tests/orchestrator/test_checks.py pins
 # the behaviour we rely on.
 warnings.filterwarnings("ignore", category=dg.PreviewWarning,
                         message=".*partitions_def on an AssetCheckSpec.*")

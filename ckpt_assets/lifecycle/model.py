@@ -6,7 +6,7 @@ it records. Everyone else reads the state (`lifecycle.state.run_state`, derived 
 runs and never stored, so it cannot go stale) and asks `allows` before acting, so an event
 that makes no sense in a state (a second launch of a finished run, a decision about a run
 still training) is refused in one place. docs/lifecycle.md is generated from `TABLE`
-(tests/test_lifecycle_model.py keeps the two equal).
+(tests/orchestrator/test_lifecycle_model.py keeps the two equal).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Everything of Dagster's private API that ckpt-assets uses, in one module.
 
 Dagster 1.13 has no public export for these; keeping them here means a Dagster upgrade
-that moves one changes this file only (tests/test_layout.py holds every other module
+that moves one changes this file only (tests/project/test_layout.py holds every other module
 to the public API):
 
 * engine events whose metadata (a run link) the UI renders (`EngineEventData`);

@@ -1,0 +1,173 @@
+"""A training run's life through real processes: a stop for good is `stopped_by_user` in
+every place a user looks, and a `ckpt-assets run` killed by SIGKILL is followed by a re-run
+linked as its child."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from mlflow.tracking import MlflowClient
+
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.stop import stop_training_run
+from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
+from ckpt_assets.runs.view import RunView
+from tests.dagster_fixtures import *  # noqa: F403
+from tests.dagster_fixtures import (
+    DAGSTER,
+    PYTHON,
+    ROOT,
+    cli,
+    pointer_step,
+    read_heartbeat_pid,
+    training_config,
+)
+from tests.polling import pid_alive, wait_for
+
+SLOW_RUN = {"max_steps": 2000, "task_args": {"step_delay": 0.02}}
+
+
+def _config(tmp_path: Path, name: str, **overrides) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(training_config(**overrides)))
+    return path
+
+
+def _wait_committed(store_uri: str, name: str, step: int) -> None:
+    wait_for(lambda: (pointer_step(Path(store_uri), "default", name) or 0) >= step, 300,
+             what=f"a checkpoint of {name} at step {step} or later")
+
+
+@pytest.mark.slow
+def test_a_stop_for_good_reads_stopped_by_user_in_the_event_decision_lineage_list_and_mlflow(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    from ckpt_assets.cli.main import main as cli_main
+
+    name = "halted"
+    assert cli_main(["register", name, "--config", str(_config(tmp_path, name, **SLOW_RUN))]) == 0
+    log = open(tmp_path / "materialize.log", "wb")
+    proc = subprocess.Popen(
+        [DAGSTER, "asset", "materialize", "--select",
+         "training_dataset,model_checkpoint,final_model", "--partition", name,
+         "-m", "ckpt_assets.definitions"], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_committed(store_uri, name, 10)
+        trainer = read_heartbeat_pid(Path(store_uri), "default", name)
+        # The stop tags the run first; this run's process is the terminal's own, so its
+        # termination is delivered as the terminal would: SIGTERM to the run's process.
+        stop_training_run(dg.DagsterInstance.get(), name, "wrong lr")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    wait_for(lambda: not pid_alive(trainer), 60, what="the trainer to exit")
+    instance = dg.DagsterInstance.get()
+    (run,) = instance.get_runs()
+    ended = [e.dagster_event.asset_observation_data.asset_observation.metadata for e in
+             instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION)]
+    ended = [md for md in ended if md["event"].value == "attempt_ended"]
+    assert [md["failure_class"].value for md in ended] == ["stopped_by_user"]
+    assert [md["exit_code"].value for md in ended] == [143]  # it exits as on a preemption
+    assert consider(instance, run, None, sweep=False) is None  # never resumed
+    view = RunView.of(instance.get_run_by_id(run.run_id))
+    assert (view.decision, view.failure_kind, view.failure_class) == (
+        "stop", "stopped_by_user", "stopped_by_user")
+    (attempt,) = json.loads(cli("lineage", name, "--json").stdout)["attempts"]
+    assert attempt["end"] == "stopped_by_user"
+    (row,) = json.loads(cli("list", "--json").stdout)
+    assert (row["state"], row["outcome"]) == ("stopped by user", "stopped_by_user")
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (mlrun,) = client.search_runs(
+        [client.get_experiment_by_name("default").experiment_id],
+        filter_string=f"tags.`{TRAINING_RUN_TAG}` = '{name}'")
+    assert mlrun.data.tags["last_failure_class"] == "stopped_by_user"
+
+
+def _ci_run(tmp_path: Path, name: str, config: Path) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, "-m", "ckpt_assets", "run", name, "--config", str(config)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=open(tmp_path / f"{name}.log", "ab"),
+                            stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_a_rerun_after_a_sigkilled_ckpt_assets_run_is_linked_as_the_killed_runs_child(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    name = "killed-ci"
+    config = _config(tmp_path, name, max_steps=200, task_args={"step_delay": 0.02})
+    proc = _ci_run(tmp_path, name, config)
+    try:
+        _wait_committed(store_uri, name, 10)
+        trainer = read_heartbeat_pid(Path(store_uri), "default", name)
+        proc.kill()  # SIGKILL: its run (executed in this process) still reads STARTED
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wait_for(lambda: not pid_alive(trainer), 60, what="the orphaned trainer to exit")
+    again = _ci_run(tmp_path, name, config)
+    try:
+        code = again.wait(600)
+    finally:
+        if again.poll() is None:
+            again.kill()
+    assert code == 0, (tmp_path / f"{name}.log").read_text()[-6000:]
+    first, second = json.loads(cli("lineage", name, "--json").stdout)["attempts"]
+    assert second["parent_run_id"] == first["dagster_run_id"]
+    assert second["root_run_id"] == first["dagster_run_id"]
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert first["end"] == "worker_lost"
+    (row,) = json.loads(cli("list", "--json").stdout)
+    assert (row["state"], row["attempt"]) == ("finished", 2)
+
+
+@pytest.mark.slow
+def test_a_finished_run_run_again_by_hand_trains_nothing_and_exits_0(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    name = "done-once"
+    config = _config(tmp_path, name, max_steps=10)
+    first = _ci_run(tmp_path, name, config)
+    assert first.wait(600) == 0, (tmp_path / f"{name}.log").read_text()[-6000:]
+    again = subprocess.run([PYTHON, "-m", "ckpt_assets", "run", name], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"training run {name} already finished" in again.stdout
+    assert len(dg.DagsterInstance.get().get_runs()) == 1  # nothing launched
+
+
+@pytest.mark.slow
+def test_a_preempted_ckpt_assets_run_prints_a_short_summary_and_what_to_run_next(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    name = "told"
+    config = _config(tmp_path, name, max_steps=2000, task_args={"step_delay": 0.02})
+    proc = subprocess.Popen([PYTHON, "-m", "ckpt_assets", "run", name, "--config", str(config)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_committed(store_uri, name, 10)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    lines = out.strip().splitlines()
+    assert "Traceback" not in out + err and "DEBUG" not in out + err, (out, err)
+    assert len(lines) <= 4, out  # the start, the summary and what comes next
+    assert "ended preempted (exit 143); last committed step" in out
+    assert f"no daemon runs here: run `ckpt-assets run {name}` again" in out
+    assert "resume sensors" not in out  # no promise of sensors where none run
+    log = Path(dagster_home) / "logs" / f"run-{name}.log"
+    # What the terminal no longer shows is in the log file, stack traces included.
+    logged = log.read_text()
+    assert "DEBUG" in logged and "DagsterExecutionInterruptedError" in logged

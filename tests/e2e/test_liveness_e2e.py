@@ -1,0 +1,180 @@
+"""Liveness is not progress, under a real dagster-daemon: a healthy step far longer than the
+heartbeat timeout is never taken for a dead trainer, and a trainer that is declared dead is
+stopped before its resume starts.
+
+The daemon runs with CKPT_HEARTBEAT_TIMEOUT_S shortened (and the grace for the run worker's
+own work before and after its trainer generous: start-up on a busy machine says nothing
+about how often a live trainer beats); a sampler reads, every 0.2 s, which
+processes of each attempt are alive (by the attempt in their environment, as the
+orchestrator launched them) and the run's heartbeat.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_assets.runs.settings import Setting
+from ckpt_assets.runs.tags import TAG_FAILURE_KIND, TAG_HEARTBEAT_LOST, TAG_STALLED
+from tests.daemon_harness import Daemon, kill, training_config
+from tests.polling import pid_alive
+from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
+from trainer.contract import Env
+from trainer.liveness import Beat
+from trainer.repo import CheckpointRepo
+from trainer.storage import open_store
+
+pytestmark = pytest.mark.slow
+
+# A step three times as long must pass for alive.
+TIMEOUT_S = 10
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    work = tmp_path_factory.mktemp("liveness")
+    # The sampler finds an attempt's processes by the environment they were started with
+    # (/proc/PID/environ); a warm standby was started without the per-attempt names and
+    # takes them on only at its handoff, which /proc does not show. Cold starts here.
+    d = Daemon.start(work, str(work / "store"), {
+        Setting.HEARTBEAT_TIMEOUT_S.value: str(TIMEOUT_S),
+        Setting.WORKER_GRACE_S.value: "180",
+        Setting.WARM_TRAINER.value: "0"})
+    yield d
+    d.stop()
+
+
+def attempts_alive(run: str) -> dict[int, int]:
+    """{pid: attempt} of the live processes launched for training run `run`."""
+    want = f"{Env.RUN.value}={run}".encode()
+    alive = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if want in env and pid_alive(int(name)):
+            attempt = next((v for v in env if v.startswith(f"{Env.ATTEMPT.value}=".encode())),
+                           b"=0")
+            alive[int(name)] = int(attempt.split(b"=", 1)[1])
+    return alive
+
+
+class Sampler(threading.Thread):
+    """Samples the run's live trainer processes and its heartbeat until stopped."""
+
+    def __init__(self, daemon: Daemon, run: str):
+        super().__init__(daemon=True)
+        self.daemon_, self.run_ = daemon, run
+        self.samples: list[dict[int, int]] = []  # {pid: attempt}, oldest first
+        self.beats: list[Beat] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.samples.append(attempts_alive(self.run_))
+            beat = Beat.from_dict(self.daemon_.heartbeat(self.run_))
+            if beat is not None and (not self.beats or beat != self.beats[-1]):
+                self.beats.append(beat)
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(30)
+
+    def most_attempts_at_once(self) -> int:
+        return max((len(set(s.values())) for s in self.samples), default=0)
+
+    def seen(self, pred) -> list[int]:
+        """Indexes of the samples in which some process matched pred(pid, attempt)."""
+        return [i for i, s in enumerate(self.samples) if any(pred(p, a) for p, a in s.items())]
+
+
+def _beat(daemon: Daemon, run: str) -> Beat | None:
+    return Beat.from_dict(daemon.heartbeat(run))
+
+
+def test_a_healthy_step_three_times_the_heartbeat_timeout_is_never_declared_dead(
+        daemon, tmp_path):
+    name, release = "long-step", tmp_path / "release"
+    # Its first step (as a compiled one would) lasts until the test releases it.
+    cfg = training_config(name, max_steps=20, task="tests.liveness_tasks:build",
+                          checkpoint={"every_steps": 5, "heartbeat_seconds": 1},
+                          task_args={"release_file": str(release)})
+    sampler = Sampler(daemon, name)
+    sampler.start()
+    daemon.launch(name, cfg, tmp_path)
+    claimed = daemon.wait_until(lambda: (b := _beat(daemon, name)) and b.attempt and b,
+                                "the trainer to claim the run")
+    assert claimed.step == 0
+    # Once the step is older than the timeout, every sweep of the reconciler sees a step
+    # that a per-step heartbeat would have let go stale; let it sweep twice, and the step
+    # last three times the timeout, before it ends.
+    daemon.wait_until(lambda: time.time() - claimed.step_time > TIMEOUT_S, "the timeout")
+    daemon.wait_for_ticks({"reconcile_training_runs": 2}, timeout=300)
+    daemon.wait_until(lambda: time.time() - claimed.step_time > 3 * TIMEOUT_S, "3x the timeout")
+    release.touch()
+    final = daemon.wait_done(name)
+    sampler.stop()
+    (only,) = daemon.runs(name)
+    assert only.run_id == final.run_id
+    assert TAG_HEARTBEAT_LOST not in final.tags and TAG_STALLED not in final.tags
+    first_step = next(b for b in sampler.beats if b.step and b.step >= 1)
+    assert first_step.step_time - claimed.step_time > 3 * TIMEOUT_S
+    assert {b.attempt for b in sampler.beats if b.attempt} == {1}
+    assert sampler.most_attempts_at_once() == 1
+    assert daemon.max_active[name] == 1
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Final training state of the same config, trained by the plain CLI without faults."""
+    work = tmp_path_factory.mktemp("baseline")
+    cfg = training_config("base")
+    cfg["task_args"].pop("step_delay")
+    (work / "cfg.json").write_text(json.dumps(cfg))
+    res = run_trainer(work / "cfg.json", str(work / "store"))
+    assert res.returncode == 0, res.log
+    return training_state(final_state(work / "store", run="base"))
+
+
+def test_a_frozen_trainer_declared_dead_is_gone_before_its_resume_starts(
+        daemon, tmp_path, uninterrupted):
+    name = "frozen"
+    sampler = Sampler(daemon, name)
+    sampler.start()
+    daemon.launch(name, training_config(name, checkpoint={"heartbeat_seconds": 1}), tmp_path)
+    hb = daemon.wait_for_step(name, 15, attempt=1)
+    pid = int(hb["pid"])
+    repo = CheckpointRepo(open_store(daemon.store), "default", name)
+    kill(pid, signal.SIGSTOP)  # alive, but silent: its heartbeat thread is frozen with it
+    before = set(repo.read_pointer().timeline)
+    final = daemon.wait_done(name)
+    sampler.stop()
+
+    failed, resume = daemon.runs(name)
+    assert resume.run_id == final.run_id
+    said = daemon.failures_of(name)  # what the reconciler did, in the failed run's own log
+    assert failed.tags[TAG_HEARTBEAT_LOST].startswith("trainer heartbeat lost")
+    assert "fenced: attempts up to 1" in said, said
+    assert f"trainer pid {pid} " in said and ("stopped by SIGTERM" in said or "killed" in said)
+    assert failed.tags[TAG_FAILURE_KIND] == "killed"
+    # The frozen trainer was last seen before the resume's trainer was first seen: the two
+    # never ran at once, and it is gone now.
+    old, new = sampler.seen(lambda p, a: p == pid), sampler.seen(lambda p, a: a == 2)
+    assert old and new and max(old) < min(new), (old[-3:], new[:3])
+    assert sampler.most_attempts_at_once() == 1
+    assert not pid_alive(pid)
+    # Nothing it wrote after it froze entered the run's history (it was fenced).
+    after = repo.read_pointer().timeline
+    assert {n for n in after if n.endswith("-a1")} <= before
+    assert daemon.max_active[name] == 1
+    assert_bitwise_equal(uninterrupted, training_state(final_state(Path(daemon.store), run=name)))

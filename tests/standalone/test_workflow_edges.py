@@ -1,0 +1,80 @@
+"""The edges of a user's workflow, with a real script in a real process each time: a
+script that trains nothing does not exit 0 silently; a finished run, run again, trains
+nothing unless continuing it is asked for; a resume whose unseeded generators began
+elsewhere than the first attempt's is named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.trainer_proc import ROOT
+from trainer.outcomes import Outcome
+from trainer.rng_identity import ADVICE
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parents[1] / "edge_script.py"
+
+
+def run(store: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("CKPT_RUN", None)
+    return subprocess.run([sys.executable, str(SCRIPT), "--store", str(store), *args],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+
+def checkpoints(store: Path) -> list[str]:
+    d = store / "e" / "edge" / "checkpoints"
+    return sorted(p.name for p in d.iterdir() if p.name.startswith("step-")) if d.exists() else []
+
+
+def test_a_script_that_trains_no_step_exits_8_no_checkpoint_and_says_so(tmp_path):
+    res = run(tmp_path, "--no-steps")
+    assert res.returncode == Outcome.NO_CHECKPOINT.exit_code == 8, res.stderr
+    assert "ended without training a step" in res.stderr
+    assert "training finished" not in res.stderr and "Traceback" not in res.stderr
+    assert checkpoints(tmp_path) == []
+
+
+def test_a_finished_run_run_again_trains_nothing_and_exits_0_saying_already_finished(tmp_path):
+    first = run(tmp_path, "--seed", "0", "--until", "23")
+    assert first.returncode == 0, first.stderr
+    assert "left the loop at step 23" in first.stdout
+    before = checkpoints(tmp_path)
+    again = run(tmp_path, "--seed", "0", "--until", "23")
+    assert again.returncode == 0, again.stderr
+    assert "already finished at step 23" in again.stderr
+    assert "left the loop" not in again.stdout  # the open-ended loop never ran
+    assert checkpoints(tmp_path) == before
+
+
+def test_continuing_a_finished_run_is_an_explicit_act_that_trains_past_its_end(tmp_path):
+    assert run(tmp_path, "--seed", "0", "--until", "23").returncode == 0
+    more = run(tmp_path, "--seed", "0", "--until", "23", "--continue-finished")
+    assert more.returncode == 0, more.stderr
+    assert "resumed from" in more.stderr and "left the loop at step 46" in more.stdout
+
+
+def _interrupted_then_resumed(store: Path, *args: str) -> subprocess.CompletedProcess:
+    first = run(store, "--sigterm-at", "7", *args)
+    assert first.returncode == Outcome.PREEMPTED.exit_code, first.stderr
+    second = run(store, "--until", "20", *args)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stderr
+    return second
+
+
+def test_a_resume_of_a_script_that_seeds_nothing_names_the_attempt_and_says_how_to_seed(tmp_path):
+    second = _interrupted_then_resumed(tmp_path)
+    assert "attempt 2 began with other random generator states (torch" in second.stderr
+    assert "than attempt 1" in second.stderr and ADVICE in second.stderr
+
+
+def test_a_resume_of_a_script_seeded_through_the_session_warns_of_nothing(tmp_path):
+    second = _interrupted_then_resumed(tmp_path, "--seed", "3")
+    assert "generator" not in second.stderr, second.stderr
