@@ -54,7 +54,9 @@ def ddp_class() -> Example:
 
 def final_parts(store: Path, ex: Example, parts: tuple[str, ...]) -> dict:
     """The parts of the run's final checkpoint, per rank file, without the generators
-    the ports leave unseeded (Python's, NumPy's: they never draw from them)."""
+    the ports leave unseeded (Python's, NumPy's: they never draw from them), and without
+    the best loss among the run's checkpoints: a stopped run has one checkpoint more (the
+    one its stop committed), which is its best when its loss is the lowest."""
     ckdir = store / ex.experiment / ex.run / "checkpoints"
     chosen = ckdir / json.loads((ckdir / "latest.json").read_text())["checkpoint"]
     out = {}
@@ -63,6 +65,8 @@ def final_parts(store: Path, ex: Example, parts: tuple[str, ...]) -> dict:
         for rng in (state.get("rng") or {}, (state.get("loop") or {}).get("epoch_rng") or {}):
             rng.pop("python", None)
             rng.pop("numpy", None)
+        for best in ("best_score", "best_of"):
+            (state.get("loop") or {}).pop(best, None)
         out[f.name] = {k: state[k] for k in parts if k in state}
     return out
 
