@@ -9,6 +9,7 @@ import time
 
 import dagster as dg
 import pytest
+import yaml as yamllib
 
 from ckpt_assets.defs.jobs import stop_training_run_job
 from ckpt_assets.lifecycle.decision import consider
@@ -110,3 +111,26 @@ def test_a_check_run_of_the_partition_is_neither_stopped_nor_in_the_way(instance
     assert active_runs(instance, "checked") == []
     assert _stop(instance, "checked").success
     assert instance.get_run_by_id(check.run_id).status == S.QUEUED
+
+
+@pytest.mark.parametrize("yaml", ["dagster_home/dagster.yaml", "deploy/postgres/dagster.yaml"])
+def test_a_stop_from_the_ui_is_never_queued_behind_training_runs_of_which_four_run_at_once(yaml):
+    # The queue's own counter (what the daemon's dequeue asks), on the instance file's limits.
+    from dagster._utils.tags import TagConcurrencyLimitsCounter
+
+    from ckpt_assets.runs.names import STOP_JOB, TRAIN_JOB
+    from tests.daemon_harness import ROOT
+
+    queue = yamllib.safe_load((ROOT / yaml).read_text())["run_coordinator"]["config"]
+    assert queue["max_concurrent_runs"] == -1  # only the tag limits hold runs back
+
+    def run(job: str, partition: str | None) -> dg.DagsterRun:
+        return dg.DagsterRun(job_name=job, tags={PARTITION_TAG: partition} if partition else {})
+
+    training = [run(TRAIN_JOB, f"r{i}") for i in range(4)]
+    counter = TagConcurrencyLimitsCounter(queue["tag_concurrency_limits"], training)
+    assert not counter.is_blocked(run(STOP_JOB, None))
+    assert counter.is_blocked(run(TRAIN_JOB, "r4"))  # a fifth training run waits
+    partial = TagConcurrencyLimitsCounter(queue["tag_concurrency_limits"], training[:3])
+    assert counter.is_blocked(run(TRAIN_JOB, "r0")) and partial.is_blocked(run(TRAIN_JOB, "r0"))
+    assert not partial.is_blocked(run(TRAIN_JOB, "r4"))
