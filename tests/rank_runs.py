@@ -106,3 +106,29 @@ def wait_for_step(store: Path, experiment: str, run: str, step: int,
 def gone(pids: list[int], timeout: float = 300) -> None:
     """Wait until none of `pids` runs (orphaned ranks are reaped by init, not by us)."""
     wait_for(lambda: not any(map(pid_alive, pids)), timeout, what=f"processes {pids} to exit")
+
+
+def sharded_final(store: Path, experiment: str, run: str) -> tuple[dict, list[dict]]:
+    """The newest checkpoint's sharded state (DCP shards read back as whole tensors) and
+    each rank's own file (or the one file of a one-rank checkpoint)."""
+    import torch
+
+    from trainer.dcp_storage import read_whole
+    from trainer.repo import CheckpointRepo
+    from trainer.storage import open_store
+
+    repo = CheckpointRepo(open_store(str(store)), experiment, run)
+    manifest = repo.verify(repo.read_pointer().checkpoint)
+    ckdir = store / repo.key(manifest.name)
+    ranks = [torch.load(ckdir / f, weights_only=True) for f in state_files(manifest)]
+    return read_whole(repo, manifest), ranks
+
+
+def state_files(manifest) -> list[str]:
+    """The files of a checkpoint's state besides its shards: one per rank, or one alone."""
+    from trainer.checkpointer import STATE_FILE
+    from trainer.distributed import rank_file
+
+    world = manifest.meta.get("world_size")
+    return [rank_file(r) for r in range(world)] if world else [STATE_FILE]
+

@@ -112,9 +112,13 @@ def load_checkpoint_state(store: ObjectStore, experiment: str, run: str,
             + (f" ({len(skipped)} failed verification)" if skipped else "")
             + "; materialize model_checkpoint first")
     from trainer.checkpointer import load_rank_state  # imports torch: only when loading
+    from trainer.dcp_storage import is_sharded, read_whole
 
-    # As one rank reads it: every part, whichever rank of a multi-rank save wrote it.
+    # As one rank reads it: every part, whichever rank of a multi-rank save wrote it, and
+    # the parts sharded over the ranks (FSDP2, through DCP) read back whole.
     state = load_rank_state(repo, manifest, rank=0, world=1)
+    if is_sharded(manifest):
+        state.update(read_whole(repo, manifest))
     rec = CheckpointRecord.from_manifest(manifest, repo.uri(manifest.name))
     state[CHECKPOINT_KEY] = LoadedCheckpoint(rec, [Skipped(n, r) for n, r in skipped])
     return state

@@ -1,12 +1,13 @@
 """Two-rank DDP training through Dagster: a real dagster-daemon resumes it as one job.
 
-Task mode (the trainer's DDP loop) and command mode (examples/ddp/ddp_digits.py calling
-`CheckpointSession` on every rank) run under `model_checkpoint` with
-`distributed.nproc_per_node: 2`: torchrun through `python -m trainer.ranks`. The task is
-interrupted three ways (SIGKILL of rank 1, SIGTERM of rank 0, SIGKILL of torchrun itself),
-the command once (SIGKILL of rank 1), each at a seeded step; the sensors resume each
-failure exactly once, and the final parameters of every rank are bitwise those of an
-uninterrupted two-rank run. The in-run relaunch is off here: these are the sensors' resumes.
+Task mode (the trainer's DDP loop) and command mode (examples/fsdp: a transformer sharded
+with FSDP2, `CheckpointSession` on every rank saving it through DCP) run under
+`model_checkpoint` with `distributed.nproc_per_node: 2`: torchrun through `python -m
+trainer.ranks`. The command is interrupted three ways (SIGKILL of rank 1, SIGTERM of rank 0,
+SIGKILL of torchrun itself), the task once (SIGKILL of rank 1), each at a seeded step; the
+sensors resume each failure exactly once, and the final state (every rank's file, and the
+sharded model and optimizer read back whole) is bitwise that of an uninterrupted two-rank
+run. The in-run relaunch is off here: these are the sensors' resumes.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_assets.defs.io_managers import load_checkpoint_state
 from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
 from tests.polling import wait_for
-from tests.rank_runs import env, gone, ranks_under
+from tests.rank_runs import env, gone, ranks_under, sharded_final
 from trainer.distributed import rank_file
+from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow
 
@@ -100,8 +103,10 @@ def _assert_same_ranks(got: list[dict], want: list[dict]) -> None:
         assert_bitwise_equal(w, g, f"rank {r}")
 
 
-def test_two_rank_ddp_task_killed_three_ways_is_resumed_once_each_and_ends_bitwise_equal(
+def test_a_two_rank_ddp_task_whose_rank_1_is_sigkilled_is_resumed_once_and_ends_bitwise_equal(
         daemon, tmp_path):
+    # The three ways are the sharded command's below, and the DDP task's own standalone
+    # (tests/standalone/test_ranks.py); this one is task mode's launch and resume of ranks.
     config = training_config("ddp-task", distributed=TWO_RANKS,
                              task_args={"step_delay": 0.05})
     base = dict(config, task_args={k: v for k, v in config["task_args"].items()
@@ -112,23 +117,30 @@ def test_two_rank_ddp_task_killed_three_ways_is_resumed_once_each_and_ends_bitwi
     want = _rank_states(tmp_path / "base", "default", "ddp-task")
 
     daemon.launch("ddp-task", config, tmp_path)
-    _three_kills(daemon, "ddp-task", sorted(RNG.sample(range(12, 52), 3)))
+    _, ranks = _ranks_of_attempt(daemon, "ddp-task", RNG.randint(12, 52), attempt=1)
+    kill(ranks[1], signal.SIGKILL)
+    _resumed_once_each(daemon, "ddp-task", failed_runs=1)
     _assert_same_ranks(_rank_states(Path(daemon.store), "default", "ddp-task"), want)
 
 
-def test_a_two_rank_command_whose_rank_1_is_sigkilled_is_resumed_once_and_ends_bitwise_equal(
+def test_a_two_rank_fsdp2_command_killed_three_ways_is_resumed_once_each_and_ends_bitwise_equal(
         daemon, tmp_path):
-    # The three ways are the task's test above; this one is about a user's script: the
-    # same launch and resume of its ranks, through its own `CheckpointSession`.
-    argv = ["examples/ddp/ddp_digits.py", "--steps", "140", "--run", "ddp-cmd"]
+    """examples/fsdp: a transformer sharded with FSDP2, its state saved through DCP, its
+    ranks started by the orchestrator and each failure resumed by the sensors."""
+    argv = ["examples/fsdp/fsdp_transformer.py", "--steps", "48", "--every", "4",
+            "--run", "fsdp"]
     _standalone([sys.executable, *argv, "--store", str(tmp_path / "base")], tmp_path / "base")
-    want = _rank_states(tmp_path / "base", "digits", "ddp-cmd")
-    config = {"command": ["python", "tests/slow_steps.py", *argv], "max_steps": 140,
-              "env": {"STEP_DELAY": "0.05"}, "distributed": TWO_RANKS,
+    want, want_ranks = sharded_final(tmp_path / "base", "fsdp", "fsdp")
+    config = {"command": ["python", "tests/slow_steps.py", *argv], "max_steps": 48,
+              "env": {"STEP_DELAY": "0.1"}, "distributed": TWO_RANKS,
               "checkpoint": {"heartbeat_seconds": 0.05}}
-    daemon.launch("ddp-cmd", config, tmp_path)
-    # After a commit (every 20 steps), so the resume is handed a checkpoint.
-    _, ranks = _ranks_of_attempt(daemon, "ddp-cmd", RNG.randint(25, 125), attempt=1)
-    kill(ranks[1], signal.SIGKILL)
-    _resumed_once_each(daemon, "ddp-cmd", failed_runs=1)
-    _assert_same_ranks(_rank_states(Path(daemon.store), "default", "ddp-cmd"), want)
+    daemon.launch("fsdp", config, tmp_path)
+    # Each after a commit (every 4 steps), so each resume is handed a checkpoint.
+    _three_kills(daemon, "fsdp", [RNG.randint(6, 12), RNG.randint(18, 26), RNG.randint(30, 40)])
+    got, got_ranks = sharded_final(Path(daemon.store), "default", "fsdp")
+    assert set(got) == {"model", "optimizer"}
+    _assert_same_ranks([got], [want])
+    _assert_same_ranks(got_ranks, want_ranks)
+    # What `final_model` was handed (the run succeeded: it exported it): the shards whole.
+    handed = load_checkpoint_state(open_store(daemon.store), "default", "fsdp")
+    _assert_same_ranks([handed["model"]], [want["model"]])

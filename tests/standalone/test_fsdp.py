@@ -19,11 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.rank_runs import SLOW_STEPS, env, rank_pids, start_torchrun, wait_for_step
+from tests.rank_runs import (
+    SLOW_STEPS,
+    env,
+    rank_pids,
+    sharded_final,
+    start_torchrun,
+    state_files,
+    wait_for_step,
+)
 from tests.trainer_proc import ROOT, assert_bitwise_equal
-from trainer.checkpointer import STATE_FILE
-from trainer.dcp_storage import read_whole, shard_file
-from trainer.distributed import rank_file
+from trainer.dcp_storage import shard_file
 from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
 
@@ -53,18 +59,7 @@ def _repo(store: Path) -> CheckpointRepo:
 
 
 def _final(store: Path) -> tuple[dict, list[dict]]:
-    """The newest checkpoint's sharded state (whole tensors) and each rank's own file."""
-    repo = _repo(store)
-    manifest = repo.verify(repo.read_pointer().checkpoint)
-    ckdir = store / repo.key(manifest.name)
-    ranks = [torch.load(ckdir / f, weights_only=True) for f in _rank_files(manifest)]
-    return read_whole(repo, manifest), ranks
-
-
-def _rank_files(manifest) -> list[str]:
-    """The files of the state besides the shards: one per rank, or one alone."""
-    world = manifest.meta.get("world_size")
-    return [rank_file(r) for r in range(world)] if world else [STATE_FILE]
+    return sharded_final(store, EXPERIMENT, RUN)
 
 
 @pytest.mark.slow
@@ -118,7 +113,7 @@ def test_fsdp_two_then_one_then_two_ranks_reshard_exactly_at_the_global_sample_p
         world = worlds[manifest.step] = manifest.meta.get("world_size", 1)
         assert {shard_file(r) for r in range(world)} <= set(manifest.files)
         assert shard_file(world) not in manifest.files
-        first = store / repo.key(name, _rank_files(manifest)[0])
+        first = store / repo.key(name, state_files(manifest)[0])
         data = torch.load(first, weights_only=True)["data"]
         assert data["epoch"] * BATCHES_PER_EPOCH + data["position"] == manifest.step
     assert worlds[16] == 1 and worlds[24] == 2, worlds
