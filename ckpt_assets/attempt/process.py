@@ -181,22 +181,23 @@ class _Supervised:
 def _supervise(context, session, attempt: Attempt, env: dict[str, str],
                output: str) -> _Supervised:
     argv, cwd, warm, grace_s = attempt.argv, attempt.cwd, attempt.warm, attempt.grace_s
-    with stops_held() as held:  # a stop that comes meanwhile is delivered inside the `try`
+    # A stop that comes before the `try` that stops the process is held, then delivered in it.
+    with stops_held() as held:
         proc = warm.take(argv, env, cwd, output) if warm is not None else None
         warmed = proc is not None
         proc = proc or start_process(argv, env, cwd, output)
-    group = ProcessRef.known(proc.pid)
-    procs = AttemptProcesses(this_machine(), ProcessRef.known(os.getpid()), group, output)
-    _record(context, procs)
-    context.log.info(f"{PROCESS_STARTED} (pid {proc.pid}, its own process group"
-                     f"{', ' + WARM_STARTED if warmed else ''}; "
-                     f"output {output}): {' '.join(argv)}")
-    done = threading.Event()
-    reader = threading.Thread(target=_pump, args=(tail(output, done), context), daemon=True,
-                              name="training-output")
-    reader.start()
-    opener = TrackingOpener(attempt.after_start)
-    seen, interrupted = 0, None
+        group = ProcessRef.known(proc.pid)
+        procs = AttemptProcesses(this_machine(), ProcessRef.known(os.getpid()), group, output)
+        _record(context, procs)
+        context.log.info(f"{PROCESS_STARTED} (pid {proc.pid}, its own process group"
+                         f"{', ' + WARM_STARTED if warmed else ''}; "
+                         f"output {output}): {' '.join(argv)}")
+        done = threading.Event()
+        reader = threading.Thread(target=_pump, args=(tail(output, done), context),
+                                  daemon=True, name="training-output")
+        reader.start()
+        opener = TrackingOpener(attempt.after_start)
+        seen, interrupted = 0, None
     try:
         try:
             held.deliver()
