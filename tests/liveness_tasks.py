@@ -6,6 +6,9 @@ task_args, besides the toy task's:
   long_step_at   the step that is long (default: the first step this process trains)
   long_step_s    how long it lasts, in seconds
   release_file   or: it lasts until this file exists (at most MAX_HOLD_S)
+  slow_start_from_attempt
+                 instead: from this attempt on, the task's build (before the trainer's first
+                 heartbeat) is what lasts, as a start-up on a loaded machine does
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 
+from trainer.contract import Env
 from trainer.task import Task, TaskArgs
 from trainer.tasks import toy
 
@@ -24,7 +28,12 @@ def build(t: TaskArgs) -> Task:
     at = args.pop("long_step_at", None)
     seconds = float(args.pop("long_step_s", 0.0))
     release = args.pop("release_file", None)
+    slow_from = args.pop("slow_start_from_attempt", None)
     task = toy.build(TaskArgs(args, t.seed, t.dataset))
+    if slow_from is not None:
+        if int(os.environ.get(Env.ATTEMPT.value, "1")) >= slow_from:
+            _hold(seconds, release)
+        return task
     inner, first = task.before_step, []
 
     def before_step(step: int) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -171,3 +172,51 @@ def test_a_preempted_ckpt_assets_run_prints_a_short_summary_and_what_to_run_next
     # What the terminal no longer shows is in the log file, stack traces included.
     logged = log.read_text()
     assert "DEBUG" in logged and "DagsterExecutionInterruptedError" in logged
+
+
+@pytest.mark.slow
+def test_a_trainer_relaunched_in_its_run_is_not_declared_dead_before_its_first_beat(
+        tmp_path, dagster_home, store_uri, mlflow_uri, monkeypatch):
+    """The relaunched trainer's start-up (its task's build, before its first beat) lasts
+    several heartbeat timeouts, as on a loaded machine; the reconciler sweeps meanwhile."""
+    from ckpt_assets.defs.resources import CheckpointStore
+    from ckpt_assets.defs.sensors import reconcile_training_runs
+    from ckpt_assets.runs.settings import Setting
+    from ckpt_assets.runs.tags import TAG_HEARTBEAT_LOST
+
+    timeout_s = 3.0
+    monkeypatch.setenv(Setting.HEARTBEAT_TIMEOUT_S.value, str(timeout_s))
+    monkeypatch.setenv(Setting.WORKER_GRACE_S.value, "600")  # start-up is not judged here
+    name, release = "slow-start", tmp_path / "release"
+    config = _config(tmp_path, name, max_steps=60, task="tests.liveness_tasks:build",
+                     task_args={"step_delay": 0.02, "slow_start_from_attempt": 2,
+                                "release_file": str(release)})
+    proc = _ci_run(tmp_path, name, config)
+    instance = dg.DagsterInstance.get()
+    try:
+        _wait_committed(store_uri, name, 10)
+        kill_at = time.time()
+        os.kill(read_heartbeat_pid(Path(store_uri), "default", name), signal.SIGKILL)
+        (run,) = instance.get_runs()
+        wait_for(lambda: RunView.of(instance.get_run_by_id(run.run_id)).attempt == 2, 120,
+                 what="the trainer's relaunch in its run")
+        # Attempt 1's last beat is now older than the timeout; attempt 2 has not beaten.
+        wait_for(lambda: time.time() - kill_at > 2 * timeout_s, 60, what="two timeouts")
+        store = CheckpointStore(uri=store_uri)
+        for _ in range(2):
+            out = reconcile_training_runs(dg.build_sensor_context(
+                instance=instance, resources={"checkpoint_store": store}))
+            assert isinstance(out, dg.SkipReason) or not list(out)
+            view = RunView.of(instance.get_run_by_id(run.run_id))
+            assert (view.status, view.heartbeat_lost) == (dg.DagsterRunStatus.STARTED, None)
+        # The sweeps above saw only attempt 1's stale beat: attempt 2 was still starting.
+        beat = json.loads((Path(store_uri) / "default" / name / "heartbeat.json").read_text())
+        assert beat["attempt"] == 1, beat
+        release.touch()
+        code = proc.wait(600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, (tmp_path / f"{name}.log").read_text()[-6000:]
+    (done,) = instance.get_runs()
+    assert RunView.of(done).attempt == 2 and TAG_HEARTBEAT_LOST not in done.tags
