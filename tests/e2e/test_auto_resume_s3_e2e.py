@@ -1,9 +1,11 @@
 """Three failures of one run on an S3 store: two handled by failure-sensor ticks, one by a
-reconciler sweep while the failure sensor is off (as for failures from before it was on)."""
+reconciler sweep while the failure sensor is off (as for failures from before it was on).
+
+The subject is who resumes each failure, once; that a trainer reached only through S3
+resumes bit for bit is tests/orchestrator/test_remote_trainer.py's."""
 
 from __future__ import annotations
 
-import json
 import signal
 import uuid
 
@@ -13,9 +15,10 @@ import pytest
 from ckpt_assets.runs.settings import Setting
 from tests.daemon_harness import Daemon, held, kill, training_config
 from tests.s3_state import final_state_s3
-from tests.trainer_proc import assert_bitwise_equal, run_trainer, training_state
 
 pytestmark = pytest.mark.slow
+
+MAX_STEPS = 70  # the third kill comes 5 steps after the reconciler's resume at ~30
 
 
 def _sensor(daemon: Daemon, verb: str) -> None:
@@ -36,16 +39,8 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
                  ).create_bucket(Bucket=bucket)
     store = f"s3://{bucket}/ckpts"
 
-    cfg = training_config("s3run", max_steps=120,
+    cfg = training_config("s3run", max_steps=MAX_STEPS,
                           task_args={"n_train": 512, "n_eval": 128, "hidden": 32, "step_delay": 0.2})
-    base = json.loads(json.dumps(cfg))
-    base["task_args"].pop("step_delay")
-    (tmp_path / "base.json").write_text(json.dumps(base))
-    res = run_trainer(tmp_path / "base.json", str(tmp_path / "base-store"))
-    assert res.returncode == 0, res.log
-    from tests.trainer_proc import final_state
-
-    uninterrupted = training_state(final_state(tmp_path / "base-store", run="s3run"))
 
     # The point is the sensors' and the reconciler's resumes, each a new run: a trainer
     # killed while its run worker lives would otherwise be relaunched in its own run.
@@ -54,7 +49,10 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
     # test is not about a trainer declared dead.
     daemon = Daemon.start(tmp_path / "d", store,
                           extra_env={**aws, Setting.IN_RUN_RELAUNCH.value: "0",
-                                     Setting.HEARTBEAT_TIMEOUT_S.value: "900"})
+                                     Setting.HEARTBEAT_TIMEOUT_S.value: "900",
+                                     # the reconciler's turn comes sooner than 45 s after
+                                     # a failure: only the sensor's stop makes it its turn
+                                     Setting.RECONCILE_GRACE_S.value: "15"})
     try:
         daemon.launch("s3run", cfg, tmp_path)
         hb = daemon.wait_for_step("s3run", 12, attempt=1)
@@ -80,7 +78,7 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
             # The re-enabled sensor's first tick only sets its cursor: failures before it
             # are not its to see. Wait for that tick, not for a guess at its interval.
             daemon.wait_for_ticks({"resume_failed_training": 1})
-        assert now["step"] < 120, now
+        assert now["step"] < MAX_STEPS, now
         hb = daemon.wait_for_step("s3run", now["step"] + 5, attempt=3)
         kill(hb["pid"], signal.SIGTERM)  # 3: failure sensor again (a preemption)
         final = daemon.wait_done("s3run")
@@ -97,6 +95,7 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
             "resume_failed_training", "reconcile_training_runs", "resume_failed_training"]
         assert final.tags["ckpt/attempt"] == "4"
         assert daemon.max_active["s3run"] == 1
-        assert_bitwise_equal(uninterrupted, training_state(final_state_s3(store, run="s3run")))
+        # The last checkpoint is the run's end, and it verifies as read back from S3.
+        assert final_state_s3(store, run="s3run")["loop"]["step"] == MAX_STEPS
     finally:
         daemon.stop()

@@ -25,7 +25,6 @@ from tests.dagster_fixtures import (
     training_config,
 )
 from tests.polling import pid_alive, wait_for
-from tests.trainer_proc import assert_bitwise_equal, final_state, training_state
 from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
 
@@ -249,55 +248,3 @@ def test_cli_stop_cancels_a_queued_run_and_marks_it_not_to_be_resumed(
     capsys.readouterr()
     assert cli_main(["stop", "to-stop"]) == 2
     assert "has no queued or running Dagster run" in capsys.readouterr().err
-
-
-def _ci_run(tmp_path, name: str, config: Path) -> subprocess.Popen:
-    """`ckpt-assets run NAME --config FILE`, as a CI job runs it: no daemon anywhere."""
-    return subprocess.Popen([PYTHON, "-m", "ckpt_assets", "run", name, "--config", str(config)],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=open(tmp_path / f"{name}.log", "ab"),
-                            stderr=subprocess.STDOUT)
-
-
-def _finish(tmp_path, proc: subprocess.Popen, name: str) -> int:
-    try:
-        return proc.wait(300)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError((tmp_path / f"{name}.log").read_text()[-6000:]) from None
-
-
-@pytest.mark.slow
-def test_the_ci_command_preempted_by_sigterm_exits_143_and_run_again_resumes_bitwise_linked(
-        tmp_path, dagster_home, store_uri, mlflow_uri):
-    config = _write_config(tmp_path, max_steps=300, task_args={"step_delay": 0.02})
-    proc = _ci_run(tmp_path, "ci-run", config)
-    try:
-        _wait(lambda: (pointer_step(Path(store_uri), "default", "ci-run") or 0) >= 20, 180,
-              "a committed checkpoint")
-        proc.send_signal(signal.SIGTERM)
-        code = _finish(tmp_path, proc, "ci-run")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = (tmp_path / "ci-run.log").read_text()
-    assert code == 143, log[-6000:]  # the attempt's outcome: preempted
-    interrupted_at = pointer_step(Path(store_uri), "default", "ci-run")
-    assert interrupted_at is not None and 20 <= interrupted_at < 300
-    assert _finish(tmp_path, _ci_run(tmp_path, "ci-run", config), "ci-run") == 0, \
-        (tmp_path / "ci-run.log").read_text()[-6000:]
-    assert _finish(tmp_path, _ci_run(tmp_path, "ci-ref", config), "ci-ref") == 0, \
-        (tmp_path / "ci-ref.log").read_text()[-6000:]
-
-    resumed = json.loads(cli("lineage", "ci-run", "--json").stdout)
-    first, second = resumed["attempts"]
-    assert (first["attempt"], second["attempt"]) == (1, 2)
-    assert second["parent_run_id"] == first["dagster_run_id"]
-    assert second["root_run_id"] == first["dagster_run_id"] == first["root_run_id"]
-    assert first["failure_class"] == "preempted"
-    # Resumed from its checkpoint, it ends where an uninterrupted run ends, bit for bit.
-    assert_bitwise_equal(
-        training_state(final_state(Path(store_uri), run="ci-ref")),
-        training_state(final_state(Path(store_uri), run="ci-run")))
-    listed = {r["run"]: r for r in json.loads(cli("list", "--json").stdout)}
-    assert (listed["ci-run"]["state"], listed["ci-run"]["attempt"]) == ("finished", 2)

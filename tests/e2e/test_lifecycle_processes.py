@@ -147,10 +147,10 @@ def test_a_finished_run_run_again_by_hand_trains_nothing_and_exits_0(
 
 
 @pytest.mark.slow
-def test_a_preempted_ckpt_assets_run_prints_a_short_summary_and_what_to_run_next(
+def test_a_preempted_ckpt_assets_run_prints_a_short_summary_and_run_again_resumes_as_its_child(
         tmp_path, dagster_home, store_uri, mlflow_uri):
     name = "told"
-    config = _config(tmp_path, name, max_steps=2000, task_args={"step_delay": 0.02})
+    config = _config(tmp_path, name, max_steps=300, task_args={"step_delay": 0.02})
     proc = subprocess.Popen([PYTHON, "-m", "ckpt_assets", "run", name, "--config", str(config)],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -161,7 +161,7 @@ def test_a_preempted_ckpt_assets_run_prints_a_short_summary_and_what_to_run_next
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 143, err[-3000:]
+    assert proc.returncode == 143, err[-3000:]  # the attempt's outcome: preempted
     lines = out.strip().splitlines()
     assert "Traceback" not in out + err and "DEBUG" not in out + err, (out, err)
     assert len(lines) <= 4, out  # the start, the summary and what comes next
@@ -172,6 +172,24 @@ def test_a_preempted_ckpt_assets_run_prints_a_short_summary_and_what_to_run_next
     # What the terminal no longer shows is in the log file, stack traces included.
     logged = log.read_text()
     assert "DEBUG" in logged and "DagsterExecutionInterruptedError" in logged
+    interrupted_at = pointer_step(Path(store_uri), "default", name)
+    assert interrupted_at is not None and 10 <= interrupted_at < 300
+
+    # Run again, as the summary says: it resumes from that checkpoint as the run's child.
+    again = _ci_run(tmp_path, name, config)
+    try:
+        assert again.wait(600) == 0, (tmp_path / f"{name}.log").read_text()[-6000:]
+    finally:
+        if again.poll() is None:
+            again.kill()
+    first, second = json.loads(cli("lineage", name, "--json").stdout)["attempts"]
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert second["parent_run_id"] == first["dagster_run_id"]
+    assert second["root_run_id"] == first["dagster_run_id"] == first["root_run_id"]
+    assert first["failure_class"] == "preempted"
+    assert second["resumed_from_step"] == interrupted_at
+    (row,) = json.loads(cli("list", "--json").stdout)
+    assert (row["state"], row["attempt"]) == ("finished", 2)
 
 
 @pytest.mark.slow
