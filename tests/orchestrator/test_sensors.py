@@ -303,19 +303,20 @@ def test_a_decision_stands_when_dagsters_late_rewrite_of_the_run_drops_its_tags(
     event = _end_event_stored_before_its_record(instance, run)
     storage, read = instance.run_storage, instance.run_storage._get_run_by_id
     late_writer = threading.Thread(target=storage.handle_run_event, args=(run.run_id, event))
-    has_read = threading.Event()
+    has_read, decided = threading.Event(), threading.Event()
 
     def read_then_stall(run_id):
         got = read(run_id)
         if threading.current_thread() is late_writer:
             has_read.set()
-            time.sleep(1.0)  # read before the sensor's decision, written after it
+            assert decided.wait(60)  # read before the sensor's decision, written after it
         return got
 
     monkeypatch.setattr(storage, "_get_run_by_id", read_then_stall)
     late_writer.start()
     assert has_read.wait(60)
     req = on_failure(instance, run, store)
+    decided.set()
     late_writer.join()
     assert isinstance(req, dg.RunRequest), req
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
@@ -429,12 +430,11 @@ def test_a_resume_decided_but_never_launched_is_launched_by_the_reconciler_once(
 
 
 def test_a_failure_no_sensor_saw_is_decided_and_resumed_by_the_reconciler_after_the_grace(
-        instance, store, monkeypatch):
-    monkeypatch.setenv("CKPT_RECONCILE_GRACE_S", "1")
+        instance, store):
     run = failed_run(instance, exit_code=143, failure_class="preempted")
     assert sweep(instance, store) == []  # just ended: the failure sensors go first
     assert TAG_DECISION not in tags_of(instance, run)
-    time.sleep(1.1)
+    backdate_end(instance, run, ResumeSettings().launch_grace_s + 1)  # the grace has passed
     # One sweep decides and launches: one grace from the run's end, not a second from the
     # decision the sweep itself just recorded.
     (req,) = sweep(instance, store)
