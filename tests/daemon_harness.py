@@ -22,11 +22,13 @@ from pathlib import Path
 from ckpt_assets.runs.settings import Setting
 from tests.dagster_fixtures import MLFLOW_DB, stop_process_group, with_migrated_mlflow_db
 from tests.polling import wait_for
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ACTIVE = ("STARTING", "STARTED", "CANCELING")
 EMBEDDED_INSTANCE_YAML = ROOT / "dagster_home" / "dagster.yaml"
+LOCATION = "ckpt_assets"  # the code location's name in workspace.yaml and pyproject.toml
 
 
 def training_config(run: str, **overrides) -> dict:
@@ -79,6 +81,24 @@ def _environ(overrides: dict):
                 os.environ[k] = v
 
 
+def _start_code_server(workdir: Path, env: dict) -> tuple[subprocess.Popen, Path]:
+    """`dagster api grpc` serving the project's code location on a free loopback port, once
+    it has loaded the definitions; and a workspace file that points at it."""
+    port, log_path = free_port(), workdir / "code-server.log"
+    proc = subprocess.Popen(
+        [str(BIN / "dagster"), "api", "grpc", "-m", "ckpt_assets.definitions", "-a", "defs",
+         "--location-name", LOCATION, "-h", "127.0.0.1", "-p", str(port), "-d", str(ROOT)],
+        cwd=ROOT, env=env, start_new_session=True, stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT)
+    wait_for(lambda: proc.poll() is not None or "Started Dagster code server" in
+             log_path.read_text(), 300, what="the code server to load the definitions")
+    assert proc.poll() is None, log_path.read_text()[-3000:]
+    workspace = workdir / "workspace.yaml"
+    workspace.write_text(f"load_from:\n  - grpc_server:\n      host: 127.0.0.1\n"
+                         f"      port: {port}\n      location_name: {LOCATION}\n")
+    return proc, workspace
+
+
 @dataclass
 class Daemon:
     home: Path
@@ -86,6 +106,8 @@ class Daemon:
     env: dict
     proc: subprocess.Popen
     log_path: Path
+    workspace: Path = ROOT / "workspace.yaml"  # what the daemon (and `dagster` commands) load
+    code_server: subprocess.Popen | None = None
     max_active: dict = field(default_factory=lambda: defaultdict(int))
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -102,13 +124,22 @@ class Daemon:
     @classmethod
     def start(cls, workdir: Path, store: str, extra_env: dict | None = None,
               instance_yaml: Path = EMBEDDED_INSTANCE_YAML,
-              workspace: Path = ROOT / "workspace.yaml") -> Daemon:
+              workspace: Path | None = None) -> Daemon:
+        """A daemon on a fresh instance. Without `workspace`, the code location is served by
+        a code server of the daemon's own, started first with the daemon's environment (a
+        `grpc_server` workspace, as a team deployment runs one): given the project's
+        python_module workspace, a daemon replaces its code server every minute (Dagster's
+        RELOAD_WORKSPACE_INTERVAL), a process loading the definitions again each time. The
+        benchmarks pass ROOT / "workspace.yaml", the embedded default's path."""
         home, env, instance = fresh_instance(workdir, store, extra_env, instance_yaml)
+        server = None
+        if workspace is None:
+            server, workspace = _start_code_server(workdir, env)
         log_path = workdir / "daemon.log"
         proc = subprocess.Popen([str(BIN / "dagster-daemon"), "run", "-w", str(workspace)],
                                 cwd=ROOT, env=env, start_new_session=True,
                                 stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-        d = cls(home, store, env, proc, log_path)
+        d = cls(home, store, env, proc, log_path, workspace=workspace, code_server=server)
         d._instance = instance
         threading.Thread(target=d._watch_active, daemon=True).start()
         return d
@@ -116,6 +147,8 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
         stop_process_group(self.proc, 60)
+        if self.code_server is not None:
+            stop_process_group(self.code_server, 60)
         # Runs launched by the daemon live in their own sessions: end any left over.
         for run in self.instance.get_runs():
             if run.status.value in ACTIVE:

@@ -23,7 +23,7 @@ MAX_STEPS = 70  # the third kill comes 5 steps after the reconciler's resume at 
 
 def _sensor(daemon: Daemon, verb: str) -> None:
     """`dagster sensor stop|start resume_failed_training`, which must succeed."""
-    res = daemon.dagster("sensor", verb, "resume_failed_training", "-w", "workspace.yaml")
+    res = daemon.dagster("sensor", verb, "resume_failed_training", "-w", str(daemon.workspace))
     assert res.returncode == 0, res.stdout + res.stderr
 
 
