@@ -113,7 +113,7 @@ def main() -> None:
                                                            patience=args.patience)
     print(f"{describe(model)}; {args.epochs} epochs of {batches_per_epoch} batches", flush=True)
     ckpt = CheckpointSession(experiment="spirals", run="spirals", every_steps=10,
-                             max_steps=args.epochs * batches_per_epoch)
+                             max_steps=args.epochs * batches_per_epoch, seed=args.seed)
     ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler)
 
     t0 = time.time()
