@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_assets.attempt.process import PROCESS_STARTED  # noqa: E402
-from tests.daemon_harness import Daemon, training_config  # noqa: E402
+from tests.daemon_harness import PROJECT_WORKSPACE, Daemon, training_config  # noqa: E402
 from tests.polling import wait_for  # noqa: E402
 
 TARGET_S = 3.0
@@ -124,7 +124,7 @@ def main() -> int:
                          "steps' libraries in the background (ckpt_assets.attempt.prefetch)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench_fixed_"))
-    daemon = Daemon.start(work, str(work / "store"))
+    daemon = Daemon.start(work, str(work / "store"), workspace=PROJECT_WORKSPACE)
     try:
         print(f"bench_fixed_cost: {args.runs} runs of 20 steps of {args.step_s * 1000:.0f} ms, "
               f"each launched with "

@@ -51,7 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_assets.runs.events import CHECKPOINT, partition_events  # noqa: E402
 from ckpt_assets.runs.settings import Setting  # noqa: E402
-from tests.daemon_harness import ROOT, Daemon, trainer_parent, training_config  # noqa: E402
+from tests.daemon_harness import (  # noqa: E402
+    PROJECT_WORKSPACE,
+    ROOT,
+    Daemon,
+    trainer_parent,
+    training_config,
+)
 from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
 from trainer.interval import young_daly  # noqa: E402
 from trainer.repo import CheckpointRepo  # noqa: E402
@@ -402,7 +408,8 @@ def run_ours(args, schedule, cfg, max_steps, work: Path):
            Setting.CRASH_LOOP_BUDGET.value: "100000"}
     if args.backoff_base is not None:
         env[Setting.BACKOFF_BASE_S.value] = str(args.backoff_base)
-    daemon = Daemon.start(work / "ours", str(work / "ours" / "store"), extra_env=env)
+    daemon = Daemon.start(work / "ours", str(work / "ours" / "store"), extra_env=env,
+                          workspace=PROJECT_WORKSPACE)
     try:
         job = CkptAssetsJob(daemon, cfg, work)
         sampler, kills, t0, finished = drive(job, schedule, args.job_seconds * 20, args.timeout)

@@ -54,7 +54,7 @@ from ckpt_assets.runs.clock import parse_time  # noqa: E402
 from ckpt_assets.runs.events import STATE, partition_events  # noqa: E402
 from ckpt_assets.runs.settings import Setting  # noqa: E402
 from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
-from tests.daemon_harness import Daemon, training_config  # noqa: E402
+from tests.daemon_harness import PROJECT_WORKSPACE, Daemon, training_config  # noqa: E402
 from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
 from trainer.repo import CheckpointRepo, parse_checkpoint_name  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
@@ -298,7 +298,7 @@ def in_run_path(args, rng: random.Random, env: dict, cfg: dict, warm: bool) -> l
     try:
         daemon = Daemon.start(work, store, extra_env={
             **env, Setting.IN_RUN_RELAUNCH.value: "1",
-            Setting.WARM_TRAINER.value: "1" if warm else "0"})
+            Setting.WARM_TRAINER.value: "1" if warm else "0"}, workspace=PROJECT_WORKSPACE)
         daemon.launch(RUN_IN, {**cfg, "run": RUN_IN}, work)
         repo = CheckpointRepo(open_store(store), "default", RUN_IN)
         hb = first_beat_of_new_attempt(daemon, 0, args.timeout, RUN_IN)
@@ -354,7 +354,8 @@ def sensor_path(args, rng: random.Random, env: dict, cfg: dict, work: Path) -> l
     t0 = time.monotonic()
     try:
         # The sensor path: a killed trainer's run fails and a sensor launches the resume.
-        daemon = Daemon.start(work, store, extra_env={**env, Setting.IN_RUN_RELAUNCH.value: "0"})
+        daemon = Daemon.start(work, store, extra_env={**env, Setting.IN_RUN_RELAUNCH.value: "0"},
+                              workspace=PROJECT_WORKSPACE)
         daemon.launch(RUN, cfg, work)
         repo = CheckpointRepo(open_store(store), "default", RUN)
         hb = first_beat_of_new_attempt(daemon, 0, args.timeout)

@@ -29,6 +29,7 @@ BIN = Path(sys.executable).parent
 ACTIVE = ("STARTING", "STARTED", "CANCELING")
 EMBEDDED_INSTANCE_YAML = ROOT / "dagster_home" / "dagster.yaml"
 LOCATION = "ckpt_assets"  # the code location's name in workspace.yaml and pyproject.toml
+PROJECT_WORKSPACE = ROOT / "workspace.yaml"  # the embedded default's: the daemon's code server
 
 
 def training_config(run: str, **overrides) -> dict:
@@ -106,7 +107,7 @@ class Daemon:
     env: dict
     proc: subprocess.Popen
     log_path: Path
-    workspace: Path = ROOT / "workspace.yaml"  # what the daemon (and `dagster` commands) load
+    workspace: Path = PROJECT_WORKSPACE  # what the daemon (and `dagster` commands) load
     code_server: subprocess.Popen | None = None
     max_active: dict = field(default_factory=lambda: defaultdict(int))
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -130,7 +131,7 @@ class Daemon:
         `grpc_server` workspace, as a team deployment runs one): given the project's
         python_module workspace, a daemon replaces its code server every minute (Dagster's
         RELOAD_WORKSPACE_INTERVAL), a process loading the definitions again each time. The
-        benchmarks pass ROOT / "workspace.yaml", the embedded default's path."""
+        benchmarks pass PROJECT_WORKSPACE: they measure the embedded default's path."""
         home, env, instance = fresh_instance(workdir, store, extra_env, instance_yaml)
         server = None
         if workspace is None:
