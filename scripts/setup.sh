@@ -16,11 +16,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # shown when the install fails.
   log=.venv/pip-install.log
   echo "setup: installing the pinned stack into .venv (pip's log: $log)"
-  # --no-compile: byte-compiling all 21,000 modules of the tree takes 45 s of one core, and
-  # the ~3,000 that anything imports are compiled on their first import instead (7 s).
   # constraints.txt pins the whole tree (the Dagster family in lockstep, torch 2.13.0 CPU).
-  if ! { .venv/bin/python -m pip install --quiet --no-compile --upgrade pip &&
-         .venv/bin/python -m pip install --quiet --no-compile -c constraints.txt -e ".[test]"
+  # pip byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set, no import
+  # writes a .pyc, and every process would compile every module it imports.
+  if ! { .venv/bin/python -m pip install --quiet --upgrade pip &&
+         .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
        } > "$log" 2>&1; then
     tail -n 40 "$log" >&2
     echo "setup: pip install failed (above: the end of $log); fix what it names and run again" >&2
