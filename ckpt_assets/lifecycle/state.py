@@ -93,8 +93,12 @@ def state_of(run: dg.DagsterRun, now: float, outcome: Outcome | None = None) -> 
                         outcome.value if outcome else view.failure_class)
 
     from_where = view.resume_from or "the latest checkpoint"
-    resumed = (f", resuming run {view.parent_run_id} from {from_where}"
-               if view.parent_run_id else "")
+
+    def chain(verb: str) -> str:  # which run this attempt takes over, and from where
+        return (f", {verb} run {view.parent_run_id} from {from_where}"
+                if view.parent_run_id else "")
+
+    resumed = chain("resuming")
     S = dg.DagsterRunStatus
     if status in (S.QUEUED, S.NOT_STARTED, S.STARTING):
         return made(State.RESUMING if resumed else State.QUEUED,
@@ -103,7 +107,7 @@ def state_of(run: dg.DagsterRun, now: float, outcome: Outcome | None = None) -> 
         procs = lost_worker(run)
         lost = (f"; {lost_words(procs)}: the reconciler ends it, or "
                 f"`{RERUN_HINT.format(run=partition)}` resumes it" if procs else "")
-        return made(State.TRAINING, f"attempt {attempt}{resumed}{lost}")
+        return made(State.TRAINING, f"attempt {attempt}{chain('continuing')}{lost}")
     if status == S.CANCELING:
         return made(State.STOPPING, "stopping for good" if view.stop_requested
                     else "terminating; a termination is a preemption, resumed once it ends")

@@ -149,4 +149,4 @@ def test_a_cli_launch_after_a_failure_is_the_next_attempt_linked_to_the_failed_r
                                (rerun.run_id, 2, failed.run_id, failed.run_id)]
     listed = run_summary(instance, store, KEY)
     assert (listed["dagster_run_id"], listed["attempt"]) == (rerun.run_id, 2)
-    assert f"resuming run {failed.run_id}" in listed["detail"]
+    assert f"continuing run {failed.run_id}" in listed["detail"]

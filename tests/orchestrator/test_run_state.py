@@ -68,7 +68,7 @@ def test_a_running_attempt_is_training_and_says_which_attempt(instance):
     dagster_runs.started_run(instance, KEY, tags={TAG_ATTEMPT: "3", TAG_PARENT_RUN_ID: "p"})
     got = run_state(instance, KEY)
     assert got.state == State.TRAINING and got.attempt == 3
-    assert str(got).startswith("training: attempt 3, resuming run p")
+    assert str(got).startswith("training: attempt 3, continuing run p")
 
 
 def test_a_succeeded_run_is_finished(instance):
