@@ -96,7 +96,7 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
         rec, created = create_once(store.open(), rec)
     if created:
         instance.add_run_tags(run.run_id, mirror_tags(rec))
-        _say(instance, run, failure, decision)
+        _say(instance, run.with_tags({**run.tags, **mirror_tags(rec)}), failure, decision)
     return rec, created
 
 
@@ -118,7 +118,9 @@ def _say(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
     except Exception:  # the record is what the sensors act on; this is for people
         logging.getLogger(__name__).warning("could not log the resume decision on run %s",
                                             run.run_id, exc_info=True)
-    report_state(instance, failure.training_run, facts)
+    # The state from `run` as decided, not read back: Dagster may drop tags written while it
+    # rewrites an ended run's record (docs/lifecycle.md), and the mirror is put back later.
+    report_state(instance, failure.training_run, facts, decided=run)
 
 
 def resume_request(run: dg.DagsterRun, rec: DecisionRecord,

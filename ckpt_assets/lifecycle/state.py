@@ -66,11 +66,14 @@ class RunState:
                 "resume_at": self.resume_at, "outcome": self.outcome}
 
 
-def run_state(instance: dg.DagsterInstance, partition: str,
-              now: float | None = None) -> RunState:
+def run_state(instance: dg.DagsterInstance, partition: str, now: float | None = None,
+              decided: dg.DagsterRun | None = None) -> RunState:
     """The training run's state, read from its newest Dagster run (and, for one that ended
-    undecided, its attempt's own record of how it ended). A read: it changes nothing."""
+    undecided, its attempt's own record of how it ended). A read: it changes nothing.
+    `decided`: that run as its decider just tagged it, read in its stead."""
     run = newest_training_run(instance, partition)
+    if decided is not None and run is not None and run.run_id == decided.run_id:
+        run = decided
     if run is None:
         return RunState(partition, State.NOT_LAUNCHED, "no Dagster run yet")
     outcome = None
@@ -234,12 +237,13 @@ def _state_metadata(state: RunState) -> dict[str, Any]:
 
 
 def report_state(instance: dg.DagsterInstance, partition: str,
-                 extra: dict[str, Any] | None = None) -> RunState | None:
+                 extra: dict[str, Any] | None = None,
+                 decided: dg.DagsterRun | None = None) -> RunState | None:
     """Derive the partition's state now and record it as an observation (with `extra`
     metadata), and a state that ends the run as the partition's `training_run_state` check.
     Best-effort: it is what people read, never what a decision rests on."""
     try:
-        state = run_state(instance, partition)
+        state = run_state(instance, partition, decided=decided)
         instance.report_runless_asset_event(state_observation(state, extra))
         if state.state in STOPPED or state.state == State.FINISHED:
             instance.report_runless_asset_event(state_check_evaluation(state))

@@ -293,6 +293,20 @@ def _end_event_stored_before_its_record(instance, run: dg.DagsterRun) -> Dagster
     return event
 
 
+def test_the_state_a_decision_records_is_that_decision_though_dagster_dropped_its_tags(
+        instance, store, monkeypatch):
+    """The decider writes the decision's mirror tags, then records the partition's state:
+    derived from the run as decided, not read back, so Dagster's late rewrite of the ended
+    run (which drops those tags until the mirror is put back) cannot make it read another."""
+    run = failed_run(instance, exit_code=1, failure_class="user_code_error")
+    monkeypatch.setattr(instance, "add_run_tags", lambda run_id, tags: None)  # dropped
+    on_failure(instance, run, store)
+    (state, _), = events.partition_events(instance, KEY, events.STATE, newest_first=True,
+                                          limit=1)
+    assert (state["state"], state["decision"]) == ("stopped by policy", "stop")
+    assert state["detail"].startswith("not resumed: "), state["detail"]
+
+
 def test_a_decision_stands_when_dagsters_late_rewrite_of_the_run_drops_its_tags(
         instance, store, monkeypatch):
     """Dagster reads the run's record, then (late, on a busy machine) writes it back whole
