@@ -263,24 +263,46 @@ def _partition_event(page, url: str, partition: str, description: str) -> str:
 
     page.goto(f"{url}/assets/model_checkpoint?view=events")
     rows = page.locator("[data-index]").filter(has=page.get_by_text(partition, exact=True))
-    expect(rows.first).to_be_visible()
+    expect(page.locator("[data-index]").first).to_be_visible()
     wanted = page.get_by_text(re.compile(description))
     header = page.get_by_text(re.compile(f"^Partition {partition} (observed|materialized)"))
     # A quick look at each event first; then, in case the page is slow to show the one
     # clicked, a patient one.
     for patience_ms in (0, 5000):
-        for i in range(rows.count()):
-            _show(rows.nth(i), header)
-            try:
-                if patience_ms:
-                    expect(wanted).to_be_visible(timeout=patience_ms)
-                elif not wanted.is_visible():
+        for _ in _list_scrolled(page):
+            for i in range(rows.count()):
+                _show(rows.nth(i), header)
+                try:
+                    if patience_ms:
+                        expect(wanted).to_be_visible(timeout=patience_ms)
+                    elif not wanted.is_visible():
+                        continue
+                except AssertionError:
                     continue
-            except AssertionError:
-                continue
-            return wanted.inner_text().strip()
+                return wanted.inner_text().strip()
     raise AssertionError(f"no event of {partition} reads {description!r} among its "
-                         f"{rows.count()} model_checkpoint events")
+                         f"{rows.count()} model_checkpoint events shown")
+
+
+# The events list's scrolling box: the nearest ancestor of a row that scrolls.
+_SCROLLER = """row => { let box = row.parentElement;
+    while (box && !['auto', 'scroll'].includes(getComputedStyle(box).overflowY))
+        box = box.parentElement;
+    return box; }"""
+
+
+def _list_scrolled(page, step_px: int = 300):
+    """Yield once as the events list stands, then once per scroll position from its top to
+    its bottom: it is virtualized, so only the rows near its view exist in the page, and
+    the rows of a partition whose events are older than many others' are not among them."""
+    yield
+    first = page.locator("[data-index]").first
+    height = first.evaluate(f"row => {{ const box = ({_SCROLLER})(row); "
+                            "return box ? box.scrollHeight : 0; }")
+    for top in range(0, height + step_px, step_px):
+        first.evaluate(f"(row, top) => {{ const box = ({_SCROLLER})(row); "
+                       "if (box) box.scrollTop = top; }", top)
+        yield
 
 
 def _show(row, header) -> None:
