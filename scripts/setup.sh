@@ -17,15 +17,20 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log=.venv/pip-install.log
   echo "setup: installing the pinned stack into .venv (pip's log: $log)"
   # constraints.txt pins the whole tree (the Dagster family in lockstep, torch 2.13.0 CPU).
-  # pip byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set, no import
-  # writes a .pyc, and every process would compile every module it imports.
-  if ! { .venv/bin/python -m pip install --quiet --upgrade pip &&
-         .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
+  # The tree is byte-compiled after the install, on every core: where PYTHONDONTWRITEBYTECODE
+  # is set no import writes a .pyc, so without them every process would compile every module
+  # it imports; pip's own compiling is one file at a time on one core.
+  if ! { .venv/bin/python -m pip install --quiet --no-compile --upgrade pip &&
+         .venv/bin/python -m pip install --quiet --no-compile -c constraints.txt -e ".[test]"
        } > "$log" 2>&1; then
     tail -n 40 "$log" >&2
     echo "setup: pip install failed (above: the end of $log); fix what it names and run again" >&2
     exit 1
   fi
+  # A file that does not compile (some packages ship templates or Python 2 samples as .py)
+  # only stays uncompiled, as pip leaves it, so compileall's status is not checked.
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  .venv/bin/python -m compileall -q -j 0 "$site" >> "$log" 2>&1 || true
   echo "$want" > "$stamp"
 fi
 

@@ -2,11 +2,13 @@
 
 One test per guarantee that needs the real daemon, run workers and trainers; what the
 sensors decide for each kind of failure is proven in seconds by tests/orchestrator/test_sensors.py and
-tests/orchestrator/test_policy.py. The guarantees that rest on the instance's storage (a failure seen
-once and resumed once, a lost run worker found and resumed) run on both instance kinds: the
-embedded default (dagster_home/dagster.yaml, SQLite, MLflow in a SQLite file) and the team
-instance (deploy/postgres/dagster.yaml on the session's real PostgreSQL server,
-MLflow in a second database on that server). One daemon (with the code server it spawns)
+tests/orchestrator/test_policy.py. A failure seen once and resumed once, through the sensors'
+reads and writes of the instance's storage, is proven on both instance kinds: the embedded
+default (dagster_home/dagster.yaml, SQLite, MLflow in a SQLite file) and the team instance
+(deploy/postgres/dagster.yaml on the session's real PostgreSQL server, MLflow in a second
+database on that server). A lost run worker is found and resumed through the same kinds of
+storage calls (runs and their tags read, tags and run events written), so it is proven on
+the embedded instance only. One daemon (with the code server it spawns)
 serves each kind; each test trains its own partition. A `command:` run (the digits
 classifier in its own loop) is resumed through the same daemon; what differs between the
 examples (their own loops, SIGTERM as well as SIGKILL) is proven standalone by
@@ -137,7 +139,7 @@ def test_sigkill_of_the_trainer_is_resumed_once_and_ends_bitwise_identical(
     assert failed.tags["ckpt/failure_kind"] == "killed"
 
 
-@on_every_instance
+@on_the_embedded_instance
 def test_sigkill_of_the_run_worker_stops_its_trainer_and_is_resumed_once(
         daemon, tmp_path, uninterrupted):
     daemon.launch("kill-worker", training_config("kill-worker"), tmp_path)
