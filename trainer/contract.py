@@ -46,6 +46,11 @@ class Env(StrEnum):
 
 
 CONTRACT_NAMES = frozenset(e.value for e in Env)
+# What the orchestrator runs an attempt's ranks under (`python -m RANKS_LAUNCHER`): the
+# launcher as `ckpt_trainer` (trainer/ranks.py under a name no project shadows), since it
+# starts in the run's working directory, which `python -m` puts first on sys.path, and a
+# project there may have a `trainer.py` of its own.
+RANKS_LAUNCHER = "ckpt_trainer.ranks"
 # The seed's name for the resume point, still accepted standalone (never written by us).
 RESUME_FROM_ALIAS = "CHECKPOINT_PATH"
 # Namespaces the orchestrator owns: Pipes' own bootstrap variables, and ours.

@@ -30,13 +30,15 @@ import os
 import runpy
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from trainer.contract import reserved
+from trainer.contract import RANKS_LAUNCHER, reserved
 
 MODULE = "trainer.standby"
+PACKAGE = Path(__file__).resolve().parent
 # A module run under a standby would start its own processes cold, so nothing is gained:
 # several ranks start theirs through torchrun.
-NOT_WARMED = frozenset({"trainer.ranks", MODULE})
+NOT_WARMED = frozenset({"trainer.ranks", RANKS_LAUNCHER, MODULE})
 # Variables read when the interpreter starts or torch and its native libraries load: one
 # that changed after a standby started means the standby is not what `python` would be.
 READ_AT_START = ("PYTHON", "LC_", "LANG", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
@@ -52,6 +54,22 @@ def entry(argv: list[str]) -> tuple[str, str] | None:
         return "module", argv[2]
     if len(argv) >= 2 and argv[1].endswith(".py") and not argv[1].startswith("-"):
         return "script", argv[1]
+    return None
+
+
+def own_trainer(argv: list[str], cwd: str) -> str | None:
+    """The project's own `trainer` (a `trainer.py` or `trainer/` in the directory `python`
+    puts first on `sys.path` for `argv` run in `cwd`), or None. A standby has imported this
+    package as `trainer` already, so the attempt's `import trainer` would get it, not the
+    project's: such an attempt is never handed to a standby."""
+    what = entry(argv)
+    if what is None:
+        return None
+    kind, target = what
+    first = Path(cwd) if kind == "module" else Path(cwd, target).parent
+    for theirs in (first / "trainer.py", first / "trainer"):
+        if theirs.exists() and theirs.resolve() != PACKAGE:
+            return str(theirs)
     return None
 
 

@@ -22,7 +22,7 @@ from ckpt_assets.runs.datasets import DatasetRecord
 from ckpt_assets.runs.names import REPO_ROOT
 from ckpt_assets.runs.registration import Registration
 from trainer import strict_json
-from trainer.contract import RESUME_FROM_ALIAS, LaunchEnv
+from trainer.contract import RANKS_LAUNCHER, RESUME_FROM_ALIAS, LaunchEnv
 from trainer.interval import AUTO, Mtbf
 from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore
@@ -148,12 +148,12 @@ def task_launch(reg: Registration, launch: LaunchEnv, env: dict[str, str],
 
 
 def under_ranks(reg: Registration, trainer: TrainerSettings, argv: list[str]) -> list[str]:
-    """`argv` once per rank through `python -m trainer.ranks` (torchrun, its restarts off,
+    """`argv` once per rank through `python -m RANKS_LAUNCHER` (torchrun, its restarts off,
     one exit status for the attempt) when the config asks for several; else `argv`."""
     d = reg.config.distributed
     if d.world_size == 1:
         return argv
-    wrapper = [trainer.python, "-m", "trainer.ranks", "--nproc-per-node",
+    wrapper = [trainer.python, "-m", RANKS_LAUNCHER, "--nproc-per-node",
                str(d.nproc_per_node), "--nnodes", str(d.nnodes),
                # Every rank gets the grace to commit before torchrun kills it.
                "--grace-seconds", str(math.ceil(trainer.grace_period_seconds))]

@@ -1,7 +1,7 @@
 """An attempt as a Kubernetes pod: the spec, built from the attempt's `TrainerCommand` alone.
 
 `TrainerResource(launcher="k8s", k8s=K8sTrainerConfig(...))` runs each attempt's process
-(`python -m trainer`, or the run's command, under `python -m trainer.ranks` for several
+(`python -m trainer`, or the run's command, under `python -m ckpt_trainer.ranks` for several
 ranks) as one pod started by dagster-k8s's `PipesK8sClient` (`ckpt_assets.attempt.k8s_launch`).
 `attempt_trainer` reads the run's recorded save times (its checkpoint observations) into
 the grace; the rest is pure: `pod_plan` turns the attempt's argv, environment and working
@@ -220,7 +220,7 @@ def _container(launch: TrainerCommand, cfg: K8sTrainerConfig, ranks: int) -> dic
 def pod_plan(launch: TrainerCommand, reg: Registration, trainer, cfg: K8sTrainerConfig, name: str,
              grace: Grace) -> PodPlan:
     """The pod of one attempt: `launch`'s argv as the container's command (already under
-    `python -m trainer.ranks` when the run asks for several ranks), sized for
+    `python -m ckpt_trainer.ranks` when the run asks for several ranks), sized for
     `distributed.nproc_per_node` ranks, with `grace` before the kubelet's SIGKILL."""
     if reg.config.distributed.nnodes > 1:
         raise _bad(f"run {reg.run!r} asks for distributed.nnodes: "

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ckpt_assets.attempt.process_group import die_with_parent, stops_held
 from ckpt_assets.runs.settings import ResumeSettings
-from trainer.standby import MODULE, Handoff, entry, standing_env
+from trainer.standby import MODULE, Handoff, entry, own_trainer, standing_env
 
 STANDBY_STARTED = "standby trainer started"  # the run's log line
 
@@ -94,6 +94,11 @@ class WarmTrainer:
         run's own thread (a step's): PR_SET_PDEATHSIG follows the thread that started a
         process, so a helper thread's exit would stop it."""
         if self._standby is not None or entry(argv) is None:
+            return
+        theirs = own_trainer(argv, cwd)
+        if theirs is not None:
+            self.log.info(f"no standby trainer: the attempt imports {theirs} as `trainer`, "
+                          "which a standby's own `trainer` would hide; attempts start cold")
             return
         with stops_held() as held:
             try:

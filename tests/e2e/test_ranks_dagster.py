@@ -126,13 +126,18 @@ def test_a_two_rank_ddp_task_whose_rank_1_is_sigkilled_is_resumed_once_and_ends_
 def test_a_two_rank_fsdp2_command_killed_three_ways_is_resumed_once_each_and_ends_bitwise_equal(
         daemon, tmp_path):
     """examples/fsdp: a transformer sharded with FSDP2, its state saved through DCP, its
-    ranks started by the orchestrator and each failure resumed by the sensors."""
-    argv = ["examples/fsdp/fsdp_transformer.py", "--steps", "48", "--every", "4",
+    ranks started by the orchestrator and each failure resumed by the sensors. The run's
+    working directory is a project's with a `trainer.py` of its own, which the ranks
+    launcher, started there with `python -m`, never takes for this package."""
+    argv = [str(ROOT / "examples/fsdp/fsdp_transformer.py"), "--steps", "48", "--every", "4",
             "--run", "fsdp"]
     _standalone([sys.executable, *argv, "--store", str(tmp_path / "base")], tmp_path / "base")
     want, want_ranks = sharded_final(tmp_path / "base", "fsdp", "fsdp")
-    config = {"command": ["python", "tests/slow_steps.py", *argv], "max_steps": 48,
-              "env": {"STEP_DELAY": "0.1"}, "distributed": TWO_RANKS,
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "trainer.py").write_text("class Trainer:  # the project's own\n    pass\n")
+    config = {"command": ["python", str(ROOT / "tests/slow_steps.py"), *argv], "max_steps": 48,
+              "cwd": str(project), "env": {"STEP_DELAY": "0.1"}, "distributed": TWO_RANKS,
               "checkpoint": {"heartbeat_seconds": 0.05}}
     daemon.launch("fsdp", config, tmp_path)
     # Each after a commit (every 4 steps), so each resume is handed a checkpoint.

@@ -145,7 +145,7 @@ def test_a_two_rank_command_attempt_is_one_pod_under_trainer_ranks_sized_for_bot
     (container,) = pod["spec"]["containers"]
     # torchrun's grace is the measured one too: twice the 40.2 s save.
     assert container["command"] == [
-        "python", "-m", "trainer.ranks", "--nproc-per-node", "2", "--nnodes", "1",
+        "python", "-m", "ckpt_trainer.ranks", "--nproc-per-node", "2", "--nnodes", "1",
         "--grace-seconds", "81", "--", "python", "train.py", "--epochs", "3"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == math.ceil(80.4 + 15.0)
     amounts = {"cpu": "4000m", "memory": "3072Mi", "nvidia.com/gpu": "2"}

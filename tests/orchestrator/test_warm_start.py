@@ -38,7 +38,7 @@ from tests.polling import pid_alive
 from trainer.config import config_from_dict
 from trainer.contract import Env
 from trainer.repo import CheckpointRepo
-from trainer.standby import MODULE, Handoff, entry, standing_env
+from trainer.standby import MODULE, Handoff, entry, own_trainer, standing_env
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.warm_standby  # off in the other tests (tests/conftest.py)
@@ -128,6 +128,27 @@ def test_the_first_attempts_standby_is_off_by_its_setting_and_a_relaunchs_also_w
     assert not off.enabled and not off.refills
     no_relaunch = WarmTrainer(ResumeSettings(in_run_relaunch=False), LOG)
     assert no_relaunch.enabled and not no_relaunch.refills
+
+
+def test_an_attempt_beside_a_trainer_of_its_projects_own_is_never_given_a_standby(
+        tmp_path, caplog):
+    """A standby has imported this package as `trainer`; the project's script would then get
+    it for its own `import trainer`. A project's `trainer.py` or `trainer/`, where `python`
+    looks first (the script's directory; the working directory for `-m`), means no standby."""
+    project = tmp_path / "project"
+    (project / "nested" / "trainer").mkdir(parents=True)
+    (project / "trainer.py").write_text("class Trainer:\n    pass\n")
+    assert own_trainer([PY, "train.py", "--lr", "1"], str(project)) == str(project / "trainer.py")
+    assert own_trainer([PY, "-m", "their_task"], str(project)) == str(project / "trainer.py")
+    assert own_trainer([PY, "nested/train.py"], str(project)) == str(project / "nested" / "trainer")
+    # A directory without one, and this repository's own trainer/ for `python -m trainer`.
+    assert own_trainer([PY, "train.py"], str(tmp_path)) is None
+    assert own_trainer([PY, "-m", "trainer"], str(Path(__file__).parents[2])) is None
+    warm = WarmTrainer(ResumeSettings(), LOG)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        warm.warm_up([PY, "train.py"], BASE_ENV, str(project))
+    assert warm._standby is None  # nothing started
+    assert "no standby trainer: the attempt imports" in caplog.text
 
 
 def _report(output: Path) -> dict:
