@@ -307,10 +307,23 @@ def test_a_trainer_sigtermed_alone_is_relaunched_in_its_run_as_attempt_2(
 
 # -- end to end under a real dagster-daemon, default settings ------------------------------
 
+@pytest.fixture(scope="module")
+def shipped_daemon(tmp_path_factory):
+    """One daemon with the shipped settings (in-run relaunch on, the warm standby on) for
+    this module's two end-to-end tests; each trains a partition of its own."""
+    work = tmp_path_factory.mktemp("shipped")
+    with pytest.MonkeyPatch.context() as env:  # the daemon inherits these
+        env.delenv(Setting.IN_RUN_RELAUNCH, raising=False)
+        env.setenv(Setting.WARM_TRAINER, "1")
+        daemon = Daemon.start(work / "d", str(work / "store"))
+    yield daemon
+    daemon.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.warm_standby
 def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
-        tmp_path, monkeypatch):
+        tmp_path, shipped_daemon):
     """The default path for the commonest failure: the trainer's process is SIGKILLed from
     outside while its run worker lives. No failed run, no sensor decision, no second run:
     one run, two attempts in its lineage, one transient failure on its budget, and the
@@ -322,65 +335,57 @@ def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
     assert res.returncode == 0, res.log
     uninterrupted = training_state(final_state(tmp_path / "base-store", run="base"))
 
-    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the daemon inherits this
-    daemon = Daemon.start(tmp_path / "d", str(tmp_path / "store"))
-    try:
-        daemon.launch("in-run", training_config_e2e("in-run"), tmp_path)
-        hb = daemon.wait_for_step("in-run", 15, attempt=1)
-        # The relaunch's standby starts once attempt 1 has spoken (the first was attempt
-        # 1's own); a trainer killed before that is relaunched cold, a busy machine's case.
-        run_id = daemon.runs("in-run")[0].run_id
-        wait_for(lambda: len(_said_all(daemon.instance, run_id, STANDBY_STARTED)) >= 2, 120,
-                 what="the standby for a relaunch")
-        kill(hb["pid"], signal.SIGKILL)
-        final = daemon.wait_done("in-run")
-        assert [r.run_id for r in daemon.runs("in-run")] == [final.run_id]
-        assert TAG_DECISION not in final.tags and final.tags[TAG_ATTEMPT] == "2"
-        # Attempt 2 was the standby started beside attempt 1, though this fresh run worker
-        # imported torch meanwhile (its end-of-run imports).
-        started = _started(daemon.instance, final.run_id)
-        assert len(started) == 2 and all(WARM_STARTED in line for line in started), started
-        assert Budget.from_tag(final.tags[TAG_BUDGET]).transient == 1
-        rep = lineage_report(daemon.instance, open_store(daemon.store), "in-run")
-        assert [(a["attempt"], a["failure_class"]) for a in rep["attempts"]] == [
-            (1, "killed_by_signal"), (2, "success")]
-        assert daemon.max_active["in-run"] == 1
-        assert_bitwise_equal(uninterrupted, training_state(
-            final_state(Path(daemon.store), run="in-run")))
-    finally:
-        daemon.stop()
+    daemon = shipped_daemon
+    daemon.launch("in-run", training_config_e2e("in-run"), tmp_path)
+    hb = daemon.wait_for_step("in-run", 15, attempt=1)
+    # The relaunch's standby starts once attempt 1 has spoken (the first was attempt
+    # 1's own); a trainer killed before that is relaunched cold, a busy machine's case.
+    run_id = daemon.runs("in-run")[0].run_id
+    wait_for(lambda: len(_said_all(daemon.instance, run_id, STANDBY_STARTED)) >= 2, 120,
+             what="the standby for a relaunch")
+    kill(hb["pid"], signal.SIGKILL)
+    final = daemon.wait_done("in-run")
+    assert [r.run_id for r in daemon.runs("in-run")] == [final.run_id]
+    assert TAG_DECISION not in final.tags and final.tags[TAG_ATTEMPT] == "2"
+    # Attempt 2 was the standby started beside attempt 1, though this fresh run worker
+    # imported torch meanwhile (its end-of-run imports).
+    started = _started(daemon.instance, final.run_id)
+    assert len(started) == 2 and all(WARM_STARTED in line for line in started), started
+    assert Budget.from_tag(final.tags[TAG_BUDGET]).transient == 1
+    rep = lineage_report(daemon.instance, open_store(daemon.store), "in-run")
+    assert [(a["attempt"], a["failure_class"]) for a in rep["attempts"]] == [
+        (1, "killed_by_signal"), (2, "success")]
+    assert daemon.max_active["in-run"] == 1
+    assert_bitwise_equal(uninterrupted, training_state(
+        final_state(Path(daemon.store), run="in-run")))
 
 
 @pytest.mark.slow
 def test_a_trainer_whose_run_worker_is_sigtermed_too_is_left_to_the_sensors(tmp_path,
-                                                                            monkeypatch):
+                                                                            shipped_daemon):
     """The whole pod or node is going: the trainer is signalled, and its run worker moments
     after the trainer has committed and exited. The worker's own interrupt ends the settle:
     nothing is relaunched in its run, which ends, and the sensors resume it as a new run."""
-    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the daemon inherits this
-    daemon = Daemon.start(tmp_path / "d", str(tmp_path / "store"))
-    try:
-        daemon.launch("node-going", training_config_e2e("node-going"), tmp_path)
-        hb = daemon.wait_for_step("node-going", 15, attempt=1)
-        (run,) = daemon.runs("node-going")
-        worker = AttemptProcesses.of_run(daemon.instance.get_run_by_id(run.run_id)).worker.pid
-        kill(hb["pid"], signal.SIGTERM)
-        # The trainer has committed and exited, and the step waits for a stop of its own.
-        daemon.wait_until(lambda: _said(daemon.instance, run.run_id, SETTLING),
-                          "the step to settle", every=0.05)
-        assert not pid_alive(hb["pid"])
-        kill(worker, signal.SIGTERM)
-        final = daemon.wait_done("node-going")
-        first, resume = daemon.runs("node-going")
-        assert final.run_id == resume.run_id and resume.tags[TAG_PARENT_RUN_ID] == first.run_id
-        # (A relaunch would have tagged the run with attempt 2.)
-        assert first.status.value in ("FAILURE", "CANCELED")
-        assert first.tags.get(TAG_ATTEMPT, "1") == "1"
-        assert resume.tags[TAG_ATTEMPT] == "2"
-        # The first run's only attempt; none was relaunched beside the stopping worker.
-        assert [e["attempt"] for e in _ends(daemon.instance, "node-going")
-                if e["dagster_run_id"] == first.run_id] == [1]
-        assert not _said(daemon.instance, first.run_id, "relaunching the trainer in this run")
-        assert daemon.max_active["node-going"] == 1
-    finally:
-        daemon.stop()
+    daemon = shipped_daemon
+    daemon.launch("node-going", training_config_e2e("node-going"), tmp_path)
+    hb = daemon.wait_for_step("node-going", 15, attempt=1)
+    (run,) = daemon.runs("node-going")
+    worker = AttemptProcesses.of_run(daemon.instance.get_run_by_id(run.run_id)).worker.pid
+    kill(hb["pid"], signal.SIGTERM)
+    # The trainer has committed and exited, and the step waits for a stop of its own.
+    daemon.wait_until(lambda: _said(daemon.instance, run.run_id, SETTLING),
+                      "the step to settle", every=0.05)
+    assert not pid_alive(hb["pid"])
+    kill(worker, signal.SIGTERM)
+    final = daemon.wait_done("node-going")
+    first, resume = daemon.runs("node-going")
+    assert final.run_id == resume.run_id and resume.tags[TAG_PARENT_RUN_ID] == first.run_id
+    # (A relaunch would have tagged the run with attempt 2.)
+    assert first.status.value in ("FAILURE", "CANCELED")
+    assert first.tags.get(TAG_ATTEMPT, "1") == "1"
+    assert resume.tags[TAG_ATTEMPT] == "2"
+    # The first run's only attempt; none was relaunched beside the stopping worker.
+    assert [e["attempt"] for e in _ends(daemon.instance, "node-going")
+            if e["dagster_run_id"] == first.run_id] == [1]
+    assert not _said(daemon.instance, first.run_id, "relaunching the trainer in this run")
+    assert daemon.max_active["node-going"] == 1
