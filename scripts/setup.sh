@@ -27,8 +27,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "setup: pip install failed (above: the end of $log); fix what it names and run again" >&2
     exit 1
   fi
-  # A file that does not compile (some packages ship templates or Python 2 samples as .py)
-  # only stays uncompiled, as pip leaves it, so compileall's status is not checked.
+  # A file written for a newer Python (torch ships py312_intrinsics.py) does not compile and
+  # stays uncompiled, as pip leaves it, so compileall's status is not checked.
   site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   .venv/bin/python -m compileall -q -j 0 "$site" >> "$log" 2>&1 || true
   echo "$want" > "$stamp"
