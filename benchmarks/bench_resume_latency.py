@@ -64,6 +64,7 @@ RUN_IN = "bench-resume-in-run"
 SENSOR_INTERVAL_S = DAEMON_LOOP_S  # how often the daemon evaluates resume_failed_training
 RECONCILE_INTERVAL_S = RECONCILE_EVERY_S  # reconcile_training_runs: its full sweep
 POLL_S = 0.02
+IN_RUN_TARGET_S = 1.5  # a killed trainer's relaunch in its run, warm: kill -> first resumed step
 TRAINER, WORKER = "trainer", "worker"  # what --strike kills
 
 
@@ -520,8 +521,9 @@ def main() -> int:
               f"lost work per kill {[r['lost'] for r in in_run]}; started by a standby: "
               f"{sum(r['warm'] for r in in_run)} of {len(in_run)}")
     med = statistics.median(r["total"] for r in warm)
-    print(f"target: median kill of the trainer -> first resumed step <= 2s (in-run, warm): "
-          f"{'MET' if med <= 2 else 'MISSED'} ({med:.2f}s; cold/warm restart ratio "
+    print(f"target: median kill of the trainer -> first resumed step <= {IN_RUN_TARGET_S}s "
+          f"(in-run, warm, {len(warm)} kills): "
+          f"{'MET' if med <= IN_RUN_TARGET_S else 'MISSED'} ({med:.2f}s; cold/warm restart ratio "
           f"{statistics.median(r['restart'] for r in cold) / statistics.median(r['restart'] for r in warm):.2f})")
     return 0
 
