@@ -97,14 +97,19 @@ def attempt_exit(rank_codes: Mapping[int, int]) -> int:
     return Outcome.PREEMPTED.exit_code
 
 
+# The launcher under the name it was started by: `trainer.ranks`, or `ckpt_trainer.ranks` as
+# the orchestrator starts it (trainer.contract.RANKS_LAUNCHER).
+PROG = f"python -m {__spec__.name}" if __spec__ else "python -m trainer.ranks"
+
+
 def refuse(message: str) -> NoReturn:
     """Bad input to the launcher: one line that says what to do, exit 2 (`bad_input`)."""
-    print(f"python -m trainer.ranks: {message}", file=sys.stderr, flush=True)
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
     raise SystemExit(Outcome.BAD_INPUT.exit_code)
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m trainer.ranks", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--rdzv-endpoint", default=None)
@@ -112,11 +117,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--grace-seconds", type=int, default=60)
     p.add_argument("--heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S)
     if "--" not in argv:
-        refuse("put the command after `--`: python -m trainer.ranks [...] -- COMMAND")
+        refuse(f"put the command after `--`: {PROG} [...] -- COMMAND")
     cut = argv.index("--")
     args, command = p.parse_args(argv[:cut]), argv[cut + 1:]
     if not command:
-        refuse("no command after `--`: python -m trainer.ranks [...] -- COMMAND")
+        refuse(f"no command after `--`: {PROG} [...] -- COMMAND")
     check(args)
     return args, command
 

@@ -115,6 +115,20 @@ def test_a_launch_the_config_would_refuse_exits_2_with_one_line_saying_what_to_p
     assert len(lines) == 1 and says in lines[0], lines
 
 
+def test_the_launcher_names_itself_by_the_name_it_was_started_by(capsys):
+    """The orchestrator starts it as `ckpt_trainer.ranks` (a project's own trainer.py never
+    shadows that name); what it says names the command the user would run again."""
+    import ckpt_trainer.ranks
+
+    for launcher, name in ((parse, "trainer.ranks"), (ckpt_trainer.ranks.parse,
+                                                      "ckpt_trainer.ranks")):
+        with pytest.raises(SystemExit):
+            launcher(["--nproc-per-node", "2", "python", "x.py"])
+        err = capsys.readouterr().err
+        assert err.startswith(f"python -m {name}: put the command after `--`: python -m "
+                              f"{name} [...] -- COMMAND"), err
+
+
 def test_a_rendezvous_endpoint_on_one_node_is_where_its_ranks_meet():
     from torch.distributed import run as torchrun
 
