@@ -95,8 +95,9 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
     if store is not None:
         rec, created = create_once(store.open(), rec)
     if created:
-        instance.add_run_tags(run.run_id, mirror_tags(rec))
-        _say(instance, run.with_tags({**run.tags, **mirror_tags(rec)}), failure, decision)
+        mirror = mirror_tags(rec)
+        instance.add_run_tags(run.run_id, mirror)
+        _say(instance, run.with_tags({**run.tags, **mirror}), failure, decision)
     return rec, created
 
 
