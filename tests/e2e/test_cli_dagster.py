@@ -171,7 +171,8 @@ def _start_materialize(tmp_path, name: str, **overrides) -> subprocess.Popen:
         stdout=open(tmp_path / "materialize.log", "wb"), stderr=subprocess.STDOUT)
 
 
-SLOW_RUN = {"max_steps": 2000, "task_args": {"step_delay": 0.02}}
+# Held after step 12 (a checkpoint at 10 committed) until the signal comes: no clock to race.
+SLOW_RUN = {"max_steps": 2000, "task_args": {"pause_after_step": 12}}
 
 
 @pytest.mark.slow
@@ -198,6 +199,7 @@ def test_interrupting_the_run_stops_the_trainer_which_commits_before_it_exits(
     repo = CheckpointRepo(open_store(store_uri), "default", "stopped")
     m = repo.read_manifest(repo.read_pointer().checkpoint)
     assert m.meta["reason"] == "preempted"  # the trainer's SIGTERM path committed this one
+    assert m.step == 13  # the step it was held before
     instance = dg.DagsterInstance.get()
     (run,) = instance.get_runs()
     observed = [e.dagster_event.asset_observation_data.asset_observation.metadata for e in
@@ -229,7 +231,7 @@ def test_a_sigkilled_run_process_takes_its_trainer_down_after_a_final_commit(
     _wait(lambda: not pid_alive(trainer_pid), 30, "the orphaned trainer to exit")
     repo = CheckpointRepo(open_store(store_uri), "default", "orphan")
     m = repo.read_manifest(repo.read_pointer().checkpoint)
-    assert m.meta["reason"] == "preempted" and m.step < 2000
+    assert m.meta["reason"] == "preempted" and m.step == 13  # the step it was held before
 
 
 @pytest.mark.slow

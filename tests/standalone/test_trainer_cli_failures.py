@@ -122,9 +122,14 @@ def test_a_zombie_attempt_cannot_advance_a_run_after_a_newer_attempt_claimed_it(
     assert final["checkpoint"] == "step-000000400-a2"
 
 
-def test_sigterm_during_training_commits_the_current_step_and_exits_143(tmp_path):
+def test_sigterm_commits_the_step_it_interrupts_and_the_resume_runs_on_without_pausing(tmp_path):
+    # `pause_after_step`: the fresh attempt waits after step 9, so the signal lands at a
+    # known step, with no clock to race; the resumed attempt never pauses.
     cfg = write_config(tmp_path / "cfg.json",
-                       task_args={"n_train": 1024, "hidden": 48, "step_delay": 0.02})
+                       task_args={"n_train": 1024, "hidden": 48, "pause_after_step": 9})
     res = run_trainer(cfg, str(tmp_path / "store"), interrupt_at=9, sig=signal.SIGTERM)
-    assert res.returncode == 143
-    assert res.committed[-1] >= 9
+    assert res.returncode == 143, res.log
+    assert res.committed == [10], res.log
+    res = run_trainer(cfg, str(tmp_path / "store"), timeout=120)
+    assert res.returncode == 0, res.log
+    assert "resumed" in res.log and res.committed[-1] == 110, res.log

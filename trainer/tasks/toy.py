@@ -9,6 +9,9 @@ is generated in memory from these task_args:
   data_seed, n_train, n_eval, features, classes   the generated dataset (defaults below)
   hidden, dropout                                 the model
   step_delay    seconds to sleep per step (makes a run long enough to interrupt in demos)
+  pause_after_step  with this step done, wait for a signal before the next one, in an
+                attempt that started from step 1 (a resumed one never pauses): a demo or a
+                test interrupts the run at a step it chose, with no clock to race
   fail_at_step  raise an ordinary exception (a bug) before this step
   crash_at_step kill this process with SIGKILL before this step, every attempt
   nan_at_step   make the loss NaN at this step (divergence)
@@ -31,7 +34,7 @@ from trainer.errors import ConfigError, StorageError
 from trainer.task import Task, TaskArgs
 
 ALLOWED = {"data_seed", "n_train", "n_eval", "features", "classes", "hidden",
-           "dropout", "step_delay", "fail_at_step", "crash_at_step", "nan_at_step"}
+           "dropout", "step_delay", "pause_after_step", "fail_at_step", "crash_at_step", "nan_at_step"}
 
 
 def make_dataset(data_seed: int = 1234, n_train: int = 2048, n_eval: int = 512,
@@ -99,6 +102,24 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+STOPS = {signal.SIGTERM, signal.SIGINT}
+
+
+def hold(step: int, after: int) -> None:
+    """`pause_after_step`: wait before step `after + 1` until a stop signal comes, then hand
+    that signal to the session's handler, which acts on it as it would mid-step.
+
+    The stop signals are blocked from the start of step `after`, so one sent as soon as the
+    heartbeat says that step is done waits for `sigwait`: a plain `signal.pause()` would
+    hang for good on a signal whose handler ran just before it."""
+    if step == after:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    elif step == after + 1:
+        sig = signal.sigwait(STOPS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+        signal.raise_signal(sig)
+
+
 def build(t: TaskArgs) -> Task:
     a = t.args
     unknown = set(a) - ALLOWED
@@ -129,11 +150,18 @@ def build(t: TaskArgs) -> Task:
         return {"loss": float(loss_f(logits, data["y_eval"])),
                 "accuracy": float((logits.argmax(1) == data["y_eval"]).float().mean())}
 
-    state = {"step": 0}
+    state = {"step": 0, "first": None}
     delay = float(a.get("step_delay", 0.0))
+    pause_after = a.get("pause_after_step")
+    if pause_after is not None and (type(pause_after) is not int or pause_after < 1):
+        raise ConfigError(f"task_args 'pause_after_step' must be a whole number >= 1 (got "
+                          f"{pause_after!r}): the step after which a fresh attempt waits")
 
     def before_step(step: int) -> None:
         state["step"] = step
+        state["first"] = state["first"] or step
+        if pause_after is not None and state["first"] == 1:
+            hold(step, pause_after)
         if step == a.get("fail_at_step"):
             raise RuntimeError(f"injected bug at step {step}")
         if step == a.get("crash_at_step"):
