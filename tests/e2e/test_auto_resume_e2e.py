@@ -9,7 +9,8 @@ default (dagster_home/dagster.yaml, SQLite, MLflow in a SQLite file) and the tea
 database on that server). A lost run worker is found and resumed through the same kinds of
 storage calls (runs and their tags read, tags and run events written), so it is proven on
 the embedded instance only. One daemon (with the code server it spawns)
-serves each kind; each test trains its own partition. A `command:` run (the digits
+serves each kind (the embedded one is the session's, tests/e2e/conftest.py); each test trains
+its own partition, its first attempt held at the step where it is interrupted. A `command:` run (the digits
 classifier in its own loop) is resumed through the same daemon; what differs between the
 examples (their own loops, SIGTERM as well as SIGKILL) is proven standalone by
 tests/standalone/test_examples_standalone.py.
@@ -44,17 +45,29 @@ RNG = random.Random(20261129)
 
 @pytest.fixture(scope="module")
 def daemon(request, tmp_path_factory):
-    work = tmp_path_factory.mktemp(f"e2e-{request.param}")
-    instance = team_instance(request.getfixturevalue("postgres_server"), work) \
-        if request.param == "postgres" else {}
     # This module proves the sensors' path: a killed trainer's run fails and is resumed as
     # a new run, exactly once. A trainer killed while its run worker lives is relaunched
     # in its own run by default, so that is turned off here; the default is proven by
-    # tests/orchestrator/test_in_run_relaunch.py, under a daemon too.
+    # tests/orchestrator/test_in_run_relaunch.py, under a daemon too. On the embedded
+    # instance that daemon is the session's, shared with test_ranks_dagster.
+    if request.param == "sqlite":
+        yield request.getfixturevalue("sensors_daemon")
+        return
+    work = tmp_path_factory.mktemp(f"e2e-{request.param}")
+    instance = team_instance(request.getfixturevalue("postgres_server"), work)
     instance["extra_env"] = {**instance.get("extra_env", {}), Setting.IN_RUN_RELAUNCH.value: "0"}
     d = Daemon.start(work, str(work / "store"), **instance)
     yield d
     d.stop()
+
+
+def held(run: str, after_step: int = 15) -> dict:
+    """The run's config, its first attempt held after `after_step` until it is interrupted
+    (the toy task's `pause_after_step`: no clock to race); the resumed attempt trains on."""
+    cfg = training_config(run)
+    cfg["task_args"] = {**{k: v for k, v in cfg["task_args"].items() if k != "step_delay"},
+                        "pause_after_step": after_step}
+    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +144,7 @@ def _checkpoint_events(daemon, name) -> list[dict]:
 @on_every_instance
 def test_sigkill_of_the_trainer_is_resumed_once_and_ends_bitwise_identical(
         daemon, tmp_path, uninterrupted):
-    daemon.launch("kill-trainer", training_config("kill-trainer"), tmp_path)
+    daemon.launch("kill-trainer", held("kill-trainer"), tmp_path)
     hb = daemon.wait_for_step("kill-trainer", 15, attempt=1)
     kill(hb["pid"], signal.SIGKILL)
     _check_resumed_once_and_identical(daemon, "kill-trainer", uninterrupted, failed_runs=1)
@@ -142,7 +155,7 @@ def test_sigkill_of_the_trainer_is_resumed_once_and_ends_bitwise_identical(
 @on_the_embedded_instance
 def test_sigkill_of_the_run_worker_stops_its_trainer_and_is_resumed_once(
         daemon, tmp_path, uninterrupted):
-    daemon.launch("kill-worker", training_config("kill-worker"), tmp_path)
+    daemon.launch("kill-worker", held("kill-worker"), tmp_path)
     hb = daemon.wait_for_step("kill-worker", 15, attempt=1)
     worker = trainer_parent(hb["pid"])
     kill(worker, signal.SIGKILL)
@@ -173,7 +186,7 @@ def test_sigkill_of_the_run_worker_stops_its_trainer_and_is_resumed_once(
 @on_the_embedded_instance
 def test_terminating_the_run_from_dagster_is_a_preemption_that_resumes(
         daemon, tmp_path, uninterrupted):
-    daemon.launch("terminate", training_config("terminate"), tmp_path)
+    daemon.launch("terminate", held("terminate"), tmp_path)
     daemon.wait_for_step("terminate", 15, attempt=1)
     run = daemon.runs("terminate")[0]
     assert daemon.instance.run_launcher.terminate(run.run_id)

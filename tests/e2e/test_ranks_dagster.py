@@ -35,14 +35,10 @@ RNG = random.Random(20261201)
 TWO_RANKS = {"nproc_per_node": 2}
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    from ckpt_assets.runs.settings import Setting
-
-    work = tmp_path_factory.mktemp("ranks-e2e")
-    d = Daemon.start(work, str(work / "store"), extra_env={Setting.IN_RUN_RELAUNCH: "0"})
-    yield d
-    d.stop()
+@pytest.fixture
+def daemon(sensors_daemon):
+    """The session's daemon for the sensors' resumes (tests/e2e/conftest.py)."""
+    return sensors_daemon
 
 
 def _rank_states(store: Path, experiment: str, run: str) -> list[dict]:
@@ -107,17 +103,18 @@ def test_a_two_rank_ddp_task_whose_rank_1_is_sigkilled_is_resumed_once_and_ends_
         daemon, tmp_path):
     # The three ways are the sharded command's below, and the DDP task's own standalone
     # (tests/standalone/test_ranks.py); this one is task mode's launch and resume of ranks.
-    config = training_config("ddp-task", distributed=TWO_RANKS,
-                             task_args={"step_delay": 0.05})
-    base = dict(config, task_args={k: v for k, v in config["task_args"].items()
-                                   if k != "step_delay"})
+    step = RNG.randint(12, 52)
+    base = training_config("ddp-task", distributed=TWO_RANKS)
+    base["task_args"].pop("step_delay")
+    # Both ranks of the first attempt are held after the drawn step until it is interrupted.
+    config = dict(base, task_args={**base["task_args"], "pause_after_step": step})
     (tmp_path / "base.json").write_text(json.dumps(base))
     _standalone([sys.executable, "-m", "trainer", "--config", str(tmp_path / "base.json"),
                  "--store", str(tmp_path / "base")], tmp_path / "base")
     want = _rank_states(tmp_path / "base", "default", "ddp-task")
 
     daemon.launch("ddp-task", config, tmp_path)
-    _, ranks = _ranks_of_attempt(daemon, "ddp-task", RNG.randint(12, 52), attempt=1)
+    _, ranks = _ranks_of_attempt(daemon, "ddp-task", step, attempt=1)
     kill(ranks[1], signal.SIGKILL)
     _resumed_once_each(daemon, "ddp-task", failed_runs=1)
     _assert_same_ranks(_rank_states(Path(daemon.store), "default", "ddp-task"), want)
