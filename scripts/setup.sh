@@ -57,3 +57,7 @@ if ! has_initdb && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: WARNING: could not install postgresql; the PostgreSQL tests will fail" >&2
   fi
 fi
+
+# Matplotlib (the loss plot) builds its font cache on first use by running `fc-list`; built
+# here, once, so that no test's first plot starts a process (the fast tests refuse to).
+.venv/bin/python -c 'import matplotlib.font_manager' >/dev/null 2>&1 || true

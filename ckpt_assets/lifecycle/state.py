@@ -202,8 +202,8 @@ def state_observation(state: RunState, extra: dict[str, Any] | None = None
 
 
 # The partition's asset check that reads the state (`ckpt_assets.defs.checks`): Dagster's
-# partitions view counts a run stopped for good as "Missing", like one never launched, and
-# its events list shows no text; a check's partitions show a status and a description.
+# partitions view shows a run stopped for good as "Failed", like a bug, and its events list
+# shows no text until an event is opened; a check's partitions show a status and a description.
 STATE_CHECK = "training_run_state"
 STOPPED = frozenset({State.STOPPED_BY_USER, State.STOPPED_BY_POLICY})
 

@@ -6,8 +6,12 @@ from the partition's checkpoint observations in the instance plus what this atte
 reported (its own observations may not be stored yet when this is built). The instance,
 not the store, is the source: retention deletes old checkpoints, their observations stay. Bounded to the last `MAX_ROWS` checkpoints by step.
 
-The plot is a PNG (matplotlib, Agg) embedded as a base64 data URI in Markdown metadata,
-which the Dagster UI renders inline; no file has to outlive the run for it to show.
+The loss curve is there twice. `loss_plot` is text, a sparkline of the loss (one bar per
+checkpoint, a dotted rule at each resume): Dagster 1.13 has no image metadata and shows a
+Markdown value only behind its "[Show Markdown]" toggle, while a text value reads in the
+metadata table itself. `loss_plot_image` is the full plot, a PNG (matplotlib, Agg) embedded
+as a base64 data URI in Markdown, one click away; no file has to outlive the run for either
+to show.
 """
 
 from __future__ import annotations
@@ -150,6 +154,35 @@ def resumes_words(df) -> str:
                      for _, r in df[df["resumed"]].iterrows()) or "none"
 
 
+BARS = "▁▂▃▄▅▆▇█"
+RESUME_MARK = "┊"  # before the first checkpoint of an attempt that resumed
+NO_LOSS = "·"  # a checkpoint that reported no (finite) loss
+SPARK_WIDTH = 80  # checkpoints drawn, the newest; the table and the image have them all
+
+
+def loss_sparkline(df) -> str:
+    """The loss curve as one line of text: first loss, a bar per checkpoint scaled between
+    the smallest and largest loss drawn, last loss, and what it spans."""
+    rows = df.tail(SPARK_WIDTH)
+    losses = [float(v) for v in rows["loss"] if v is not None and math.isfinite(float(v))]
+    if not losses:
+        return f"no loss reported ({len(df)} checkpoints)"
+    lo, hi = min(losses), max(losses)
+    marks = []
+    for _, r in rows.iterrows():
+        if r["resumed"]:
+            marks.append(RESUME_MARK)
+        loss = r["loss"]
+        if loss is None or not math.isfinite(float(loss)):
+            marks.append(NO_LOSS)
+        else:
+            marks.append(BARS[round((float(loss) - lo) / (hi - lo) * (len(BARS) - 1))
+                              if hi > lo else 0])
+    return (f"{losses[0]:.4g} {''.join(marks)} {losses[-1]:.4g}  (loss at steps "
+            f"{rows['step'].iloc[0]}–{rows['step'].iloc[-1]}, {len(rows)} of {len(df)} "
+            f"checkpoints; {RESUME_MARK} resumed: {resumes_words(df)})")
+
+
 def plot_metadata(df, png: bytes | None = None) -> dg.MetadataValue:
     png64 = base64.b64encode(png or loss_plot_png(df)).decode("ascii")
     return dg.MetadataValue.md(
@@ -159,7 +192,7 @@ def plot_metadata(df, png: bytes | None = None) -> dg.MetadataValue:
 
 @dataclass(frozen=True)
 class LossHistory:
-    metadata: dict[str, Any]  # `metrics_history` (table), `loss_plot` (Markdown), `resumes`
+    metadata: dict[str, Any]  # `metrics_history`, `loss_plot`, `loss_plot_image`, `resumes`
     png: bytes | None  # the plot itself, for MLflow
 
 
@@ -171,7 +204,8 @@ def loss_history(instance: dg.DagsterInstance, run: str,
         df = history_frame(instance, run, reported)
         png = loss_plot_png(df)
         return LossHistory({"metrics_history": table_metadata(df),
-                            "loss_plot": plot_metadata(df, png),
+                            "loss_plot": dg.MetadataValue.text(loss_sparkline(df)),
+                            "loss_plot_image": plot_metadata(df, png),
                             "resumes": resumes_words(df)}, png)
     except Exception as e:
         if log:
@@ -181,6 +215,7 @@ def loss_history(instance: dg.DagsterInstance, run: str,
 
 def history_metadata(instance: dg.DagsterInstance, run: str,
                      reported: Iterable[CheckpointRecord] = (), log=None) -> dict[str, Any]:
-    """`metrics_history` (table), `loss_plot` (Markdown with the PNG) and `resumes` (where
-    the run resumed, "none" if it never was interrupted)."""
+    """`metrics_history` (table), `loss_plot` (a text sparkline), `loss_plot_image`
+    (Markdown with the PNG) and `resumes` (where the run resumed, "none" if it never was
+    interrupted)."""
     return loss_history(instance, run, reported, log).metadata

@@ -26,6 +26,7 @@ import dagster as dg
 import pytest
 
 from ckpt_assets.defs.resources import MLFLOW_UI_URL_ENV
+from ckpt_assets.records.history import BARS, RESUME_MARK
 from ckpt_assets.runs.settings import Setting
 from tests.browser_harness import (
     ARTIFACTS,
@@ -450,8 +451,12 @@ def test_the_resumed_runs_final_model_shows_its_history_and_links_to_mlflow(sett
     page.goto(f"{settled['url']}/assets/final_model?view=partitions")
     page.get_by_text("preempted", exact=True).first.click()
     expect(page.get_by_text("Latest materialization")).to_be_visible()
-    for key in ("metrics_history", "loss_plot", "mlflow_run_link"):
+    for key in ("metrics_history", "loss_plot", "loss_plot_image", "mlflow_run_link"):
         expect(page.get_by_text(key, exact=True).first).to_be_visible()
+    # The loss curve itself reads in the metadata table, no toggle opened: a bar per
+    # checkpoint, the resume marked.
+    expect(page.get_by_text(re.compile(f"[{BARS}]+{RESUME_MARK}[{BARS}]+")).first) \
+        .to_be_visible()
     # A resumed run reads apart from an uninterrupted one.
     expect(page.get_by_text(re.compile(r"^attempt 2 from step \d+$")).first).to_be_visible()
     expect(page.locator(f"a[href^='{MLFLOW_UI}/#/experiments/']").first).to_be_visible()
@@ -479,3 +484,22 @@ def test_the_stopped_runs_page_says_it_is_not_resumed_and_the_users_reason(
                                        rf"request \({re.escape(STOP_REASON)}\)"))
            .first).to_be_visible()
     page.shots("halted-decision")
+
+
+
+
+def test_a_stopped_partition_reads_failed_there_and_its_stop_and_reason_in_its_events(
+        settled, halted, page):
+    # Dagster 1.13's partitions view has a partition's materialization status only (its
+    # "historical events" are materializations), so a stop reads like a bug there; the
+    # state and its reason are the partition's events and its state check (docs/dagster.md).
+    from playwright.sync_api import expect
+
+    page.goto(f"{settled['url']}/assets/model_checkpoint?view=partitions")
+    page.get_by_text(HALTED, exact=True).first.click()
+    expect(page.get_by_text(f"Run {halted['run'][:8]} failed, and did not materialize this "
+                            "asset.")).to_be_visible()
+    page.shots("halted-partition")
+    _partition_event(page, settled["url"], HALTED,
+                     rf"^state: stopped by user: stopped on request \({STOP_REASON}\)")
+    page.shots("halted-state")

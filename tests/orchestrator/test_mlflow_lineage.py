@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from ckpt_assets.cli.main import main as cli_main
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
+from ckpt_assets.records.history import RESUME_MARK
 from ckpt_assets.runs.events import CHECKPOINT, partition_events
 from ckpt_assets.runs.settings import Setting
 from tests.dagster_fixtures import (
@@ -171,7 +172,8 @@ def test_the_final_checkpoint_output_shows_the_runs_history_across_attempts(resu
     (resumed,) = [r for r in rows if r["resumed"]]
     assert resumed["attempt"] == 2 and resumed["resumed_from_step"] == min(
         r["resumed_from_step"] for r in rows if r["attempt"] == 2)
-    assert final["loss_plot"].startswith("![loss versus step](data:image/png;base64,")
+    assert final["loss_plot_image"].startswith("![loss versus step](data:image/png;base64,")
+    assert RESUME_MARK in final["loss_plot"]
     assert final["uri_link"] == final["uri"][len("file://"):]
 
 

@@ -23,7 +23,14 @@ from ckpt_assets.attempt.messages import (
 from ckpt_assets.attempt.process import _pump
 from ckpt_assets.lifecycle.decision import record as record_decision
 from ckpt_assets.lifecycle.policy import Budget, Decision
-from ckpt_assets.records.history import history_frame, history_metadata
+from ckpt_assets.records.history import (
+    BARS,
+    NO_LOSS,
+    RESUME_MARK,
+    SPARK_WIDTH,
+    history_frame,
+    history_metadata,
+)
 from ckpt_assets.records.metadata import checkpoint_metadata
 from ckpt_assets.runs.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from tests import dagster_runs
@@ -121,7 +128,7 @@ def test_the_metrics_table_keeps_only_the_newest_rows_up_to_its_bound(instance):
     assert list(df["step"]) == [40, 50, 60, 70, 80]
 
 
-def test_the_history_is_a_dagster_table_and_a_png_plot_embedded_in_markdown(instance):
+def test_the_history_is_a_dagster_table_a_text_sparkline_and_a_png_plot_in_markdown(instance):
     record_checkpoint(instance, record(10, 1, 1.0))
     record_checkpoint(instance, record(20, 2, float("nan"), resumed_from=10))
     md = history_metadata(instance, KEY)
@@ -130,11 +137,35 @@ def test_the_history_is_a_dagster_table_and_a_png_plot_embedded_in_markdown(inst
     assert [c.name for c in table.schema.columns][:3] == ["step", "attempt", "loss"]
     rows = [r.data for r in table.records]
     assert rows[1]["loss"] is None and rows[1]["resumed"] is True  # NaN: no number to show
-    text = md["loss_plot"].value
+    text = md["loss_plot_image"].value
     assert text.startswith("![loss versus step](data:image/png;base64,")
     png = base64.b64decode(text.split("base64,", 1)[1].split(")", 1)[0])
     assert png.startswith(b"\x89PNG") and len(png) < 200_000
     assert "attempt 2 from step 10" in text
+
+
+def test_the_loss_plot_is_text_one_bar_per_checkpoint_with_each_resume_marked(instance):
+    # Text, because Dagster 1.13 shows a text value in the metadata table itself and a
+    # Markdown one (the image) only behind a toggle.
+    for step, attempt, loss, resumed_from in [(10, 1, 4.0, None), (20, 1, 3.0, None),
+                                              (30, 2, float("nan"), 20), (40, 2, 1.0, None),
+                                              (50, 2, 0.5, None)]:
+        record_checkpoint(instance, record(step, attempt, loss, resumed_from=resumed_from))
+    plot = history_metadata(instance, KEY)["loss_plot"]
+    assert isinstance(plot, dg.TextMetadataValue)
+    assert plot.value.startswith(f"4 {BARS[-1]}{BARS[5]}{RESUME_MARK}{NO_LOSS}{BARS[1]}"
+                                 f"{BARS[0]} 0.5  (loss at steps 10–50, 5 of 5 checkpoints")
+    assert plot.value.endswith(f"{RESUME_MARK} resumed: attempt 2 from step 20)")
+
+
+def test_the_loss_plot_draws_the_newest_checkpoints_and_says_how_many_it_left_out(instance):
+    for step in range(1, SPARK_WIDTH + 6):
+        record_checkpoint(instance, record(step * 10, 1, 1.0 / step))
+    text = history_metadata(instance, KEY)["loss_plot"].value
+    assert f"loss at steps 60–{(SPARK_WIDTH + 5) * 10}, {SPARK_WIDTH} of {SPARK_WIDTH + 5}" \
+        in text
+    bars = text.split(" ")[1]
+    assert len(bars) == SPARK_WIDTH and bars[0] == BARS[-1] and bars[-1] == BARS[0]
 
 
 def test_a_history_that_cannot_be_built_is_a_warning_not_a_failed_run():

@@ -216,6 +216,21 @@ def test_a_bad_name_from_the_launchpad_fails_in_one_line_and_registers_nothing(
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.json"))
 
 
+def test_a_value_outside_its_range_from_the_launchpad_fails_naming_the_key_and_registers_nothing(
+        queue_instance, tmp_path):
+    # Dagster 1.13's config schema has no numeric ranges: the form shows each key's range in
+    # its help and says "No errors" for max_steps -5; Launch then refuses it here, in one
+    # line that names the key, before anything is registered or queued.
+    result = _new_run(queue_instance, "out-of-range", str(tmp_path / "store"), max_steps=-5)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    description = failure.step_failure_data.user_failure_data.description
+    assert "max_steps" in description and "\n" not in description, description
+    assert not queue_instance.get_runs(filters=dg.RunsFilter(job_name="train_job"))
+    assert read_registration(CheckpointStore(uri=str(tmp_path / "store")).open(),
+                             "out-of-range") is None
+
+
 # -- 15: a stop's reason in the decision and the lineage --------------------------------------
 
 def test_a_stops_reason_is_in_the_decision_event_the_state_and_the_lineage(instance, tmp_path):
