@@ -15,8 +15,10 @@ trains again. Printed side by side in one run.
 
   --fsdp     the save stall alone, of the same MLP sharded by FSDP2 (`fully_shard` on every
              layer and the root) and saved through DCP (`trainer.sharded`): each rank
-             writes its shards, rank 0 the metadata and the manifest, one rank and two.
-             (`checkpoint.async_save` is refused for sharded parts: no async column.)
+             writes its shards, rank 0 the metadata and the manifest, one rank and two;
+             synchronous saves, then background ones (`async_save=True`: the stall is
+             the training thread's copy of its shards, the write runs on the save's
+             thread and group), and the background stall over the synchronous one
 
     python benchmarks/bench_ranks.py [--mib 256] [--saves 5] [--kills 3] [--fsdp]
 """
@@ -55,7 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP_RE = re.compile(r"step (\d+) done")
 
 
-def worker(store: str, mib: int, saves: int, out: str, fsdp: bool = False) -> None:
+def worker(store: str, mib: int, saves: int, out: str, fsdp: bool = False,
+           async_save: bool = False) -> None:
     """One rank (or the only one): build the state, save it `saves` times, time a barrier."""
     import torch
     import torch.distributed as dist
@@ -80,10 +83,14 @@ def worker(store: str, mib: int, saves: int, out: str, fsdp: bool = False) -> No
     model(torch.randn(2, width)).sum().backward()
     opt.step()  # the optimizer's state exists: two more copies of the parameters
     ckpt = CheckpointSession(run=f"w{world}", store=store, every_steps=1,
-                             keep_last=saves + 1, install_signals=False)
+                             keep_last=saves + 1, install_signals=False,
+                             async_save=async_save)
     ckpt.restore(model=model, optimizer=opt)
     for step in range(1, saves + 1):
         ckpt.step(step)
+        # A background save is let finish before the next step, so that each stall
+        # is the training thread's own (the copy), not a wait for the previous write.
+        ckpt._ck.wait()
     barrier = []
     if ckpt.ranks is not None:
         for _ in range(50):
@@ -103,10 +110,11 @@ def stalls(store: Path, run: str) -> list[float]:
 
 
 def run_workers(world: int, store: Path, mib: int, saves: int, work: Path,
-                fsdp: bool = False) -> None:
+                fsdp: bool = False, async_save: bool = False) -> None:
     out = work / f"w{world}.json"
     argv = [sys.executable, __file__, "--worker", "--store", str(store), "--mib", str(mib),
-            "--saves", str(saves), "--out", str(out), *(["--fsdp"] if fsdp else [])]
+            "--saves", str(saves), "--out", str(out), *(["--fsdp"] if fsdp else []),
+            *(["--async-save"] if async_save else [])]
     port = str(free_port())
     procs = [subprocess.Popen(argv, cwd=ROOT, env={
         **env(0), RANK_ENV: str(r), LOCAL_RANK_ENV: str(r), WORLD_SIZE_ENV: str(world),
@@ -155,11 +163,12 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--async-save", action="store_true")
     p.add_argument("--store")
     p.add_argument("--out")
     a = p.parse_args()
     if a.worker:
-        return worker(a.store, a.mib, a.saves, a.out, a.fsdp)
+        return worker(a.store, a.mib, a.saves, a.out, a.fsdp, a.async_save)
     if a.fsdp:
         return main_fsdp(a)
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,9 +189,9 @@ def main() -> None:
           f"   ({', '.join(f'{k:.2f}' for k in kills)})")
 
 
-def stalls_of(world: int, a, work: Path) -> list[float]:
-    store = work / f"store-{world}"
-    run_workers(world, store, a.mib, a.saves, work, a.fsdp)
+def stalls_of(world: int, a, work: Path, async_save: bool = False) -> list[float]:
+    store = work / f"store-{world}{'-async' if async_save else ''}"
+    run_workers(world, store, a.mib, a.saves, work, a.fsdp, async_save)
     return stalls(store, f"w{world}")
 
 
@@ -191,11 +200,14 @@ def main_fsdp(a) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         one, two = (statistics.median(stalls_of(w, a, work)) for w in (1, 2))
+        aone, atwo = (statistics.median(stalls_of(w, a, work, True)) for w in (1, 2))
     print(f"FSDP2 through DCP: {a.mib} MiB of parameters + AdamW's two moments = "
-          f"{a.mib * 3} MiB, sharded; {a.saves} synchronous saves each; load average "
+          f"{a.mib * 3} MiB, sharded; {a.saves} saves of each kind; load average "
           f"{os.getloadavg()[0]:.2f}")
     print(f"{'':36}{'one rank':>12}{'two ranks':>12}{'ratio':>8}")
-    print(f"{'save stall (median, s)':36}{one:12.3f}{two:12.3f}{two / one:8.2f}")
+    print(f"{'synchronous save stall (median, s)':36}{one:12.3f}{two:12.3f}{two / one:8.2f}")
+    print(f"{'background save stall (median, s)':36}{aone:12.3f}{atwo:12.3f}{atwo / aone:8.2f}")
+    print(f"{'background / synchronous':36}{aone / one:12.3f}{atwo / two:12.3f}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from trainer.distributed import RNG_PART, Ranks, rank_file, rederive_rngs
 from trainer.errors import CheckpointError
 from trainer.manifest import Manifest
 from trainer.repo import CheckpointRepo, Pending
-from trainer.sharded import SHARDED_META, ShardedParts
+from trainer.sharded import SHARDED_META, ShardedParts, Shards
 from trainer.signals import on_a_helper_thread
 from trainer.snapshot import HostBuffers, Snapshot, owned_storages, owned_tensors, take
 
@@ -120,15 +120,16 @@ class Checkpointer:
             return  # two triggers fired on one step: one checkpoint
         log.debug("saving step %d", step)
         state = {name: part.state_dict() for name, part in self._mine()}
+        shards = self._shards()
         if self.async_save:
             snap = self._snapshot = take(state, owned_storages(self._optimizers))
             del state  # the snapshot holds copies or the fenced originals, nothing else
             self._thread = threading.Thread(
-                target=self._persist_bg, args=(step, snap, meta, t0, time.perf_counter() - t0),
-                name=f"checkpoint-step-{step}", daemon=False)
+                target=self._persist_bg, name=f"checkpoint-step-{step}", daemon=False,
+                args=(step, snap, shards, meta, t0, time.perf_counter() - t0))
             self._thread.start()
         else:
-            self._persist(step, state, meta, t0, None)
+            self._persist(step, state, shards, meta, t0, None)
         self.last_saved_step = step
 
     def _mine(self) -> Iterator[tuple[str, Stateful]]:
@@ -140,6 +141,14 @@ class Checkpointer:
                 yield name, self.parts[name]
         if RNG_PART in self.parts:
             yield RNG_PART, self.parts[RNG_PART]
+
+    def _shards(self) -> Shards | None:
+        """This rank's sharded state at the save's step: copied on the training thread for a
+        background save (training changes the shards in place), read live otherwise."""
+        if self.sharded is None:
+            return None
+        state = self.sharded.snapshot() if self.async_save else self.sharded.state_dict()
+        return Shards(state, self.sharded.sizes())
 
     def _fence(self, _optimizer, _args, _kwargs) -> None:
         snap = self._snapshot
@@ -159,27 +168,28 @@ class Checkpointer:
         on_a_helper_thread()
         self._buffers.prepare(owned_tensors(self._optimizers))
 
-    def _persist_bg(self, step: int, snap: Snapshot, meta: dict, t0: float,
-                    call_s: float) -> None:
+    def _persist_bg(self, step: int, snap: Snapshot, shards: Shards | None, meta: dict,
+                    t0: float, call_s: float) -> None:
         on_a_helper_thread()
         try:
             state = snap.copy(self._buffers)
             stall = call_s + snap.settled_fence_wait()
             _yield_to_training()
-            self._persist(step, state, meta, t0, stall)
+            self._persist(step, state, shards, meta, t0, stall)
         except BaseException as e:  # surfaced by the next step(), save() or wait()
             self._error = e
 
-    def _persist(self, step: int, state: dict, meta: dict, t0: float,
+    def _persist(self, step: int, state: dict, shards: Shards | None, meta: dict, t0: float,
                  stall: float | None) -> Manifest | None:
         """Write and commit `state`; `stall`: the training thread's wait for a background
         save (None: this save is synchronous, the training thread waits for all of it)."""
         w0 = time.perf_counter()
         pending = self.repo.begin(step, self.attempt)
-        if self.sharded is not None:  # a collective: every rank saves the same step
-            self.sharded.write(self.repo, pending, self.ranks)
+        if shards is not None:  # a collective: every rank saves the same step
+            self.sharded.write(self.repo, pending, self.ranks, shards.state,
+                               background=stall is not None)
             meta[SHARDED_META] = self.sharded.names
-            meta.setdefault("part_bytes", {}).update(self.sharded.sizes())
+            meta.setdefault("part_bytes", {}).update(shards.sizes)
         filename = STATE_FILE if self.ranks is None else rank_file(self.ranks.rank)
         if self.repo.store.native_files:
             with self.repo.write_path(pending, filename) as path:
@@ -207,7 +217,7 @@ class Checkpointer:
         """Wait until every rank's file of `pending` is durable; on rank 0 (True) add their
         entries and part sizes to the checkpoint it alone commits."""
         mine = (pending.written, meta.get("part_bytes") or {})
-        everyone = self.ranks.to_leader(mine)
+        everyone = self.ranks.to_leader(mine, self.ranks.saves_on)
         if everyone is None:
             return False
         for written, sizes in everyone:

@@ -287,10 +287,6 @@ class TrainConfig(Section):
             raise ValueError(f"config key 'batch_size' is {self.batch_size}, which does not "
                              f"split evenly over {world} ranks (distributed.nproc_per_node x "
                              f"nnodes); make it a multiple of {world}")
-        if world > 1 and self.checkpoint.async_save:
-            raise ValueError("config key 'checkpoint.async_save' is for a single rank: "
-                             f"{world} ranks save synchronously (each writes its share in "
-                             "parallel); set it false")
         return self
 
     def to_dict(self) -> dict[str, Any]:

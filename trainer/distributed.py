@@ -58,9 +58,10 @@ class Ranks:
     rank: int
     world: int
     group: Any  # the session's own gloo process group
+    save_group: Any = None  # a background save's collectives (async_save): a group of their own
 
     @classmethod
-    def detect(cls, timeout_s: float) -> Ranks | None:
+    def detect(cls, timeout_s: float, async_save: bool = False) -> Ranks | None:
         """This process's place among the ranks (None: a single-rank run). Call on every
         rank at the same point: the group is created collectively."""
         initialized = dist.is_available() and dist.is_initialized()
@@ -75,7 +76,9 @@ class Ranks:
         if dist.get_world_size() == 1:
             return None
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        return cls(dist.get_rank(), dist.get_world_size(), group)
+        save = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) \
+            if async_save else None
+        return cls(dist.get_rank(), dist.get_world_size(), group, save)
 
     @property
     def leader(self) -> bool:
@@ -95,12 +98,16 @@ class Ranks:
                                        group=self.group)
         return box[0]
 
-    def to_leader(self, obj: Any) -> list[Any] | None:
+    @property
+    def saves_on(self) -> Any:
+        return self.save_group if self.save_group is not None else self.group
+
+    def to_leader(self, obj: Any, group: Any = None) -> list[Any] | None:
         """Every rank's `obj` on rank 0 (None elsewhere); also the barrier of a save."""
+        group = group if group is not None else self.group
         out = [None] * self.world if self.leader else None
         with self._collective("the checkpoint barrier"):
-            dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0),
-                               group=self.group)
+            dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
         return out
 
     def owns(self, index: int) -> bool:

@@ -225,10 +225,6 @@ class CheckpointSession:
         all_parts = {**(parts or {}), **named}
         sharded, wrapped = self._wrap_parts(all_parts)
         self.ranks = self._join_ranks()
-        if sharded is not None and self.triggers.async_save:
-            raise ConfigError("checkpoint.async_save does not cover fully_shard-ed parts: "
-                              f"{', '.join(sharded.names)} save synchronously through DCP "
-                              "(each rank writes its shards in parallel); set it false")
         store = open_store(self.store_uri)
         store.check_reachable()
         self.repo = CheckpointRepo(store, self.experiment, self.run)
@@ -283,11 +279,7 @@ class CheckpointSession:
             # Every rank's liveness reaches its launcher, from before the first collective.
             self._rank_beat = RankBeat(rank)
             self._rank_beat.start()
-        ranks = Ranks.detect(self.triggers.collective_timeout_s)
-        if ranks is not None and self.triggers.async_save:
-            raise ConfigError("checkpoint.async_save is for a single rank: several ranks save "
-                              "synchronously (each writes its share in parallel); set it false")
-        return ranks
+        return Ranks.detect(self.triggers.collective_timeout_s, self.triggers.async_save)
 
     def _resume_point(self, data_version: str | None
                       ) -> tuple[Manifest | None, list[tuple[str, str]], int]:
@@ -596,6 +588,10 @@ class CheckpointSession:
         if self._ck.last_saved_step != loop.step:
             self._last_final, self._last_ours = final, True
         self._ck.save(loop.step, meta)
+        if final and self.ranks is not None:
+            # Several ranks: the final commit's collectives run on the group, so it is done
+            # before step() returns (a script may destroy the process group next).
+            self._ck.wait()
         self._last_save_t = time.monotonic()
         self._calm_until = 0  # the time trigger starts over: the next step plans again
         self._warn_if_the_optimizer_dwarfs_the_model(self._sizes)

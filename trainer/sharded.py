@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,12 @@ def _is_sharded_params(params) -> bool:
 
 def _optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
+
+
+class Shards(NamedTuple):
+    """One rank's sharded state taken for a save, and every part's whole size in bytes."""
+    state: dict[str, Any]
+    sizes: dict[str, int]
 
 
 class ShardedParts:
@@ -104,17 +110,28 @@ class ShardedParts:
             out[n] = sum(_global_bytes(t) for s in opt.state.values() for t in s.values())
         return out
 
-    def write(self, repo: CheckpointRepo, pending: Pending, ranks: Ranks | None) -> None:
-        """Every rank's shards into `pending` (a collective: every rank calls it at the same
-        step). `ranks`: the session's ranks, None for a single process."""
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's shards copied now (the training thread), for a background write."""
+        from torch.utils._pytree import tree_map
+
+        return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
+                        self.state_dict())
+
+    def write(self, repo: CheckpointRepo, pending: Pending, ranks: Ranks | None,
+              state: dict[str, Any], background: bool = False) -> None:
+        """Every rank's shards (`state`, from `state_dict` or `snapshot`) into `pending` (a
+        collective: every rank calls it at the same step). `ranks`: the session's ranks,
+        None for a single process. `background`: on a save's own thread, whose collectives
+        go over a group of their own (`Ranks.saves_on`); a single rank's then run none, as
+        the training thread may be using the default group."""
         from torch.distributed.checkpoint.state_dict_saver import save
 
         from trainer.dcp_storage import StoreWriter
 
-        state = self.state_dict()
         with _dcp_errors("the sharded save", ranks):
             save(state, storage_writer=StoreWriter(repo, pending),
-                 process_group=_group(ranks), no_dist=_alone(ranks))
+                 process_group=ranks.saves_on if ranks is not None else None,
+                 no_dist=_alone(ranks) or (background and ranks is None))
 
     def read(self, repo: CheckpointRepo, manifest: Manifest, ranks: Ranks | None) -> None:
         """Load this rank's shards from `manifest`'s checkpoint, resharded to this world

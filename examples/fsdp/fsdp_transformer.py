@@ -92,12 +92,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
     p.add_argument("--batch-size", type=int, default=16, help="global, over all ranks")
+    p.add_argument("--async-save", action="store_true", help="commit in the background")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = CheckpointSession(run=args.run, experiment="fsdp", store=args.store, seed=0,  # ckpt
-                             max_steps=args.steps, every_steps=args.every)  # ckpt
+                             max_steps=args.steps, every_steps=args.every,  # ckpt
+                             async_save=args.async_save)  # ckpt
     model, opt = build()
     loader = ResumableLoader(Windows(), args.batch_size, seed=0, rank=rank, world=world)
 

@@ -2,7 +2,8 @@
 
 The two-rank transformer of examples/fsdp under `python -m trainer.ranks`: rank 1 SIGKILLed
 mid-run and the attempt resumed ends bitwise equal to an uninterrupted two-rank run (model,
-optimizer, each rank's RNG and data position); 2 -> 1 -> 2 ranks reshards through DCP, the
+optimizer, each rank's RNG and data position), its saves in the background; 2 -> 1 -> 2 and
+2 -> 4 -> 2 ranks reshard through DCP, the
 resharded state being exactly the checkpoint's and every checkpoint at its global sample
 position.
 """
@@ -40,10 +41,11 @@ BATCHES_PER_EPOCH = (8192 - 1) // 16 // 16  # the example's windows of 16 in glo
 
 
 def _ranks(nproc: int, store: Path, steps: int, log: Path, step_delay: float = 0,
-           kill=None, script: list[str] | None = None) -> int:
+           kill=None, script: list[str] | None = None, async_save: bool = False) -> int:
     """One attempt of `nproc` ranks of the example (or `script`); `kill(ranks)` once they run."""
     argv = script or [sys.executable, SLOW_STEPS, EXAMPLE, "--store", str(store), "--run", RUN,
-                      "--steps", str(steps), "--every", "4"]
+                      "--steps", str(steps), "--every", "4",
+                      *(["--async-save"] if async_save else [])]
     launcher = start_torchrun(argv, nproc, env(step_delay), log)
     try:
         if kill is not None:
@@ -63,7 +65,11 @@ def _final(store: Path) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.slow
-def test_fsdp_rank_1_killed_then_resumed_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+def test_fsdp_rank_1_killed_under_background_saves_then_resumed_ends_bitwise_equal_to_a_synchronous_uninterrupted_run(  # noqa: E501
+        tmp_path):
+    # async_save with sharded parts and two ranks: each save's shards copied on the
+    # training thread, DCP's and the barrier's collectives on the save's own group. The
+    # synchronous path with ranks is the Dagster test's (tests/e2e/test_ranks_dagster.py).
     ref, store, log = tmp_path / "ref", tmp_path / "store", tmp_path / "ranks.log"
     assert _ranks(2, ref, 24, log) == 0, log.read_text()[-3000:]
 
@@ -71,8 +77,9 @@ def test_fsdp_rank_1_killed_then_resumed_ends_bitwise_equal_to_an_uninterrupted_
         wait_for_step(store, EXPERIMENT, RUN, 8, launcher)
         os.kill(ranks[1], signal.SIGKILL)
 
-    assert _ranks(2, store, 24, log, 0.25, sigkill_rank1) == KILLED, log.read_text()[-3000:]
-    assert _ranks(2, store, 24, log) == 0, log.read_text()[-3000:]
+    assert _ranks(2, store, 24, log, 0.25, sigkill_rank1, async_save=True) == KILLED, \
+        log.read_text()[-3000:]
+    assert _ranks(2, store, 24, log, async_save=True) == 0, log.read_text()[-3000:]
     assert "resumed from" in log.read_text()
     (got, got_ranks), (want, want_ranks) = _final(store), _final(ref)
     assert set(got) == {"model", "optimizer"}
@@ -120,3 +127,16 @@ def test_fsdp_two_then_one_then_two_ranks_reshard_exactly_at_the_global_sample_p
     losses = json.loads((store / repo.key(repo.read_pointer().checkpoint, "MANIFEST.json"))
                         .read_text())["meta"]["loss"]
     assert losses is not None and losses < 3.4  # ln(32): it learned across the reshards
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_reshard_to_four_and_back_exactly(tmp_path):
+    store, log = tmp_path / "store", tmp_path / "ranks.log"
+    assert _ranks(2, store, 8, log) == 0, log.read_text()[-3000:]
+    _assert_restored_exactly(_restored(4, store, tmp_path, log), store)
+    assert _ranks(4, store, 16, log) == 0, log.read_text()[-3000:]
+    _assert_restored_exactly(_restored(2, store, tmp_path, log), store)
+    repo = _repo(store)
+    manifest = repo.verify(repo.read_pointer().checkpoint)
+    assert manifest.meta["world_size"] == 4
+    assert {shard_file(r) for r in range(4)} <= set(manifest.files)

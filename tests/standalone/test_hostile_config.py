@@ -35,8 +35,6 @@ HOSTILE = {
     "task_no_module": ({"task": ":y"}, "'task'"),
     "device_tpu": ({"device": "tpu"}, "'device'"),
     "odd_batch": ({"batch_size": 33, "distributed": {"nproc_per_node": 2}}, "'batch_size'"),
-    "async_ranks": ({"checkpoint": {"async_save": True}, "distributed": {"nproc_per_node": 2}},
-                    "'checkpoint.async_save'"),
     "deep_args": ({"task_args": nested(500)}, "'task_args'"),
 }
 
