@@ -53,7 +53,7 @@ def start_direct(argv: list[str], nproc: int, environ: dict[str, str],
         for r in range(nproc)]
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
@@ -74,7 +74,7 @@ def _rank_of(pid: int) -> int | None:
 
 def ranks_under(launcher_pid: int) -> dict[int, int]:
     """rank -> pid of the rank processes a launcher (torchrun) runs now."""
-    return {r: pid for pid in _children(launcher_pid) if (r := _rank_of(pid)) is not None}
+    return {r: pid for pid in children(launcher_pid) if (r := _rank_of(pid)) is not None}
 
 
 def rank_pids(launcher: subprocess.Popen, nproc: int, timeout: float = 300) -> dict[int, int]:

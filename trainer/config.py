@@ -136,8 +136,10 @@ class DistributedConfig(Section):
     nproc_per_node: int = Field(1, ge=1, le=MAX_PARALLEL, description="ranks on this node "
                                 "(above 1: the attempt runs under torchrun, one process per "
                                 "rank, and the global batch is split over the ranks)")
-    nnodes: int = Field(1, ge=1, le=MAX_PARALLEL, description="nodes; above 1, every node "
-                        "runs the same `python -m trainer.ranks` command (README)")
+    nnodes: int = Field(1, ge=1, le=MAX_PARALLEL, description="nodes; above 1 with "
+                        "rdzv_endpoint, every other node runs the same `python -m "
+                        "trainer.ranks` command (docs/ranks.md); without it, the attempt "
+                        "starts every node on this machine")
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous: "
                                       "several nodes: node 0's, reachable from every node; "
                                       "one node: a port of this machine (else a free one)")
@@ -154,13 +156,6 @@ class DistributedConfig(Section):
         if v is not None and (problem := rendezvous_problem(v)):
             raise ValueError(problem)
         return v
-
-    @model_validator(mode="after")
-    def _rendezvous(self) -> DistributedConfig:
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("distributed.nnodes above 1 needs distributed.rdzv_endpoint "
-                             "(host:port of node 0, reachable from every node)")
-        return self
 
 
 class DataConfig(Section):

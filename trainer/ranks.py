@@ -1,7 +1,8 @@
 """`python -m trainer.ranks`: start an attempt's ranks through torchrun, exit as one process.
 
     python -m trainer.ranks --nproc-per-node 2 [--nnodes 2] [--rdzv-endpoint HOST:PORT
-        --rdzv-id RUN] [--grace-seconds 60] [--heartbeat-timeout-s 30] -- COMMAND [ARGS...]
+        --rdzv-id RUN | --local-nodes] [--grace-seconds 60] [--heartbeat-timeout-s 30]
+        -- COMMAND [ARGS...]
 
 runs COMMAND once per rank with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), its own restarts off: the orchestrator owns resumes, so one
@@ -24,8 +25,9 @@ agree on one step, commit it and exit 143; ranks still running after `--grace-se
 killed. One node (`--nnodes 1`, the default) rendezvouses on a free local port, or on
 `--rdzv-endpoint` when one is given; several nodes run this same command on every node
 with the same `--rdzv-endpoint` (a host:port of node 0 that all nodes reach) and
-`--rdzv-id`. What a run's config refuses (`distributed`) is refused here too: exit 2, one
-line that says what to pass.
+`--rdzv-id`, or one launcher with `--local-nodes` starts every node on this machine
+(`trainer.nodes`: how several nodes are tried without a second machine). What a run's
+config refuses (`distributed`) is refused here too: exit 2, one line that says what to pass.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def attempt_exit(rank_codes: Mapping[int, int]) -> int:
 
 # The launcher under the name it was started by: `trainer.ranks`, or `ckpt_trainer.ranks` as
 # the orchestrator starts it (trainer.contract.RANKS_LAUNCHER).
-PROG = f"python -m {__spec__.name}" if __spec__ else "python -m trainer.ranks"
+MODULE = __spec__.name if __spec__ else "trainer.ranks"
+PROG = f"python -m {MODULE}"
 
 
 def refuse(message: str) -> NoReturn:
@@ -116,6 +119,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rdzv-id", default=None)
     p.add_argument("--grace-seconds", type=int, default=60)
     p.add_argument("--heartbeat-timeout-s", type=float, default=HEARTBEAT_TIMEOUT_S)
+    p.add_argument("--local-nodes", action="store_true",
+                   help="start every one of --nnodes on this machine (trainer.nodes)")
     if "--" not in argv:
         refuse(f"put the command after `--`: {PROG} [...] -- COMMAND")
     cut = argv.index("--")
@@ -134,9 +139,13 @@ def check(args: argparse.Namespace) -> None:
                    "(distributed.nproc_per_node / distributed.nnodes of a run's config)")
     if args.rdzv_endpoint is not None and (problem := rendezvous_problem(args.rdzv_endpoint)):
         refuse(f"--rdzv-endpoint: {problem}")
-    if args.nnodes > 1 and not (args.rdzv_endpoint and args.rdzv_id):
+    if args.local_nodes and args.rdzv_endpoint is not None:
+        refuse("--local-nodes meet on a free loopback port of their own: drop "
+               "--rdzv-endpoint, or drop --local-nodes and start each node yourself")
+    if args.nnodes > 1 and not args.local_nodes and not (args.rdzv_endpoint and args.rdzv_id):
         refuse("several nodes need --rdzv-endpoint HOST:PORT (node 0's, reachable from "
-               "every node) and --rdzv-id (the same on every node, e.g. the run's name)")
+               "every node) and --rdzv-id (the same on every node, e.g. the run's name), "
+               "or --local-nodes to start them all on this machine")
     if not 0 < args.heartbeat_timeout_s <= MAX_COLLECTIVE_S:
         refuse(f"--heartbeat-timeout-s {args.heartbeat_timeout_s:g} is out of range: pass "
                f"seconds above 0, at most {MAX_COLLECTIVE_S:.0f}")
@@ -157,6 +166,10 @@ def torchrun_args(args: argparse.Namespace, command: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args, command = parse(sys.argv[1:] if argv is None else argv)
+    if args.local_nodes and args.nnodes > 1:
+        from trainer.nodes import run_local_nodes  # imports this module: not at the top
+
+        return run_local_nodes(MODULE, args, command)
     beats = Path(tempfile.mkdtemp(prefix="ckpt-rank-beats-"))
     # torchrun hands its own environment to every rank: this is where each one beats.
     os.environ[Env.RANK_BEATS] = str(beats)

@@ -33,12 +33,9 @@ class StopRequest:
             signal.signal(sig, self._handle)
         if exit_with_parent:
             self._watch_parent = True
-            if sys.platform.startswith("linux"):
-                # Ask the kernel for a SIGTERM when the parent dies: no training on with
-                # nobody watching after the orchestrator's step process is killed.
-                PR_SET_PDEATHSIG = 1
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            # No training on with nobody watching after the orchestrator's step process
+            # is killed.
+            sigterm_when_parent_dies()
             if os.getppid() != self._parent:  # parent died before prctl took effect
                 self._parent_exited()
 
@@ -74,6 +71,19 @@ class StopRequest:
         if self.signal_name is None and self._watch_parent and os.getppid() != self._parent:
             self._parent_exited()
         return self.signal_name is not None
+
+
+# Loaded at import: between fork and exec (`preexec_fn`) loading a library could wait on a
+# lock that another thread of the parent held when it forked.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+PR_SET_PDEATHSIG = 1
+
+
+def sigterm_when_parent_dies() -> None:
+    """Ask the kernel (Linux) for a SIGTERM to this process when its parent dies; one system
+    call, so also safe as a `preexec_fn`."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def on_a_helper_thread() -> None:

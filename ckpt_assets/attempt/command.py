@@ -159,6 +159,8 @@ def under_ranks(reg: Registration, trainer: TrainerSettings, argv: list[str]) ->
                "--grace-seconds", str(math.ceil(trainer.grace_period_seconds))]
     if d.rdzv_endpoint:  # several nodes meet there; one node rendezvouses there alone
         wrapper += ["--rdzv-endpoint", d.rdzv_endpoint, "--rdzv-id", reg.run]
+    elif d.nnodes > 1:  # nowhere else to meet: every node on this machine
+        wrapper += ["--local-nodes", "--rdzv-id", reg.run]
     return [*wrapper, "--", *argv]
 
 

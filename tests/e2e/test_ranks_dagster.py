@@ -2,12 +2,14 @@
 
 Task mode (the trainer's DDP loop) and command mode (examples/fsdp: a transformer sharded
 with FSDP2, `CheckpointSession` on every rank saving it through DCP) run under
-`model_checkpoint` with `distributed.nproc_per_node: 2`: torchrun through `python -m
-trainer.ranks`. The command is interrupted three ways (SIGKILL of rank 1, SIGTERM of rank 0,
-SIGKILL of torchrun itself), the task once (SIGKILL of rank 1), each at a seeded step; the
-sensors resume each failure exactly once, and the final state (every rank's file, and the
-sharded model and optimizer read back whole) is bitwise that of an uninterrupted two-rank
-run. The in-run relaunch is off here: these are the sensors' resumes.
+`model_checkpoint` through `python -m trainer.ranks` (torchrun). The command runs two ranks
+on one node (`distributed.nproc_per_node: 2`) and is interrupted three ways (SIGKILL of rank
+1, SIGTERM of rank 0, SIGKILL of torchrun itself); the task runs one rank on each of two
+nodes (`nnodes: 2`, no endpoint: the attempt starts both on this machine) and loses the node
+that does not hold rank 0 (SIGKILL of its launcher). Each is interrupted at a seeded step;
+the sensors resume each failure exactly once, and the final state (every rank's file, and
+the sharded model and optimizer read back whole) is bitwise that of an uninterrupted
+two-rank run on one node. The in-run relaunch is off here: these are the sensors' resumes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from ckpt_assets.defs.io_managers import load_checkpoint_state
 from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
 from tests.polling import wait_for
-from tests.rank_runs import env, gone, ranks_under, sharded_final
+from tests.rank_runs import children, env, gone, ranks_under, sharded_final
 from trainer.distributed import rank_file
 from trainer.storage import open_store
 
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.slow
 
 RNG = random.Random(20261201)
 TWO_RANKS = {"nproc_per_node": 2}
+TWO_NODES = {"nproc_per_node": 1, "nnodes": 2}
 
 
 @pytest.fixture
@@ -99,24 +102,39 @@ def _assert_same_ranks(got: list[dict], want: list[dict]) -> None:
         assert_bitwise_equal(w, g, f"rank {r}")
 
 
-def test_a_two_rank_ddp_task_whose_rank_1_is_sigkilled_is_resumed_once_and_ends_bitwise_equal(
+def _other_node(daemon: Daemon, run: str, step: int) -> tuple[int, int]:
+    """(launcher pid, rank pid) of the node that does not hold rank 0, once the attempt has
+    reached `step`: the attempt's launcher started every node's launcher, rank 0 beats."""
+    hb = daemon.wait_for_step(run, step, attempt=1)
+    node0 = trainer_parent(hb["pid"])
+    other = wait_for(lambda: [n for n in children(trainer_parent(node0)) if n != node0], 60,
+                     what="the other node's launcher")
+    rank = wait_for(lambda: ranks_under(other[0]), 60, what="the other node's rank")
+    return other[0], next(iter(rank.values()))
+
+
+def test_a_two_node_ddp_task_that_loses_a_node_is_resumed_once_and_ends_bitwise_equal(
         daemon, tmp_path):
     # The three ways are the sharded command's below, and the DDP task's own standalone
-    # (tests/standalone/test_ranks.py); this one is task mode's launch and resume of ranks.
+    # (tests/standalone/test_ranks.py); this one is task mode's launch and resume of ranks,
+    # on two nodes: a node lost is a machine lost, the attempt ends killed.
     step = RNG.randint(12, 52)
     base = training_config("ddp-task", distributed=TWO_RANKS)
     base["task_args"].pop("step_delay")
     # Both ranks of the first attempt are held after the drawn step until it is interrupted.
-    config = dict(base, task_args={**base["task_args"], "pause_after_step": step})
+    config = dict(base, distributed=TWO_NODES,
+                  task_args={**base["task_args"], "pause_after_step": step})
     (tmp_path / "base.json").write_text(json.dumps(base))
     _standalone([sys.executable, "-m", "trainer", "--config", str(tmp_path / "base.json"),
                  "--store", str(tmp_path / "base")], tmp_path / "base")
     want = _rank_states(tmp_path / "base", "default", "ddp-task")
 
     daemon.launch("ddp-task", config, tmp_path)
-    _, ranks = _ranks_of_attempt(daemon, "ddp-task", step, attempt=1)
-    kill(ranks[1], signal.SIGKILL)
+    launcher, rank = _other_node(daemon, "ddp-task", step)
+    kill(launcher, signal.SIGKILL)
+    gone([rank])
     _resumed_once_each(daemon, "ddp-task", failed_runs=1)
+    assert daemon.runs("ddp-task")[0].tags.get("ckpt/failure_kind") == "killed"
     _assert_same_ranks(_rank_states(Path(daemon.store), "default", "ddp-task"), want)
 
 

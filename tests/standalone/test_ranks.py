@@ -97,6 +97,8 @@ def test_a_global_batch_that_does_not_split_evenly_is_refused_naming_the_multipl
 
 @pytest.mark.parametrize(("flags", "says"), [
     (["--nnodes", "2"], "several nodes need --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--local-nodes", "--rdzv-endpoint", "h:1"],
+     "--local-nodes meet on a free loopback port of their own"),
     (["--nproc-per-node", "2000"], "--nproc-per-node 2000 is out of range: pass 1 to 1024"),
     (["--nproc-per-node", "0"], "--nproc-per-node 0 is out of range"),
     (["--nnodes", "1025", "--rdzv-endpoint", "h:1", "--rdzv-id", "r"], "--nnodes 1025"),

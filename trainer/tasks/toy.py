@@ -23,6 +23,7 @@ import hashlib
 import io
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -102,22 +103,39 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-STOPS = {signal.SIGTERM, signal.SIGINT}
+STOPS = (signal.SIGTERM, signal.SIGINT)
 
 
-def hold(step: int, after: int) -> None:
+class Hold:
     """`pause_after_step`: wait before step `after + 1` until a stop signal comes, then hand
     that signal to the session's handler, which acts on it as it would mid-step.
 
-    The stop signals are blocked from the start of step `after`, so one sent as soon as the
-    heartbeat says that step is done waits for `sigwait`: a plain `signal.pause()` would
-    hang for good on a signal whose handler ran just before it."""
-    if step == after:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
-    elif step == after + 1:
-        sig = signal.sigwait(STOPS)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
-        signal.raise_signal(sig)
+    From the start of step `after`, a stop signal is only recorded here, so one sent as soon
+    as the heartbeat says that step is done cannot stop that step. Masking the signals
+    instead would not do: the mask is per thread, so the kernel hands the signal to one of
+    torch's worker threads and Python runs the session's handler all the same. The wait
+    wakes every 0.1 s because a signal taken on another thread only reaches Python's
+    handlers when the main thread runs bytecode again."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.got = threading.Event()
+        self.signum = 0
+        self.saved: dict = {}
+
+    def __call__(self, step: int) -> None:
+        if step == self.after:
+            self.saved = {s: signal.signal(s, self._record) for s in STOPS}
+        elif step == self.after + 1:
+            while not self.got.wait(0.1):
+                pass
+            for s, handler in self.saved.items():
+                signal.signal(s, handler)
+            signal.raise_signal(self.signum)
+
+    def _record(self, signum: int, _frame) -> None:
+        self.signum = signum
+        self.got.set()
 
 
 def build(t: TaskArgs) -> Task:
@@ -156,12 +174,13 @@ def build(t: TaskArgs) -> Task:
     if pause_after is not None and (type(pause_after) is not int or pause_after < 1):
         raise ConfigError(f"task_args 'pause_after_step' must be a whole number >= 1 (got "
                           f"{pause_after!r}): the step after which a fresh attempt waits")
+    hold = Hold(pause_after) if pause_after is not None else None
 
     def before_step(step: int) -> None:
         state["step"] = step
         state["first"] = state["first"] or step
-        if pause_after is not None and state["first"] == 1:
-            hold(step, pause_after)
+        if hold is not None and state["first"] == 1:
+            hold(step)
         if step == a.get("fail_at_step"):
             raise RuntimeError(f"injected bug at step {step}")
         if step == a.get("crash_at_step"):
