@@ -161,22 +161,26 @@ def cmd_launch(args) -> int:
                                      force=args.force)
     except SubmitError as e:
         raise CliError(str(e), EXIT_ERROR) from e
-    _print_launch(reg, launch)
+    _print_launch(reg, launch, instance)
     return EXIT_OK
 
 
-def _print_launch(reg, launch) -> None:
+def _print_launch(reg, launch, instance) -> None:
     from dagster import DagsterRunStatus
 
+    from ckpt_assets.lifecycle.state import queue_running
     from ckpt_assets.runs.queries import ACTIVE_STATUSES
 
     run_id, status = launch.run.run_id, launch.run.status
     if launch.created:
         print(f"launched train_job for training run {reg.run} (experiment {reg.experiment}): "
               f"Dagster run {run_id} {status.value}")
-        if status == DagsterRunStatus.QUEUED:
-            print("the run waits in the queue until a dagster-daemon (or `dagster dev`) "
-                  "dequeues it")
+        if status == DagsterRunStatus.QUEUED and queue_running(instance):
+            print("a dagster-daemon runs the queue: the run starts as soon as it is dequeued "
+                  "(`ckpt-assets list` shows it)")
+        elif status == DagsterRunStatus.QUEUED:
+            print("no dagster-daemon runs the queue here: the run waits until one does "
+                  "(start `dagster-daemon run` or `dagster dev` with this DAGSTER_HOME)")
     elif status in ACTIVE_STATUSES:
         print(f"training run {reg.run} already has an active Dagster run: {run_id} "
               f"({status.value}); nothing else queued (it resumes by itself; --force queues "

@@ -168,6 +168,13 @@ def sensors_running(instance: dg.DagsterInstance) -> bool:
     return daemon_running(instance, daemon_types()[0])
 
 
+def queue_running(instance: dg.DagsterInstance) -> bool:
+    """Whether a dagster-daemon dequeues queued runs."""
+    from ckpt_assets.runs.dagster_private import daemon_types
+
+    return daemon_running(instance, daemon_types()[1])
+
+
 def without_daemon(instance: dg.DagsterInstance, state: RunState,
                    now: float | None = None) -> RunState:
     """`state`, its detail rewritten when what comes next needs a daemon that is not running."""

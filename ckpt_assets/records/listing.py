@@ -42,12 +42,17 @@ def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) 
     """One row of `ckpt-assets list`: the state, and the latest checkpoint from the store."""
     reg = read_registration(store, run_key)
     state = without_daemon(instance, run_state(instance, run_key))
-    out = {**_row(run_key, reg.experiment if reg else None,
-                  reg.config.max_steps if reg else None),
+    out = {**_row(run_key, reg.experiment if reg else None, _config_goal(reg)),
            "registered": reg is not None, **state.to_dict()}
     if reg is None:
         return out
     return _from_store(CheckpointRepo(store, reg.experiment, run_key), out)
+
+
+def _config_goal(reg) -> int | None:
+    """The config's step count where it is the goal: a task trains to it; a command's script
+    is never handed it (its session's own `max_steps`, from the manifest, is the goal)."""
+    return reg.config.max_steps if reg and reg.config.command is None else None
 
 
 def standalone_summary(store: ObjectStore, experiment: str, run_key: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from tests.dagster_fixtures import (
     training_config,
 )
 from tests.polling import pid_alive, wait_for
+from trainer.outcomes import Outcome
 
 SLOW_RUN = {"max_steps": 2000, "task_args": {"step_delay": 0.02}}
 
@@ -132,18 +133,33 @@ def test_a_rerun_after_a_sigkilled_ckpt_assets_run_is_linked_as_the_killed_runs_
 
 
 @pytest.mark.slow
-def test_a_finished_run_run_again_by_hand_trains_nothing_and_exits_0(
+def test_a_finished_run_run_again_or_launched_by_hand_trains_nothing_and_exits_0(
         tmp_path, dagster_home, store_uri, mlflow_uri):
     name = "done-once"
     config = _config(tmp_path, name, max_steps=10)
     first = _ci_run(tmp_path, name, config)
     assert first.wait(600) == 0, (tmp_path / f"{name}.log").read_text()[-6000:]
-    again = subprocess.run([PYTHON, "-m", "ckpt_assets", "run", name], cwd=ROOT,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                           text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"training run {name} already finished" in again.stdout
-    assert len(dg.DagsterInstance.get().get_runs()) == 1  # nothing launched
+    for verb in ("run", "launch"):
+        again = subprocess.run([PYTHON, "-m", "ckpt_assets", verb, name], cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                               text=True, timeout=600)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"training run {name} already finished" in again.stdout, verb
+        assert len(dg.DagsterInstance.get().get_runs()) == 1, verb  # nothing launched
+
+
+@pytest.mark.slow
+def test_a_ckpt_assets_run_whose_command_commits_nothing_exits_non_zero_naming_it(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    # The script exits 0 having committed nothing: a CI job that runs it must go red.
+    (tmp_path / "noop.py").write_text("print('trained nothing')\n")
+    config = tmp_path / "noop.json"
+    config.write_text(json.dumps({"command": ["python", "noop.py"], "cwd": str(tmp_path)}))
+    proc = subprocess.run([PYTHON, "-m", "ckpt_assets", "run", "noop", "--config", str(config)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == Outcome.NO_CHECKPOINT.exit_code, proc.stdout + proc.stderr
+    assert "no_checkpoint" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

@@ -85,19 +85,30 @@ def test_mlflow_records_checkpoint_bytes_once_per_committed_checkpoint(mlflow_re
                                                        (30, 2100.0)]
 
 
-def test_list_shows_the_step_count_the_script_trains_to_when_the_config_omits_it(tmp_path):
+@pytest.mark.parametrize(("told", "goal"), [(150, 150), (None, None)])
+def test_list_shows_the_step_count_the_script_trains_to_when_the_config_omits_it(
+        tmp_path, told, goal):
     """One step count: a command's script says its own `max_steps` (the session writes it
-    into every manifest), and `list` shows that, not the config's default."""
+    into every manifest), and `list` shows that; an open-ended script's goal is unknown, never
+    the config's default, which no command is handed."""
     store = open_store(str(tmp_path / "store"))
     register_training_run(store, KEY, {"command": ["python", "train.py"]})
-    repo = CheckpointRepo(store, "default", KEY)
-    repo.claim(None, at_least=1)
-    pending = repo.begin(20, 1)
-    with repo.write_file(pending, "state.pt") as f:
-        f.write(b"state")
-    repo.commit(pending, {"max_steps": 150})
     with dg.DagsterInstance.ephemeral() as instance:
-        assert run_summary(instance, store, KEY)["max_steps"] == 150
+        assert run_summary(instance, store, KEY)["max_steps"] is None  # nothing committed
+        repo = CheckpointRepo(store, "default", KEY)
+        repo.claim(None, at_least=1)
+        pending = repo.begin(20, 1)
+        with repo.write_file(pending, "state.pt") as f:
+            f.write(b"state")
+        repo.commit(pending, {"max_steps": told})
+        assert run_summary(instance, store, KEY)["max_steps"] == goal
+
+
+def test_list_shows_a_tasks_step_count_from_its_config(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    register_training_run(store, KEY, {"max_steps": 70})
+    with dg.DagsterInstance.ephemeral() as instance:
+        assert run_summary(instance, store, KEY)["max_steps"] == 70
 
 
 def test_the_session_records_the_scripts_own_step_count_in_each_manifest(tmp_path):

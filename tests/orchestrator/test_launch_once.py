@@ -128,6 +128,26 @@ def test_a_launch_queues_nothing_beside_an_active_run_unless_forced(queue_instan
     assert len(_runs(queue_instance, "same")) == 2
 
 
+def test_a_queued_launch_says_whether_a_daemon_will_dequeue_it(queue_instance, capsys):
+    import time
+    from types import SimpleNamespace
+
+    from dagster._daemon.types import DaemonHeartbeat
+
+    from ckpt_assets.cli.main import _print_launch
+    from ckpt_assets.runs.dagster_private import daemon_types
+
+    reg = SimpleNamespace(run="same", experiment="default")
+    launch = launch_training_run(queue_instance, "same")
+    _print_launch(reg, launch, queue_instance)
+    assert "no dagster-daemon runs the queue here" in capsys.readouterr().out
+    queue_instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), daemon_types()[1],
+                                                        "d", errors=[]))
+    _print_launch(reg, launch, queue_instance)
+    said = capsys.readouterr().out
+    assert "a dagster-daemon runs the queue" in said and "no dagster-daemon" not in said
+
+
 def test_after_the_newest_run_ended_a_launch_queues_the_next_and_deleted_runs_never_collide(
         queue_instance):
     ids = []
