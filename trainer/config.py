@@ -145,6 +145,11 @@ class DistributedConfig(Section):
                                       "one node: a port of this machine (else a free one)")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="task mode's process group: auto is nccl on CUDA, else gloo")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="task mode: ddp replicates the model on every rank; fsdp shards "
+        "it (FSDP2 `fully_shard` on each layer that holds parameters, then the model) and "
+        "checkpoints model and optimizer through torch.distributed.checkpoint, so a resume "
+        "reshards them at any world size")
 
     @property
     def world_size(self) -> int:

@@ -94,6 +94,10 @@ def default_optimizer(o: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
 
 def optimizer_and_scheduler(cfg: TrainConfig, task: Task):
     """The task's own, or AdamW with warm-up and cosine decay from `cfg.optim`."""
+    if cfg.distributed.strategy == "fsdp" and isinstance(task.optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"task {cfg.task!r} built its optimizer before the model was "
+                          "sharded (distributed.strategy: fsdp replaces the parameters): "
+                          "return a function of the model instead (optimizer=lambda m: ...)")
     optimizer = task_optimizer(cfg.task, task)
     if optimizer is None:
         optimizer = default_optimizer(cfg.optim, task.model)
@@ -216,7 +220,7 @@ def _run(cfg: TrainConfig, session: CheckpointSession) -> None:
     if data_version is None:
         session.data_version = task.data_version
     task.model.to(device)
-    net = ddp.wrap(task.model, device, world)
+    net = ddp.wrap(task.model, device, world, cfg.distributed.strategy)
     optimizer, scheduler = optimizer_and_scheduler(cfg, task)
     scaler = grad_scaler(device, cfg.amp.dtype)
     closure = check_closure_fits(cfg, optimizer, scaler)

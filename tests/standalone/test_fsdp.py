@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,13 +24,15 @@ import torch
 from tests.rank_runs import (
     SLOW_STEPS,
     env,
+    pointer_step,
     rank_pids,
     sharded_final,
     start_torchrun,
     state_files,
+    trainer_argv,
     wait_for_step,
 )
-from tests.trainer_proc import ROOT, assert_bitwise_equal
+from tests.trainer_proc import ROOT, assert_bitwise_equal, write_config
 from trainer.dcp_storage import shard_file
 from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
@@ -140,3 +143,66 @@ def test_fsdp_two_ranks_reshard_to_four_and_back_exactly(tmp_path):
     manifest = repo.verify(repo.read_pointer().checkpoint)
     assert manifest.meta["world_size"] == 4
     assert {shard_file(r) for r in range(4)} <= set(manifest.files)
+
+
+# -- task mode: the toy task sharded by the trainer (distributed.strategy: fsdp) -------------
+
+def _task_config(tmp_path: Path, nproc: int) -> Path:
+    return write_config(tmp_path / f"fsdp-task-{nproc}.json", max_steps=32, eval_every=16,
+                        checkpoint={"every_steps": 4, "keep_last": 2},
+                        distributed={"nproc_per_node": nproc, "strategy": "fsdp"})
+
+
+def _task(config: Path, nproc: int, store: Path, log: Path, step_delay: float = 0,
+          kill=None) -> int:
+    """One attempt of the task: `nproc` ranks under torchrun, or one plain process."""
+    argv = trainer_argv(config, str(store))
+    if nproc == 1:
+        with open(log, "ab") as out:
+            return subprocess.run(argv, env=env(step_delay), stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=300).returncode
+    launcher = start_torchrun(argv, nproc, env(step_delay), log)
+    try:
+        if kill is not None:
+            kill(launcher, rank_pids(launcher, nproc))
+        return launcher.wait(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _at(store: Path, step: int, sig: int, rank: int):
+    def kill(launcher, ranks):
+        wait_for_step(store, TASK_EXPERIMENT, TASK_RUN, step, launcher)
+        os.kill(ranks[rank], sig)
+    return kill
+
+
+TASK_EXPERIMENT, TASK_RUN = "default", "equiv"  # tests.trainer_proc.write_config's
+
+
+@pytest.mark.slow
+def test_a_task_sharded_by_the_trainer_resumes_bitwise_after_a_lost_rank_and_reshards_to_one(
+        tmp_path):
+    two, one, log = _task_config(tmp_path, 2), _task_config(tmp_path, 1), tmp_path / "task.log"
+    ref, store, resharded = tmp_path / "ref", tmp_path / "store", tmp_path / "resharded"
+    assert _task(two, 2, ref, log) == 0, log.read_text()[-3000:]
+    assert _task(two, 2, store, log, 0.25, _at(store, 8, signal.SIGKILL, 1)) == KILLED, \
+        log.read_text()[-3000:]
+    assert _task(two, 2, store, log) == 0, log.read_text()[-3000:]
+    (got, got_ranks), (want, want_ranks) = (sharded_final(s, TASK_EXPERIMENT, TASK_RUN)
+                                            for s in (store, ref))
+    assert set(got) == {"model", "optimizer"}  # the shards went through DCP
+    assert_bitwise_equal(got, want, "sharded")
+    for r, (g, w) in enumerate(zip(got_ranks, want_ranks, strict=True)):
+        assert_bitwise_equal(g, w, f"rank {r}")
+
+    # Two ranks preempted, one plain process (a group of its own) continues to the end.
+    assert _task(two, 2, resharded, log, 0.25, _at(resharded, 12, signal.SIGTERM, 0)) == 143, \
+        log.read_text()[-3000:]
+    stopped_at = pointer_step(resharded, TASK_EXPERIMENT, TASK_RUN)
+    assert _task(one, 1, resharded, log) == 0, log.read_text()[-3000:]
+    assert f"-a1 at step {stopped_at} " in log.read_text()  # resumed where two ranks stopped
+    final, _ = sharded_final(resharded, TASK_EXPERIMENT, TASK_RUN)
+    assert pointer_step(resharded, TASK_EXPERIMENT, TASK_RUN) == 32
+    assert set(final) == {"model", "optimizer"}

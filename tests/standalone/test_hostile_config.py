@@ -108,3 +108,18 @@ def test_a_manifest_whose_run_was_edited_but_whose_lineage_names_another_run_is_
     repo = CheckpointRepo(open_store(str(tmp_path)), "e", "mine")
     with pytest.raises(CheckpointError, match="lineage names 'other'"):
         repo.read_manifest(name)
+
+
+def test_a_sharded_task_whose_optimizer_was_built_before_sharding_is_refused_saying_how():
+    from trainer.errors import ConfigError
+    from trainer.loop import optimizer_and_scheduler
+    from trainer.task import Task
+
+    model = torch.nn.Linear(2, 1)
+    task = Task(model=model, train_data=[], loss_fn=lambda m, b: m(b).sum(),
+                eval_fn=lambda m: {}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    cfg = config_from_dict({"distributed": {"strategy": "fsdp"}})
+    with pytest.raises(ConfigError, match=r"return a function of the model instead"):
+        optimizer_and_scheduler(cfg, task)
+    # Replicated, the same task is fine: its optimizer steps the parameters it trains.
+    assert optimizer_and_scheduler(config_from_dict({}), task)[0] is task.optimizer
