@@ -2,7 +2,9 @@
 
 `TrainerResource(launcher="k8s", k8s=K8sTrainerConfig(...))` runs each attempt's process
 (`python -m trainer`, or the run's command, under `python -m ckpt_trainer.ranks` for several
-ranks) as one pod started by dagster-k8s's `PipesK8sClient` (`ckpt_assets.attempt.k8s_launch`).
+ranks) as one pod started by dagster-k8s's `PipesK8sClient` (`ckpt_assets.attempt.k8s_launch`);
+a run on several nodes runs this pod once per node, as an indexed Job
+(`ckpt_assets.attempt.k8s_job`).
 `attempt_trainer` reads the run's recorded save times (its checkpoint observations) into
 the grace; the rest is pure: `pod_plan` turns the attempt's argv, environment and working
 directory, the run's config and its recorded save times into a `PodPlan`, and
@@ -18,12 +20,15 @@ directory, the run's config and its recorded save times into a `PodPlan`, and
   recorded save, so the commit finishes before the kubelet's SIGKILL.
 * `restartPolicy: Never`: the sensors own resumes; a restarted container would be an
   attempt nobody counted.
+* How a pod ended (`pod_end`): its container's exit status, read the same way for one pod
+  and for each node's.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -52,6 +57,11 @@ SAVES_LOOKED_AT = 50  # the run's newest checkpoints whose save times set the gr
 SAVE_GRACE_FACTOR = 2  # the commit on SIGTERM may be slower than the run's typical save
 SHM_VOLUME = "dshm"  # several ranks and DataLoader workers share tensors through /dev/shm
 POD_WORKDIR = "/workspace"  # the trainer's cwd in the image unless working_directory is set
+TRAINER_CONTAINER = "trainer"
+KILLED = 128 + signal.SIGKILL  # a container's exit status after SIGKILL
+# A container that cannot start for a reason no retry fixes: the config is wrong.
+NEVER_STARTS = frozenset({"CreateContainerConfigError", "InvalidImageName", "ErrImageNeverPull"})
+ENDED_UNSEEN = object()  # a pod that ended with no container status kept (evicted early)
 
 
 class Launcher(StrEnum):
@@ -88,6 +98,9 @@ class K8sTrainerConfig(dg.Config):
     kube_context: str | None = Field(default=None, description="a kubeconfig context")
     poll_interval_seconds: float = Field(default=2.0, gt=0, description="how often the pod's "
                                          "status and the Pipes messages are read")
+    rdzv_port: int = Field(default=29400, gt=0, lt=65536, description="distributed.nnodes "
+                           "above 1: the port on node 0's pod where the nodes' c10d "
+                           "rendezvous meets")
 
 
 @dataclass(frozen=True)
@@ -209,7 +222,7 @@ def _resources(cfg: K8sTrainerConfig, ranks: int) -> dict[str, Any]:
 
 def _container(launch: TrainerCommand, cfg: K8sTrainerConfig, ranks: int) -> dict[str, Any]:
     container: dict[str, Any] = {
-        "name": "trainer", "image": cfg.image, "workingDir": launch.cwd,
+        "name": TRAINER_CONTAINER, "image": cfg.image, "workingDir": launch.cwd,
         "resources": _resources(cfg, ranks),
         "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]}
     if cfg.aws_secret:
@@ -219,14 +232,10 @@ def _container(launch: TrainerCommand, cfg: K8sTrainerConfig, ranks: int) -> dic
 
 def pod_plan(launch: TrainerCommand, reg: Registration, trainer, cfg: K8sTrainerConfig, name: str,
              grace: Grace) -> PodPlan:
-    """The pod of one attempt: `launch`'s argv as the container's command (already under
-    `python -m ckpt_trainer.ranks` when the run asks for several ranks), sized for
+    """The pod of one attempt, or of one of its nodes (`k8s_job.job_plan` makes it every
+    node's): `launch`'s argv as the container's command (already under `python -m
+    ckpt_trainer.ranks` when the run asks for several ranks), sized for
     `distributed.nproc_per_node` ranks, with `grace` before the kubelet's SIGKILL."""
-    if reg.config.distributed.nnodes > 1:
-        raise _bad(f"run {reg.run!r} asks for distributed.nnodes: "
-                   f"{reg.config.distributed.nnodes}, but launcher: k8s starts one pod per "
-                   "attempt; train on one node (nproc_per_node ranks) or use launcher: local "
-                   "with the README's several-node rendezvous")
     ranks = reg.config.distributed.nproc_per_node
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the sensors own resumes
@@ -247,3 +256,22 @@ def pod_plan(launch: TrainerCommand, reg: Registration, trainer, cfg: K8sTrainer
             "annotations": {"ckpt-assets/run": reg.run, "ckpt-assets/experiment": reg.experiment}}
     return PodPlan(name, cfg.namespace, list(launch.argv), pod_env(launch, reg, trainer), meta,
                    spec)
+
+
+def pod_end(pod) -> Any:
+    """How `pod` (a V1Pod) ended: its trainer container's exit status, ENDED_UNSEEN when it
+    ended with no status kept (evicted before one was recorded), None while it runs; a
+    container that can never start is bad input."""
+    status = pod.status
+    for c in [*(status.init_container_statuses or []), *(status.container_statuses or [])]:
+        waiting = c.state.waiting if c.state else None
+        if waiting is not None and waiting.reason in NEVER_STARTS:
+            raise _bad(f"pod {pod.metadata.name} cannot start its container {c.name}: "
+                       f"{waiting.reason}: {waiting.message}; fix TrainerResource.k8s (image, "
+                       "Secret names)")
+    for c in status.container_statuses or []:
+        if c.state and c.state.terminated is not None:
+            return c.state.terminated.exit_code
+    if status.phase == "Succeeded":
+        return 0
+    return ENDED_UNSEEN if status.phase == "Failed" else None

@@ -1,8 +1,8 @@
 """An attempt as a Kubernetes pod, at the spec level: the pod `model_checkpoint` would
 create, merged through dagster-k8s's own `build_pod_body` as `PipesK8sClient` does, for a
-one-rank task run and a two-rank command run; the grace from the run's recorded saves; a
-pod deleted (preempted) read as a preemption; bad settings refused (fast: no cluster, no
-process)."""
+one-rank task run and a two-rank command run (and one node's pod of a several-node run:
+test_k8s_job.py has the Job); the grace from the run's recorded saves; a pod deleted
+(preempted) read as a preemption; bad settings refused (fast: no cluster, no process)."""
 
 from __future__ import annotations
 
@@ -253,11 +253,14 @@ def test_a_refused_pod_is_bad_input_saying_what_to_grant_and_an_api_hiccup_is_wa
     assert _read(_Refusing(404), plan, None) is None  # gone
 
 
-def test_a_run_on_several_nodes_is_refused_as_one_pod_cannot_hold_it(store, tmp_path):
+def test_a_run_on_several_nodes_is_no_longer_refused_its_pod_is_one_node_of_the_job(store, tmp_path):
     reg = _reg("two-nodes", {"task": "trainer.tasks.toy:build",
                              "distributed": {"nproc_per_node": 2, "nnodes": 2,
                                              "rdzv_endpoint": "node0:29400"}})
     trainer = _trainer()
     launch = task_launch(reg, _told(reg), base_env(trainer, store.aws_env()), trainer, tmp_path)
-    with pytest.raises(TrainerStartError, match="launcher: k8s starts one pod per attempt"):
-        _plan(launch, reg, trainer)
+    pod = _manifest(_plan(launch, reg, trainer))
+    (container,) = pod["spec"]["containers"]
+    # Sized for this node's two ranks; the Job (test_k8s_job.py) runs it once per node.
+    assert container["resources"]["limits"] == {"cpu": "2000m", "memory": "8192Mi"}
+    assert container["command"][:3] == ["python", "-m", "ckpt_trainer.ranks"]
