@@ -126,8 +126,19 @@ def _print_registered(reg) -> None:
     print(f"{what}: training run {reg.run} in experiment {reg.experiment}; config {reg.config_uri}")
 
 
+def _world_tags(args, reg) -> dict[str, str]:
+    """The tags that ask for `--nproc-per-node`/`--nnodes`, once the run's config at that
+    world size is valid (a batch that does not split over the ranks is refused here)."""
+    from ckpt_assets.runs.tags import WORLD_TAGS, world_tags
+    from ckpt_assets.runs.world import at_world
+
+    world = {key: str(v) for key in WORLD_TAGS if (v := getattr(args, key)) is not None}
+    at_world(reg, world)
+    return world_tags(world)
+
+
 def _launch_tags(args) -> dict[str, str]:
-    from ckpt_assets.runs.tags import PARTITION_TAG
+    from ckpt_assets.runs.tags import PARTITION_TAG, WORLD_TAGS
 
     tags = {}
     for t in args.tag:
@@ -137,6 +148,9 @@ def _launch_tags(args) -> dict[str, str]:
         if k == PARTITION_TAG:
             raise CliError(f"--tag {t!r}: the partition is the training run's name; "
                            "drop this tag")
+        if k in WORLD_TAGS.values():
+            raise CliError(f"--tag {t!r}: pass --{k.split('/')[-1].replace('_', '-')} "
+                           "instead, which checks the config at that world size")
         tags[k] = v
     return tags
 
@@ -155,6 +169,7 @@ def cmd_launch(args) -> int:
     if not args.force and (done := already_finished(instance, reg)):
         print(done)
         return EXIT_OK
+    tags.update(_world_tags(args, reg))
     try:
         launch = launch_training_run(instance, args.name,
                                      {**rerun_tags(instance, args.name), **tags},
@@ -239,8 +254,10 @@ def cmd_run(args) -> int:
     if done := already_finished(instance, reg):
         print(done)
         return EXIT_OK
+    world = _world_tags(args, reg)
     tags = rerun_tags(instance, args.name)
     what = f"attempt {tags[TAG_ATTEMPT]}" if tags else "training"
+    tags.update(world)
     log = None if args.verbose else Path(instance.root_directory) / "logs" / f"run-{reg.run}.log"
     print(f"{what} of training run {reg.run} (experiment {reg.experiment}) in this process"
           + (f"; Dagster's log: {log} (--verbose shows it here)" if log else ""), flush=True)

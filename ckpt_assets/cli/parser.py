@@ -23,13 +23,21 @@ def parser(description: str) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)  # --store after the command works too
     common.add_argument("--store", default=argparse.SUPPRESS, help="checkpoint store URI")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    # Another world size than the registered config's, for this launch and its resumes.
+    world = argparse.ArgumentParser(add_help=False)
+    world.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                       help="ranks per node for this launch and its resumes (default: the "
+                            "registered config's distributed.nproc_per_node)")
+    world.add_argument("--nnodes", type=int, default=None, metavar="M",
+                       help="nodes for this launch and its resumes (default: the "
+                            "registered config's distributed.nnodes)")
 
     r = sub.add_parser("register", parents=[common], help="record a run's training config and add its partition")
     r.add_argument("name", help="training run name = partition key")
     r.add_argument("--config", required=True, help="training config file (JSON or YAML)")
     r.add_argument("--experiment", default=None)
 
-    la = sub.add_parser("launch", parents=[common], help="register if needed, then queue a train_job run")
+    la = sub.add_parser("launch", parents=[common, world], help="register if needed, then queue a train_job run")
     la.add_argument("name")
     la.add_argument("--config", default=None, help="training config (needed the first time)")
     la.add_argument("--experiment", default=None)
@@ -39,7 +47,7 @@ def parser(description: str) -> argparse.ArgumentParser:
                     help="queue another run even if the run already has a queued or running "
                          "Dagster run, or has finished")
 
-    ru = sub.add_parser("run", parents=[common],
+    ru = sub.add_parser("run", parents=[common, world],
                         help="register if needed, then train the run in this process (no "
                              "daemon); exit with the attempt's exit code")
     ru.add_argument("name")

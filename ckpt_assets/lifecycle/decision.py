@@ -141,7 +141,7 @@ def resume_request(run: dg.DagsterRun, rec: DecisionRecord,
         job_name=TRAIN_JOB,
         tags={TAG_PARENT_RUN_ID: run.run_id, TAG_ROOT_RUN_ID: view.root_run_id,
               TAG_ATTEMPT: str(rec.attempt + 1), TAG_RESUME_FROM: resume_from or "latest",
-              TAG_BUDGET: rec.next_budget},
+              TAG_BUDGET: rec.next_budget, **view.world_tags},
     )
 
 

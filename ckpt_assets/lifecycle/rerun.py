@@ -37,7 +37,7 @@ def rerun_tags(instance: dg.DagsterInstance, name: str) -> dict[str, str]:
     attempt = (ended.attempt if ended and ended.attempt else None) or (
         view.attempt if view.attempt_tagged else len(training_runs_of(instance, name)))
     return {TAG_PARENT_RUN_ID: failed.run_id, TAG_ROOT_RUN_ID: view.root_run_id,
-            TAG_ATTEMPT: str(attempt + 1)}
+            TAG_ATTEMPT: str(attempt + 1), **view.world_tags}
 
 
 def already_finished(instance: dg.DagsterInstance, reg: Registration) -> str | None:

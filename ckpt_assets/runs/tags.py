@@ -14,6 +14,18 @@ TAG_RESUME_FROM = "ckpt/resume_from"  # the checkpoint URI, or "latest"
 TAG_ATTEMPT_STARTED_AT = "ckpt/attempt_started_at"  # ISO 8601: an in-run relaunch's start
 TAG_BUDGET = "ckpt/budget"  # what the chain used so far (`policy.Budget.to_tag`)
 
+# On any training run, set by a launch that asks for another world size than the registered
+# config's (`ckpt-assets launch --nproc-per-node/--nnodes`), and carried by its resumes:
+TAG_NPROC_PER_NODE = "ckpt/nproc_per_node"
+TAG_NNODES = "ckpt/nnodes"
+# The registered config's `distributed` key each of them replaces.
+WORLD_TAGS = {"nproc_per_node": TAG_NPROC_PER_NODE, "nnodes": TAG_NNODES}
+
+
+def world_tags(world: dict[str, str]) -> dict[str, str]:
+    """The run tags that ask for `world` (`distributed` keys of WORLD_TAGS -> values)."""
+    return {WORLD_TAGS[key]: value for key, value in world.items()}
+
 # On an ended training run (set by the resume sensors when they decide):
 TAG_DECISION = "ckpt/decision"  # "resume" | "stop"
 TAG_DECISION_REASON = "ckpt/decision_reason"  # in words

@@ -16,6 +16,7 @@ from ckpt_assets.runs.registration import (
 )
 from ckpt_assets.runs.store import StoreSource
 from ckpt_assets.runs.view import RunView
+from ckpt_assets.runs.world import at_world
 from trainer.errors import ConfigError, StorageError
 from trainer.repo import CheckpointRepo
 
@@ -57,30 +58,37 @@ def _given_config(context, config: TrainingRunConfig) -> tuple[dict | None, str 
 
 def resolve_registration(context, checkpoint_store: StoreSource,
                          config: TrainingRunConfig) -> Registration:
-    """Register the run's config if this launch carries one; else read the registered one."""
+    """Register the run's config if this launch carries one, else read the registered one;
+    at the world size this run's launch asked for (`Registration.at_world`)."""
     run = partition_key(context)
-    training, experiment = _given_config(context, config)
     try:
-        store = checkpoint_store.open()
-        if training is not None:
-            reg = register_training_run(store, run, training, experiment)
-            if reg.created:
-                context.log.info(f"registered training run {run!r}: {reg.config_uri}")
-            return reg
-        reg = read_registration(store, run)
-        if reg is None:
-            raise ConfigError(
-                f"training run {run!r} has no registered config in {store.uri}. Launch its "
-                "first run with ops.training_dataset.config.training set to the training "
-                f"config, or run: python -m ckpt_assets register {run} --config FILE")
-        if experiment and experiment != reg.experiment:
-            raise ConfigError(f"training run {run!r} is registered in experiment "
-                              f"{reg.experiment!r}, not {experiment!r}")
-        return reg
+        return at_world(_registered(context, checkpoint_store, config, run),
+                        RunView.of(context.run).world)
     except ConfigError as e:
         raise bad_input(str(e), run) from e
     except StorageError as e:
         raise storage_unavailable(str(e), run) from e
+
+
+def _registered(context, checkpoint_store: StoreSource, config: TrainingRunConfig,
+                run: str) -> Registration:
+    training, experiment = _given_config(context, config)
+    store = checkpoint_store.open()
+    if training is not None:
+        reg = register_training_run(store, run, training, experiment)
+        if reg.created:
+            context.log.info(f"registered training run {run!r}: {reg.config_uri}")
+        return reg
+    reg = read_registration(store, run)
+    if reg is None:
+        raise ConfigError(
+            f"training run {run!r} has no registered config in {store.uri}. Launch its "
+            "first run with ops.training_dataset.config.training set to the training "
+            f"config, or run: python -m ckpt_assets register {run} --config FILE")
+    if experiment and experiment != reg.experiment:
+        raise ConfigError(f"training run {run!r} is registered in experiment "
+                          f"{reg.experiment!r}, not {experiment!r}")
+    return reg
 
 
 def count_earlier_attempts(instance: dg.DagsterInstance, run_id: str, key: str) -> int:

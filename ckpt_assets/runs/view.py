@@ -32,6 +32,8 @@ from ckpt_assets.runs.tags import (
     TAG_STALLED,
     TAG_STOP_REASON,
     TAG_WORKER_LOST,
+    WORLD_TAGS,
+    world_tags,
 )
 
 
@@ -66,6 +68,7 @@ class RunView:
     heartbeat_lost: str | None
     stalled: str | None
     worker_lost: str | None
+    world: dict[str, str]  # `distributed` keys this run's launch set (WORLD_TAGS), as given
 
     @classmethod
     def of(cls, run: dg.DagsterRun) -> RunView:
@@ -81,7 +84,13 @@ class RunView:
             parse_time(t.get(TAG_RESUME_AT)), t.get(TAG_RESUMED_BY) or None,
             t.get(TAG_NO_RESUME) == "true", t.get(TAG_STOP_REASON) or None,
             t.get(TAG_HEARTBEAT_LOST) or None, t.get(TAG_STALLED) or None,
-            t.get(TAG_WORKER_LOST) or None)
+            t.get(TAG_WORKER_LOST) or None,
+            {key: t[tag] for key, tag in WORLD_TAGS.items() if t.get(tag)})
+
+    @property
+    def world_tags(self) -> dict[str, str]:
+        """The tags that ask for this run's world size: a resume of it carries them."""
+        return world_tags(self.world)
 
     @property
     def ended_unsuccessfully(self) -> bool:
