@@ -10,6 +10,8 @@ to the public API):
 * a `train_job` run created and submitted in-process as `dagster job launch -w
   workspace.yaml` creates it (`ckpt_assets.runs.submit`): the workspace's code location,
   the job's snapshots and execution plan, the run's origins.
+* a run worker's body run in a process forked from a warm one, as `dagster api
+  execute_run` runs it (`ckpt_assets.runs.fork_server`).
 """
 
 from __future__ import annotations
@@ -153,3 +155,74 @@ def _execution_plan(instance: dg.DagsterInstance, location: CodeLocation, repo_n
             run_config={}, step_keys_to_execute=None,
             job_snapshot_id=job.identifying_job_snapshot_id,
             instance_ref=instance.get_ref() if instance.is_persistent else None))
+
+
+# -- The run pool (ckpt_assets.runs.pool_launcher, ckpt_assets.runs.fork_server): a run
+# worker forked from a warm server runs its run as `dagster api execute_run` runs it.
+
+@dataclass(frozen=True)
+class RunCode:
+    """Where a run's code is loaded from (its job's Python origin), as a run worker loads it."""
+
+    module: str
+    attribute: str
+    working_directory: str | None
+    executable: str
+
+
+def run_code(run: dg.DagsterRun) -> RunCode | None:
+    """The run's code location as a module and attribute, or None where it is loaded another
+    way (a Python file, an autodiscovered repository): the pool serves module locations."""
+    origin = run.job_code_origin
+    if origin is None:
+        return None
+    pointer = origin.repository_origin.code_pointer
+    attribute = getattr(pointer, "fn_name", None) or getattr(pointer, "attribute", None)
+    module = getattr(pointer, "module", None)
+    if not module or not attribute:
+        return None
+    return RunCode(module, attribute, getattr(pointer, "working_directory", None),
+                   origin.repository_origin.executable_path)
+
+
+def load_run_code(code: RunCode) -> None:
+    """Import the code location and build its repository as a run worker will (the module
+    and the cached repository are then inherited by every process forked from this one),
+    and the run worker's own machinery."""
+    import dagster._cli.api  # noqa: F401 - what execute_run_here runs
+    from dagster._core.definitions.reconstruct import ReconstructableRepository
+
+    ReconstructableRepository.for_module(code.module, code.attribute,
+                                         code.working_directory).get_definition()
+
+
+def execute_run_args(run: dg.DagsterRun, instance: dg.DagsterInstance) -> str:
+    """The serialized argument of `dagster api execute_run` for `run` (what a launcher that
+    starts run workers as processes of their own passes them)."""
+    from dagster._grpc.types import ExecuteRunArgs
+    from dagster._serdes import serialize_value
+
+    return serialize_value(ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id,
+                                          instance_ref=instance.get_ref()))
+
+
+def execute_run_here(serialized_args: str) -> int:
+    """Run the run in this process exactly as `dagster api execute_run ARGS` does
+    (dagster._cli.api.execute_run_command): interrupts captured, the instance from the
+    args' ref (and a local .env), the job reconstructed from the run's origin. Its exit
+    status."""
+    from dagster._cli.api import _execute_run_command_body
+    from dagster._cli.utils import get_instance_for_cli
+    from dagster._grpc.types import ExecuteRunArgs
+    from dagster._serdes import deserialize_value, serialize_value
+
+    with capture_interrupts():
+        args = deserialize_value(serialized_args, ExecuteRunArgs)
+        with get_instance_for_cli(instance_ref=args.instance_ref) as instance:
+            buffer: list[str] = []  # as execute_run_command: events kept, never sent
+            return _execute_run_command_body(
+                args.run_id, instance, lambda event: buffer.append(serialize_value(event)),
+                set_exit_code_on_failure=args.set_exit_code_on_failure or False)
+
+
+__all__ += ["RunCode", "run_code", "load_run_code", "execute_run_args", "execute_run_here"]

@@ -1,0 +1,267 @@
+"""The run pool's fork server: Dagster and the code location imported once, a run worker
+forked from that state for each run (`python -m ckpt_assets.runs.fork_server`).
+
+A run worker started by Dagster's default launcher is a fresh interpreter that imports
+Dagster and loads the code location (about 3 s) before the run's first step. This server
+pays that once, then waits on a Unix socket in the pool's folder; for each request
+(`ckpt_assets.runs.run_pool`) it forks a child that becomes the run worker: a new session,
+stdout and stderr to the run's log, the launcher's environment and the code's working
+directory, then the run's body exactly as `dagster api execute_run` runs it
+(`dagster_private.execute_run_here`). The child is a process of its own, as a cold run
+worker is: it outlives this server, and a crash in one run touches no other.
+
+Fork is safe only in a process with one thread (a lock held by another thread at the fork
+stays held forever in the child), so the server runs no thread at all, and refuses a fork
+(the run then starts cold) if anything it imported started one, native threads included.
+
+Code changes: the server records the project's code fingerprint before it imports the code;
+a request with another fingerprint makes it give up the pool (socket, lock) and exit, and
+the launcher starts a fresh one. It also exits after `--idle-exit-s` without a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import fcntl
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_assets.attempt.process_group import ProcessRef
+from ckpt_assets.runs.code_fingerprint import PROJECT_PACKAGES, code_fingerprint
+from ckpt_assets.runs.dagster_private import RunCode, execute_run_here, load_run_code
+from ckpt_assets.runs.run_pool import PoolPaths, read_line
+
+ACCEPT_TICK_S = 0.5  # how often children are reaped and idleness checked
+REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Server:
+    paths: PoolPaths
+    code: RunCode
+    fingerprint: str
+    lock_fd: int
+    listener: socket.socket | None = None
+    forked: int = 0
+
+    def log(self, words: str) -> None:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} fork server {os.getpid()}: {words}",
+              flush=True)
+
+    def give_up_pool(self) -> None:
+        """Close and remove the socket and release the lock, so that a fresh server can take
+        the pool at once (before this one has exited)."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+            try:
+                self.paths.socket.unlink()
+            except FileNotFoundError:
+                pass
+            self.paths.server_info.unlink(missing_ok=True)
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+
+
+def thread_count() -> int:
+    """Threads of this process, native ones included (Python's count where /proc is not)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def take_lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def listen(server: Server) -> None:
+    """Bind the pool's socket. The lock is ours, so a socket file there is a dead server's."""
+    path = server.paths.socket
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Only this user may connect: a request names the code, environment and run a child of
+    # this process runs with.
+    umask = os.umask(0o177)
+    try:
+        listener.bind(str(path))
+    finally:
+        os.umask(umask)
+    listener.listen(64)
+    server.listener = listener
+    server.paths.server_info.write_text(json.dumps({"pid": os.getpid(),
+                                                    "fingerprint": server.fingerprint}))
+
+
+def serve(server: Server, idle_exit_s: float) -> None:
+    last = time.monotonic()
+    while server.listener is not None:
+        reap(server)
+        if time.monotonic() - last > idle_exit_s:
+            server.log(f"no request for {idle_exit_s:g}s; exiting")
+            return
+        ready, _, _ = select.select([server.listener], [], [], ACCEPT_TICK_S)
+        if not ready:
+            continue
+        try:
+            conn, _ = server.listener.accept()
+        except OSError:
+            continue
+        last = time.monotonic()
+        with conn:
+            answer(server, conn)
+
+
+def answer(server: Server, conn: socket.socket) -> None:
+    try:
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        request = json.loads(read_line(conn))
+    except (OSError, ValueError) as e:
+        server.log(f"an unreadable request ({e}); ignored")
+        return
+    reply = decide(server, request)
+    if reply is None:
+        reply = fork_worker(server, conn, request)
+    try:
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+    except OSError as e:  # the launcher gave up waiting: the run worker runs the run anyway
+        server.log(f"could not answer the launcher of {request.get('run_id')} ({e})")
+
+
+def decide(server: Server, request: dict) -> dict | None:
+    """The reply that refuses `request`, or None when a run worker is to be forked."""
+    if request.get("fingerprint") != server.fingerprint:
+        server.log("the code changed since it was loaded; giving the pool up to a fresh server")
+        server.give_up_pool()
+        return {"restart": "the code changed since this server loaded it"}
+    if RunCode(**request["code"]) != server.code:
+        return {"error": f"this pool serves {server.code}; the run's code is {request['code']}"}
+    threads = thread_count()
+    if threads != 1:
+        return {"error": f"the server runs {threads} threads (an import started them), and "
+                         "forking it could deadlock the run worker; remove what started them "
+                         "from the server's imports"}
+    return None
+
+
+def fork_worker(server: Server, conn: socket.socket, request: dict) -> dict:
+    try:
+        pid = os.fork()
+    except OSError as e:
+        return {"error": f"fork failed ({e})"}
+    if pid == 0:
+        become_run_worker(server, conn, request)  # never returns
+    server.forked += 1
+    server.log(f"forked run worker {pid} for run {request['run_id']}")
+    return {"pid": pid, "start": ProcessRef.known(pid).start, "server_pid": os.getpid()}
+
+
+def become_run_worker(server: Server, conn: socket.socket, request: dict) -> None:
+    """In the child: drop the server's files, become a process of the run's own, run it."""
+    code = 1
+    try:
+        os.setsid()  # not in the server's (or its starter's) process group or session
+        conn.close()
+        if server.listener is not None:
+            server.listener.close()  # closing the child's copy leaves the server's bound
+        os.close(server.lock_fd)  # else a dead server's lock would live on in its runs
+        out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        for src, fd in ((devnull, 0), (out, 1), (out, 2)):
+            os.dup2(src, fd)
+        os.close(out)
+        os.close(devnull)
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's
+        os.chdir(request["cwd"])
+        os.environ.clear()  # putenv/unsetenv too: the run's subprocesses get the launcher's
+        os.environ.update(request["env"])
+        code = execute_run_here(request["execute_args"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported in the run's log, then exit 1
+        traceback.print_exc()
+    finally:
+        exit_as_interpreter(code)
+
+
+def exit_as_interpreter(code: int) -> None:
+    """End the child as an interpreter ends (wait for its non-daemon threads, run its exit
+    handlers, flush) but never return into the server's loop."""
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()  # noqa: SLF001 - what interpreter exit runs
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def reap(server: Server) -> None:
+    """Collect run workers that ended (they are this server's children)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", required=True, help="the pool's folder")
+    ap.add_argument("--module", required=True)
+    ap.add_argument("--attribute", required=True)
+    ap.add_argument("--working-directory")
+    ap.add_argument("--idle-exit-s", type=float, default=3600.0)
+    ap.add_argument("--watch", action="append", default=[])
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    roots = [*PROJECT_PACKAGES, *(Path(p) for p in args.watch)]
+    fingerprint = code_fingerprint(roots)  # before the import: a change meanwhile is seen
+    paths = PoolPaths(Path(args.root))
+    lock_fd = take_lock(paths.lock)
+    if lock_fd is None:
+        print("another fork server holds this pool; exiting", flush=True)
+        return 0
+    code = RunCode(args.module, args.attribute, args.working_directory, sys.executable)
+    server = Server(paths, code, fingerprint, lock_fd)
+    t0 = time.monotonic()
+    load_run_code(code)
+    listen(server)
+    server.log(f"loaded {code.module}:{code.attribute} in {time.monotonic() - t0:.2f}s; "
+               f"listening on {paths.socket}")
+    try:
+        serve(server, args.idle_exit_s)
+    finally:
+        server.give_up_pool()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

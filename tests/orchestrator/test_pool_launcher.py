@@ -1,0 +1,200 @@
+"""The run pool's launcher (`ckpt_assets.runs.pool_launcher`): a run's worker forked from a
+warm server runs the run as a cold one does; a pool that cannot serve (its server cannot
+start, or answers nothing) falls back to the default launcher's cold start, and says why; a
+code change restarts the server; terminating a pooled run cancels it as a cold run's
+terminate does.
+
+Real processes throughout: `python -m ckpt_assets launch` against an instance without the
+run queue (launching starts the run) whose run launcher is the pool's
+(tests/orchestrator/pool_launcher_instance.yaml), the fork server it starts, the run workers
+it forks and their trainers."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import socket
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+
+from ckpt_assets.runs.tags import PARTITION_TAG
+from tests.dagster_fixtures import *  # noqa: F403
+from tests.dagster_fixtures import cli, pointer_step, training_config
+from tests.polling import wait_for
+
+S = dg.DagsterRunStatus
+POOL_INSTANCE = Path(__file__).with_name("pool_launcher_instance.yaml")
+COLD_LAUNCHER = {"module": "dagster.core.launcher", "class": "DefaultRunLauncher"}
+GRPC_INFO_TAG = ".dagster/grpc_info"  # what the default launcher records on a cold run
+FORKED = re.compile(r"Run worker (\d+) forked from the run pool's server (\d+)")
+STARTED = re.compile(r"Started process for run \(pid: (\d+)\)")
+POOL_REFUSED = "The run pool cannot start this run"
+
+
+def write_instance(home: Path, launcher: dict | None = None, **pool_config) -> None:
+    raw = yaml.safe_load(POOL_INSTANCE.read_text())
+    raw["run_launcher"]["config"].update(pool_config)
+    if launcher is not None:
+        raw["run_launcher"] = launcher
+    (home / "dagster.yaml").write_text(yaml.safe_dump(raw))
+
+
+@pytest.fixture
+def pool_home(dagster_home, store_uri, mlflow_uri):
+    yield dagster_home
+    for info in dagster_home.rglob("server.json"):  # the servers the tests started
+        stop_server(info)
+
+
+def stop_server(info: Path) -> None:
+    try:
+        pid = json.loads(info.read_text())["pid"]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, KeyError):
+        return
+    if b"ckpt_assets.runs.fork_server" in cmdline:
+        os.kill(pid, signal.SIGTERM)
+
+
+def start(tmp_path: Path, name: str, **overrides) -> dg.DagsterRun:
+    """Launch training run `name` with the CLI; its Dagster run."""
+    overrides = {"max_steps": 20, "eval_every": 0, **overrides}
+    config = tmp_path / f"{name}.json"
+    config.write_text(json.dumps(training_config(**overrides)))
+    proc = cli("launch", name, "--config", str(config), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = dg.DagsterInstance.get().get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: name}))
+    return run
+
+
+def ended(run: dg.DagsterRun) -> dg.DagsterRun:
+    instance = dg.DagsterInstance.get()
+    return wait_for(lambda: (now := instance.get_run_by_id(run.run_id)).is_finished and now,
+                    300, 0.2, f"run {run.run_id} to end")
+
+
+def launch(tmp_path: Path, name: str, **overrides) -> dg.DagsterRun:
+    """Launch training run `name` with the CLI, then wait for its Dagster run to end."""
+    return ended(start(tmp_path, name, **overrides))
+
+
+def engine_messages(run: dg.DagsterRun) -> list[str]:
+    return [(e.dagster_event.message if e.dagster_event else e.user_message) or ""
+            for e in dg.DagsterInstance.get().all_logs(run.run_id)]
+
+
+def forked_by(run: dg.DagsterRun) -> tuple[int, int]:
+    """(the run worker's pid, the fork server's pid) of a pooled run."""
+    (hit,) = [m for msg in engine_messages(run) if (m := FORKED.search(msg))]
+    return int(hit.group(1)), int(hit.group(2))
+
+
+@pytest.mark.slow
+def test_a_pooled_start_runs_the_same_run_as_a_cold_one_and_a_code_change_restarts_the_pool(
+        tmp_path, pool_home, store_uri):
+    watched = tmp_path / "watched.py"
+    watched.write_text("VERSION = 1\n")
+    write_instance(pool_home, watch_paths=[str(watched)])
+    pooled = launch(tmp_path, "pooled")
+    assert pooled.status == S.SUCCESS, engine_messages(pooled)
+    worker, server = forked_by(pooled)
+    # The process that ran the run is the one the server forked, not a fresh
+    # `dagster api execute_run`, and no code server was asked to start it.
+    (started,) = [int(m.group(1)) for msg in engine_messages(pooled) if (m := STARTED.search(msg))]
+    assert started == worker
+    assert GRPC_INFO_TAG not in pooled.tags
+    server_log = (pool_home / "run_pool" / "server.log").read_text()
+    assert f"fork server {server}: forked run worker {worker} for run {pooled.run_id}" in server_log
+    assert (pool_home / "run_pool" / "runs" / f"{pooled.run_id}.log").exists()
+
+    watched.write_text("VERSION = 22\n")  # another size: a change whatever the mtime's grain
+    changed = launch(tmp_path, "after-change")
+    assert changed.status == S.SUCCESS, engine_messages(changed)
+    assert forked_by(changed)[1] != server
+    server_log = (pool_home / "run_pool" / "server.log").read_text()
+    assert f"fork server {server}: the code changed since it was loaded" in server_log
+    wait_for(lambda: gone(server), 30, 0.1, "the old server to exit")
+
+    write_instance(pool_home, launcher=COLD_LAUNCHER)
+    cold = launch(tmp_path, "cold")
+    assert cold.status == S.SUCCESS, engine_messages(cold)
+    assert GRPC_INFO_TAG in cold.tags
+    store = Path(store_uri)
+    assert pointer_step(store, "default", "pooled") == pointer_step(store, "default", "cold") == 20
+
+
+@pytest.mark.slow
+def test_a_pool_whose_server_cannot_start_falls_back_to_a_cold_start_and_says_why(
+        tmp_path, pool_home):
+    pool = tmp_path / "pool"
+    # A directory where the server's socket goes: the server cannot bind it and exits.
+    (pool / "fork.sock").mkdir(parents=True)
+    (pool / "fork.sock" / "keep").write_text("")
+    write_instance(pool_home, pool_directory=str(pool))
+    run = launch(tmp_path, "fallback")
+    assert run.status == S.SUCCESS, engine_messages(run)
+    (why,) = [m for m in engine_messages(run) if m.startswith(POOL_REFUSED)]
+    assert "exited with status" in why and "starting it cold" in why
+    assert GRPC_INFO_TAG in run.tags  # the default launcher's path: through the code server
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == b"Z"
+
+
+@pytest.mark.slow
+def test_terminating_a_pooled_run_interrupts_its_worker_and_the_run_ends_canceled(
+        tmp_path, pool_home, store_uri):
+    write_instance(pool_home)
+    run = start(tmp_path, "stopped", max_steps=100000, task_args={"step_delay": 0.05})
+    wait_for(lambda: (pointer_step(Path(store_uri), "default", "stopped") or 0) >= 10, 300,
+             0.1, "the first checkpoint")
+    worker, server = forked_by(run)
+    # While it runs: the run worker is the fork server's child, with the server's command
+    # line (a fork, not a fresh `dagster api execute_run`).
+    assert parent_of(worker) == server
+    assert b"ckpt_assets.runs.fork_server" in Path(f"/proc/{worker}/cmdline").read_bytes()
+    instance = dg.DagsterInstance.get()
+    assert instance.run_launcher.terminate(run.run_id) is True
+    run = ended(run)
+    assert run.status == S.CANCELED, engine_messages(run)
+    wait_for(lambda: gone(worker), 60, 0.1, "the pooled run worker to exit")
+    assert instance.run_launcher.terminate(run.run_id) is False  # finished: nothing to stop
+
+
+@pytest.mark.slow
+def test_a_pool_server_that_answers_nothing_in_time_has_the_run_started_cold(
+        tmp_path, pool_home):
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    # A server that listens and never answers: a socket nobody accepts on, and the pool's
+    # lock held, so the launcher starts no server of its own.
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(str(pool / "fork.sock"))
+    mute.listen(8)
+    lock = os.open(pool / "server.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        write_instance(pool_home, pool_directory=str(pool), reply_timeout_seconds=1.0)
+        run = launch(tmp_path, "mute")
+    finally:
+        mute.close()
+        os.close(lock)
+    assert run.status == S.SUCCESS, engine_messages(run)
+    (why,) = [m for m in engine_messages(run) if m.startswith(POOL_REFUSED)]
+    assert "gave no answer within 1s" in why
+    assert GRPC_INFO_TAG in run.tags
