@@ -43,6 +43,20 @@ def start_torchrun(argv: list[str], nproc: int, environ: dict[str, str],
         cwd=ROOT, env=environ, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
+def one_attempt(argv: list[str], nproc: int, log: Path, step_delay: float = 0,
+                kill=None) -> int:
+    """One attempt of `argv` on `nproc` ranks under the launcher; `kill(launcher, ranks)`
+    once they run. The launcher's exit status."""
+    launcher = start_torchrun(argv, nproc, env(step_delay), log)
+    try:
+        if kill is not None:
+            kill(launcher, rank_pids(launcher, nproc))
+        return launcher.wait(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def start_direct(argv: list[str], nproc: int, environ: dict[str, str],
                  log: Path) -> list[subprocess.Popen]:
     port = str(free_port())

@@ -1,7 +1,7 @@
 """The run pool's launcher (`ckpt_assets.runs.pool_launcher`): a run's worker forked from a
-warm server runs the run as a cold one does; a pool that cannot serve (its server cannot
-start, or answers nothing) falls back to the default launcher's cold start, and says why; a
-code change restarts the server; terminating a pooled run cancels it as a cold run's
+warm server runs the run as a cold one does; a code change restarts the server; a pool that
+cannot serve (its server cannot start, or answers nothing) falls back to the default
+launcher's cold start, and says why; terminating a pooled run cancels it as a cold run's
 terminate does.
 
 Real processes throughout: `python -m ckpt_assets launch` against an instance without the
@@ -30,18 +30,15 @@ from tests.polling import wait_for
 
 S = dg.DagsterRunStatus
 POOL_INSTANCE = Path(__file__).with_name("pool_launcher_instance.yaml")
-COLD_LAUNCHER = {"module": "dagster.core.launcher", "class": "DefaultRunLauncher"}
 GRPC_INFO_TAG = ".dagster/grpc_info"  # what the default launcher records on a cold run
 FORKED = re.compile(r"Run worker (\d+) forked from the run pool's server (\d+)")
 STARTED = re.compile(r"Started process for run \(pid: (\d+)\)")
 POOL_REFUSED = "The run pool cannot start this run"
 
 
-def write_instance(home: Path, launcher: dict | None = None, **pool_config) -> None:
+def write_instance(home: Path, **pool_config) -> None:
     raw = yaml.safe_load(POOL_INSTANCE.read_text())
     raw["run_launcher"]["config"].update(pool_config)
-    if launcher is not None:
-        raw["run_launcher"] = launcher
     (home / "dagster.yaml").write_text(yaml.safe_dump(raw))
 
 
@@ -96,7 +93,7 @@ def forked_by(run: dg.DagsterRun) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_a_pooled_start_runs_the_same_run_as_a_cold_one_and_a_code_change_restarts_the_pool(
+def test_a_pooled_start_runs_as_a_cold_one_a_code_change_restarts_the_pool_and_a_broken_pool_starts_cold(  # noqa: E501
         tmp_path, pool_home, store_uri):
     watched = tmp_path / "watched.py"
     watched.write_text("VERSION = 1\n")
@@ -121,27 +118,19 @@ def test_a_pooled_start_runs_the_same_run_as_a_cold_one_and_a_code_change_restar
     assert f"fork server {server}: the code changed since it was loaded" in server_log
     wait_for(lambda: gone(server), 30, 0.1, "the old server to exit")
 
-    write_instance(pool_home, launcher=COLD_LAUNCHER)
+    # A pool whose server cannot start (a directory where its socket goes: it cannot bind
+    # it, and exits) starts the run cold, through the default launcher's path, and says why.
+    broken = tmp_path / "broken-pool"
+    (broken / "fork.sock").mkdir(parents=True)
+    (broken / "fork.sock" / "keep").write_text("")
+    write_instance(pool_home, pool_directory=str(broken))
     cold = launch(tmp_path, "cold")
     assert cold.status == S.SUCCESS, engine_messages(cold)
-    assert GRPC_INFO_TAG in cold.tags
+    (why,) = [m for m in engine_messages(cold) if m.startswith(POOL_REFUSED)]
+    assert "exited with status" in why and "starting it cold" in why
+    assert GRPC_INFO_TAG in cold.tags  # through the code server, as the default launcher
     store = Path(store_uri)
     assert pointer_step(store, "default", "pooled") == pointer_step(store, "default", "cold") == 20
-
-
-@pytest.mark.slow
-def test_a_pool_whose_server_cannot_start_falls_back_to_a_cold_start_and_says_why(
-        tmp_path, pool_home):
-    pool = tmp_path / "pool"
-    # A directory where the server's socket goes: the server cannot bind it and exits.
-    (pool / "fork.sock").mkdir(parents=True)
-    (pool / "fork.sock" / "keep").write_text("")
-    write_instance(pool_home, pool_directory=str(pool))
-    run = launch(tmp_path, "fallback")
-    assert run.status == S.SUCCESS, engine_messages(run)
-    (why,) = [m for m in engine_messages(run) if m.startswith(POOL_REFUSED)]
-    assert "exited with status" in why and "starting it cold" in why
-    assert GRPC_INFO_TAG in run.tags  # the default launcher's path: through the code server
 
 
 def parent_of(pid: int) -> int:

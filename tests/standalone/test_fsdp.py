@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,8 @@ import torch
 
 from tests.rank_runs import (
     SLOW_STEPS,
-    env,
-    rank_pids,
+    one_attempt,
     sharded_final,
-    start_torchrun,
     state_files,
     trainer_argv,
     wait_for_step,
@@ -47,14 +46,7 @@ def _ranks(nproc: int, store: Path, steps: int, log: Path, step_delay: float = 0
     argv = script or [sys.executable, SLOW_STEPS, EXAMPLE, "--store", str(store), "--run", RUN,
                       "--steps", str(steps), "--every", "4",
                       *(["--async-save"] if async_save else [])]
-    launcher = start_torchrun(argv, nproc, env(step_delay), log)
-    try:
-        if kill is not None:
-            kill(launcher, rank_pids(launcher, nproc))
-        return launcher.wait(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    return one_attempt(argv, nproc, log, step_delay, kill)
 
 
 def _repo(store: Path) -> CheckpointRepo:
@@ -132,18 +124,6 @@ def test_fsdp_two_then_one_then_four_then_two_ranks_reshard_exactly_at_the_globa
 
 # -- task mode: the toy task sharded by the trainer (distributed.strategy: fsdp) -------------
 
-def _task(config: Path, store: Path, log: Path, step_delay: float = 0, kill=None) -> int:
-    """One attempt of the task on two ranks under torchrun."""
-    launcher = start_torchrun(trainer_argv(config, str(store)), 2, env(step_delay), log)
-    try:
-        if kill is not None:
-            kill(launcher, rank_pids(launcher, 2))
-        return launcher.wait(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-
-
 def _sigkill_rank_1_at(store: Path, step: int):
     def kill(launcher, ranks):
         wait_for_step(store, TASK_EXPERIMENT, TASK_RUN, step, launcher)
@@ -162,10 +142,11 @@ def test_a_task_sharded_by_the_trainer_resumes_bitwise_after_a_lost_rank(tmp_pat
                        checkpoint={"every_steps": 4, "keep_last": 2},
                        distributed={"nproc_per_node": 2, "strategy": "fsdp"})
     ref, store, log = tmp_path / "ref", tmp_path / "store", tmp_path / "task.log"
-    assert _task(two, ref, log) == 0, log.read_text()[-3000:]
-    assert _task(two, store, log, 0.25, _sigkill_rank_1_at(store, 8)) == KILLED, \
+    argv = partial(trainer_argv, two)
+    assert one_attempt(argv(str(ref)), 2, log) == 0, log.read_text()[-3000:]
+    assert one_attempt(argv(str(store)), 2, log, 0.25, _sigkill_rank_1_at(store, 8)) == KILLED, \
         log.read_text()[-3000:]
-    assert _task(two, store, log) == 0, log.read_text()[-3000:]
+    assert one_attempt(argv(str(store)), 2, log) == 0, log.read_text()[-3000:]
     (got, got_ranks), (want, want_ranks) = (sharded_final(s, TASK_EXPERIMENT, TASK_RUN)
                                             for s in (store, ref))
     assert set(got) == {"model", "optimizer"}  # the shards went through DCP

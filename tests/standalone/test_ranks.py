@@ -30,10 +30,9 @@ from tests.polling import wait_for
 from tests.rank_runs import (
     env,
     gone,
+    one_attempt,
     pointer_step,
-    rank_pids,
     start_direct,
-    start_torchrun,
     trainer_argv,
     wait_for_step,
 )
@@ -170,14 +169,7 @@ def _rank_states(store: Path) -> list[dict]:
 
 def _run(config: Path, store: Path, log: Path, kill=None, step_delay: float = 0.05) -> int:
     """One attempt of two ranks; `kill(launcher, ranks)` once the pointer is at its step."""
-    launcher = start_torchrun(trainer_argv(config, str(store)), 2, env(step_delay), log)
-    try:
-        if kill is not None:
-            kill(launcher, rank_pids(launcher, 2))
-        return launcher.wait(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    return one_attempt(trainer_argv(config, str(store)), 2, log, step_delay, kill)
 
 
 @pytest.mark.slow
