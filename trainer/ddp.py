@@ -31,8 +31,10 @@ def join(cfg: TrainConfig, device: torch.device) -> tuple[int, int, torch.device
     if world == 1 and not sharded:
         return 0, 1, device
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get(LOCAL_RANK_ENV, 0)))
-        torch.cuda.set_device(device)
+        if world > 1:  # a rank per device; one rank keeps the device its config names
+            device = torch.device("cuda", int(os.environ.get(LOCAL_RANK_ENV, 0)))
+        if device.index is not None:
+            torch.cuda.set_device(device)
     backend = cfg.distributed.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"

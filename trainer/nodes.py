@@ -60,12 +60,13 @@ def run_local_nodes(module: str, args: argparse.Namespace, command: list[str]) -
     try:
         if nodes.first_to_end().returncode != 0:
             nodes.tell(signal.SIGTERM)
-        nodes.wait_out(args.grace_seconds)
+            nodes.wait_out(args.grace_seconds)
+        else:  # the others finish their own last steps and commits: no deadline
+            nodes.wait_out(None)
     finally:
         for s, handler in stops.items():
             signal.signal(s, handler)
-    failed = {i: n.returncode for i, n in enumerate(nodes.procs) if n.returncode != 0}
-    return attempt_exit(failed) if failed else Outcome.SUCCESS.exit_code
+    return nodes.exit_status()
 
 
 STOPS = (signal.SIGTERM, signal.SIGINT)
@@ -75,6 +76,7 @@ class LocalNodes:
     def __init__(self, procs: list[subprocess.Popen]) -> None:
         self.procs = procs
         self.told: set[int] = set()
+        self.killed: set[int] = set()  # nodes that outlived the grace after a failure
         self._ended: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._left = len(procs)
         for i, proc in enumerate(procs):
@@ -100,16 +102,27 @@ class LocalNodes:
                 self.told.add(i)
                 proc.send_signal(sig)
 
-    def wait_out(self, grace: float) -> None:
+    def exit_status(self) -> int:
+        """The attempt's exit status once every node ended: the worst node's. A node this
+        launcher had to kill is an echo of the cause (a lost peer), never the cause: its -9
+        must not turn another node's bug into a resumed kill."""
+        failed = {i: Outcome.RANK_LOST.exit_code if i in self.killed else p.returncode
+                  for i, p in enumerate(self.procs) if p.returncode != 0}
+        return attempt_exit(failed) if failed else Outcome.SUCCESS.exit_code
+
+    def wait_out(self, grace: float | None) -> None:
         """The other nodes end by themselves within the grace (their ranks see a peer gone
-        at their next collective, or commit the stop they were told), or are killed."""
-        deadline = time.monotonic() + grace
+        at their next collective, or commit the stop they were told), or are killed; with
+        no grace, they are waited for."""
+        deadline = None if grace is None else time.monotonic() + grace
         try:
             for _ in range(self._left):
-                self._ended.get(timeout=max(0.0, deadline - time.monotonic()))
+                self._ended.get(timeout=None if deadline is None
+                                else max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            for proc in self.procs:
+            for i, proc in enumerate(self.procs):
                 if proc.poll() is None:
+                    self.killed.add(i)
                     proc.kill()
         for proc in self.procs:
             proc.wait()

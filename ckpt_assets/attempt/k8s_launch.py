@@ -121,11 +121,13 @@ class AttemptPodClient(PipesK8sClient):
         with dg.open_pipes_session(context=context, extras=extras,
                                    context_injector=self.context_injector,
                                    message_reader=self.message_reader) as session:
-            target.create(session.get_bootstrap_env_vars())
-            context.log.info(f"{PROCESS_STARTED} ({target.what}, grace "
-                             f"{plan.grace_seconds}s): {' '.join(plan.command)}")
             opener = TrackingOpener(after_start)
             try:
+                # Inside: a create whose answer was lost (a 5xx, a timeout, an interrupt)
+                # may still have made the pod or Job, which must not outlive the attempt.
+                target.create(session.get_bootstrap_env_vars())
+                context.log.info(f"{PROCESS_STARTED} ({target.what}, grace "
+                                 f"{plan.grace_seconds}s): {' '.join(plan.command)}")
                 rc, interrupted = self._wait(context, target, session, watch, on_messages)
             finally:
                 done.set()

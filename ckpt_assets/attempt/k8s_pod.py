@@ -269,6 +269,12 @@ def pod_end(pod) -> Any:
             raise _bad(f"pod {pod.metadata.name} cannot start its container {c.name}: "
                        f"{waiting.reason}: {waiting.message}; fix TrainerResource.k8s (image, "
                        "Secret names)")
+    for c in status.init_container_statuses or []:  # the trainer never started: not a kill
+        ended = c.state.terminated if c.state else None
+        if ended is not None and ended.exit_code != 0:
+            raise _bad(f"pod {pod.metadata.name}: its init container {c.name} exited "
+                       f"{ended.exit_code} before the trainer started ({ended.reason}); check "
+                       "the image (its python) and TrainerResource.k8s")
     for c in status.container_statuses or []:
         if c.state and c.state.terminated is not None:
             return c.state.terminated.exit_code

@@ -126,13 +126,21 @@ def _print_registered(reg) -> None:
     print(f"{what}: training run {reg.run} in experiment {reg.experiment}; config {reg.config_uri}")
 
 
-def _world_tags(args, reg) -> dict[str, str]:
-    """The tags that ask for `--nproc-per-node`/`--nnodes`, once the run's config at that
-    world size is valid (a batch that does not split over the ranks is refused here)."""
-    from ckpt_assets.runs.tags import WORLD_TAGS, world_tags
+def _asked_world(args) -> dict[str, str]:
+    """The world size `--nproc-per-node`/`--nnodes` ask for, by `distributed` key."""
+    from ckpt_assets.runs.tags import WORLD_TAGS
+
+    return {key: str(v) for key in WORLD_TAGS if (v := getattr(args, key, None)) is not None}
+
+
+def _world_tags(args, reg, chain: dict[str, str]) -> dict[str, str]:
+    """The tags that ask for the attempt's world size: what the chain carries, with what
+    the flags change, once the run's config at that size is valid (a batch that does not
+    split over the ranks is refused here, before anything is queued)."""
+    from ckpt_assets.runs.tags import world_of, world_tags
     from ckpt_assets.runs.world import at_world
 
-    world = {key: str(v) for key in WORLD_TAGS if (v := getattr(args, key)) is not None}
+    world = {**world_of(chain), **_asked_world(args)}
     at_world(reg, world)
     return world_tags(world)
 
@@ -148,9 +156,9 @@ def _launch_tags(args) -> dict[str, str]:
         if k == PARTITION_TAG:
             raise CliError(f"--tag {t!r}: the partition is the training run's name; "
                            "drop this tag")
-        if k in WORLD_TAGS.values():
-            raise CliError(f"--tag {t!r}: pass --{k.split('/')[-1].replace('_', '-')} "
-                           "instead, which checks the config at that world size")
+        if flag := next((key for key, tag in WORLD_TAGS.items() if tag == k), None):
+            raise CliError(f"--tag {t!r}: pass --{flag.replace('_', '-')} instead, which "
+                           "checks the config at that world size")
         tags[k] = v
     return tags
 
@@ -169,10 +177,10 @@ def cmd_launch(args) -> int:
     if not args.force and (done := already_finished(instance, reg)):
         print(done)
         return EXIT_OK
-    tags.update(_world_tags(args, reg))
+    chain = rerun_tags(instance, args.name)
+    tags.update(_world_tags(args, reg, chain))
     try:
-        launch = launch_training_run(instance, args.name,
-                                     {**rerun_tags(instance, args.name), **tags},
+        launch = launch_training_run(instance, args.name, {**chain, **tags},
                                      force=args.force)
     except SubmitError as e:
         raise CliError(str(e), EXIT_ERROR) from e
@@ -209,12 +217,14 @@ def _validated(args):
     """(instance, store) once the name and the config (if given) are valid: bad input
     creates nothing anywhere, not even the instance."""
     from ckpt_assets.runs.registration import normalize_training_config, validate_partition_key
+    from ckpt_assets.runs.world import world_config
 
     validate_partition_key(args.name)
     store = _store(args.store)
     if args.config is not None:
-        normalize_training_config(_read_config(args.config), args.name, args.experiment,
-                                  _registered_from())
+        world_config(normalize_training_config(_read_config(args.config), args.name,
+                                               args.experiment, _registered_from()),
+                     _asked_world(args))
     return _instance(), store
 
 
@@ -254,10 +264,9 @@ def cmd_run(args) -> int:
     if done := already_finished(instance, reg):
         print(done)
         return EXIT_OK
-    world = _world_tags(args, reg)
     tags = rerun_tags(instance, args.name)
     what = f"attempt {tags[TAG_ATTEMPT]}" if tags else "training"
-    tags.update(world)
+    tags.update(_world_tags(args, reg, tags))
     log = None if args.verbose else Path(instance.root_directory) / "logs" / f"run-{reg.run}.log"
     print(f"{what} of training run {reg.run} (experiment {reg.experiment}) in this process"
           + (f"; Dagster's log: {log} (--verbose shows it here)" if log else ""), flush=True)

@@ -39,10 +39,13 @@ from pathlib import Path
 from ckpt_assets.attempt.process_group import ProcessRef
 from ckpt_assets.runs.code_fingerprint import PROJECT_PACKAGES, code_fingerprint
 from ckpt_assets.runs.dagster_private import RunCode, execute_run_here, load_run_code
-from ckpt_assets.runs.run_pool import PoolPaths, read_line
+from ckpt_assets.runs.run_pool import GO, PoolPaths, read_line
 
 ACCEPT_TICK_S = 0.5  # how often children are reaped and idleness checked
 REQUEST_TIMEOUT_S = 5.0
+# How long a forked run worker waits for its launcher's GO (it answered the server's reply
+# at once, unless it gave up on the pool).
+GO_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -137,12 +140,13 @@ def answer(server: Server, conn: socket.socket) -> None:
     except (OSError, ValueError) as e:
         server.log(f"an unreadable request ({e}); ignored")
         return
-    reply = decide(server, request)
-    if reply is None:
-        reply = fork_worker(server, conn, request)
+    try:
+        reply = decide(server, request) or fork_worker(server, conn, request)
+    except Exception as e:  # noqa: BLE001 - a malformed request must not end the pool
+        reply = {"error": f"a malformed request ({type(e).__name__}: {e})"}
     try:
         conn.sendall(json.dumps(reply).encode() + b"\n")
-    except OSError as e:  # the launcher gave up waiting: the run worker runs the run anyway
+    except OSError as e:  # the launcher gave up: the run worker never hears GO, and exits
         server.log(f"could not answer the launcher of {request.get('run_id')} ({e})")
 
 
@@ -179,6 +183,14 @@ def become_run_worker(server: Server, conn: socket.socket, request: dict) -> Non
     code = 1
     try:
         os.setsid()  # not in the server's (or its starter's) process group or session
+        conn.settimeout(GO_TIMEOUT_S)
+        try:
+            go = read_line(conn) + b"\n" == GO
+        except (OSError, ValueError):
+            go = False
+        if not go:  # the launcher gave up on the pool and starts the run cold
+            code = 0
+            return
         conn.close()
         if server.listener is not None:
             server.listener.close()  # closing the child's copy leaves the server's bound
@@ -196,8 +208,8 @@ def become_run_worker(server: Server, conn: socket.socket, request: dict) -> Non
         os.environ.clear()  # putenv/unsetenv too: the run's subprocesses get the launcher's
         os.environ.update(request["env"])
         code = execute_run_here(request["execute_args"])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as an interpreter reads it: None is 0, anything else 1
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - reported in the run's log, then exit 1
         traceback.print_exc()
     finally:

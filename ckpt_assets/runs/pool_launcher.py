@@ -53,7 +53,8 @@ class PoolRunLauncher(dg.DefaultRunLauncher):
         self._pool_directory = pool_directory
         self._settings = PoolSettings(float(start_timeout_seconds),
                                       float(reply_timeout_seconds), float(idle_exit_seconds),
-                                      tuple(watch_paths or ()))
+                                      # Absolute here: the server resolves them elsewhere.
+                                      tuple(str(Path(p).resolve()) for p in watch_paths or ()))
         self._pool: RunPool | None = None
 
     @classmethod
@@ -85,9 +86,13 @@ class PoolRunLauncher(dg.DefaultRunLauncher):
                                 {"pool_directory": str(self.paths().root)})
             super().launch_run(context)
             return
-        record = self.paths().run_record(run.run_id)
-        record.write_text(json.dumps({"pid": forked.pid, "start": forked.start,
-                                      "server_pid": forked.server_pid}))
+        try:  # what terminate() needs; the run runs whether or not it could be written
+            self.paths().run_record(run.run_id).write_text(json.dumps(
+                {"pid": forked.pid, "start": forked.start, "server_pid": forked.server_pid}))
+        except OSError as e:
+            report_engine_event(self._instance, run, f"The run pool could not record run "
+                                f"worker {forked.pid} ({e}): terminate it by its pid.",
+                                {"pid": forked.pid})
         report_engine_event(self._instance, run,
                             f"Run worker {forked.pid} forked from the run pool's server "
                             f"{forked.server_pid}; its output goes to {forked.log}.",

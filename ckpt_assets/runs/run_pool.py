@@ -107,15 +107,18 @@ class RunPool:
                    "log": str(self.paths.run_log(run_id))}
         for _ in range(2):  # the second: a fresh server, after one exited for a code change
             reply = self._ask(request, code)
-            if "pid" in reply:
-                return Forked(int(reply["pid"]), int(reply["start"]), int(reply["server_pid"]),
-                              request["log"])
+            if isinstance(reply, Forked):
+                return reply
             if "restart" not in reply:
                 raise PoolUnavailable(f"the pool's server refused the run: {reply.get('error')}")
         raise PoolUnavailable("the pool's server restarted for a code change twice in a row "
                               "(files still changing?); this run starts cold")
 
-    def _ask(self, request: dict, code: RunCode) -> dict:
+    def _ask(self, request: dict, code: RunCode) -> Forked | dict:
+        """The forked run worker, told to go; or the server's refusal. The worker runs the
+        run only once this launcher said GO on the connection it shares: a launcher that
+        gave up waiting (and starts the run cold) closes it instead, and the worker exits
+        without running, so a run is never run twice."""
         try:
             conn = self._connect()
         except OSError:
@@ -124,12 +127,17 @@ class RunPool:
             conn.settimeout(self.settings.reply_timeout_s)
             try:
                 conn.sendall(json.dumps(request).encode() + b"\n")
-                line = read_line(conn)
-            except (OSError, ValueError) as e:
+                reply = json.loads(read_line(conn))
+                if "pid" not in reply:
+                    return reply
+                forked = Forked(int(reply["pid"]), int(reply["start"]),
+                                int(reply["server_pid"]), request["log"])
+                conn.sendall(GO)
+                return forked
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise PoolUnavailable(f"the pool's server at {self.paths.socket} gave no answer "
-                                      f"within {self.settings.reply_timeout_s:g}s ({e}); its "
-                                      f"log is {self.paths.server_log}") from e
-        return json.loads(line)
+                                      f"within {self.settings.reply_timeout_s:g}s that it could "
+                                      f"use ({e}); its log is {self.paths.server_log}") from e
 
     def _connect(self) -> socket.socket:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -194,6 +202,9 @@ class RunPool:
             return self.paths.server_log.read_text(errors="replace")[-chars:].strip() or "(empty)"
         except OSError:
             return "(no log)"
+
+
+GO = b"go\n"  # the launcher to its forked run worker: run the run (RunPool._ask)
 
 
 def read_line(conn: socket.socket) -> bytes:

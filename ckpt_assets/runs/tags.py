@@ -26,6 +26,11 @@ def world_tags(world: dict[str, str]) -> dict[str, str]:
     """The run tags that ask for `world` (`distributed` keys of WORLD_TAGS -> values)."""
     return {WORLD_TAGS[key]: value for key, value in world.items()}
 
+
+def world_of(tags: dict[str, str]) -> dict[str, str]:
+    """The world size a run's tags ask for (what its resumes carry), by `distributed` key."""
+    return {key: tags[tag] for key, tag in WORLD_TAGS.items() if tags.get(tag)}
+
 # On an ended training run (set by the resume sensors when they decide):
 TAG_DECISION = "ckpt/decision"  # "resume" | "stop"
 TAG_DECISION_REASON = "ckpt/decision_reason"  # in words

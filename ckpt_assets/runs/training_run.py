@@ -59,7 +59,7 @@ def _given_config(context, config: TrainingRunConfig) -> tuple[dict | None, str 
 def resolve_registration(context, checkpoint_store: StoreSource,
                          config: TrainingRunConfig) -> Registration:
     """Register the run's config if this launch carries one, else read the registered one;
-    at the world size this run's launch asked for (`Registration.at_world`)."""
+    at the world size this run's launch asked for (`runs.world.at_world`)."""
     run = partition_key(context)
     try:
         return at_world(_registered(context, checkpoint_store, config, run),

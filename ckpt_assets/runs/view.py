@@ -32,7 +32,7 @@ from ckpt_assets.runs.tags import (
     TAG_STALLED,
     TAG_STOP_REASON,
     TAG_WORKER_LOST,
-    WORLD_TAGS,
+    world_of,
     world_tags,
 )
 
@@ -85,7 +85,7 @@ class RunView:
             t.get(TAG_NO_RESUME) == "true", t.get(TAG_STOP_REASON) or None,
             t.get(TAG_HEARTBEAT_LOST) or None, t.get(TAG_STALLED) or None,
             t.get(TAG_WORKER_LOST) or None,
-            {key: t[tag] for key, tag in WORLD_TAGS.items() if t.get(tag)})
+            world_of(t))
 
     @property
     def world_tags(self) -> dict[str, str]:

@@ -14,21 +14,30 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ckpt_assets.runs.registration import Registration
-from trainer.config import config_from_dict
+from trainer.config import TrainConfig, config_from_dict
 from trainer.errors import ConfigError
 
 
 def at_world(reg: Registration, world: Mapping[str, str]) -> Registration:
     """`reg` with the `distributed` keys of `world` (runs.tags.WORLD_TAGS') replaced, checked as
-    the registered config was: a batch that no longer splits over the ranks is refused."""
-    if not world:
-        return reg
+    the registered config was: a batch that no longer splits over the ranks is refused.
+    (The registered bytes, `config_uri` and `config_sha256`, stay what was registered.)"""
+    return replace(reg, config=world_config(reg.config, world)) if world else reg
+
+
+def world_config(config: TrainConfig, world: Mapping[str, str]) -> TrainConfig:
+    """`config` at the world size `world` asks for, or ConfigError saying what to pass."""
     given = {}
     for key, value in world.items():
         if not str(value).isdigit():
             raise ConfigError(f"distributed.{key} for this launch is {value!r}: pass a whole "
                               "number (ckpt-assets launch --nproc-per-node N --nnodes M)")
         given[key] = int(value)
-    raw = reg.config.to_dict()
-    return replace(reg, config=config_from_dict(
-        {**raw, "distributed": {**raw["distributed"], **given}}))
+    raw = config.to_dict()
+    try:
+        return config_from_dict({**raw, "distributed": {**raw["distributed"], **given}})
+    except ConfigError as e:
+        asked = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
+        raise ConfigError(f"{asked}: {e}. The registered config stays the record: pass a "
+                          "world size it allows, or register a new run") from None
+

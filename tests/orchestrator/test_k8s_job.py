@@ -233,7 +233,8 @@ def test_a_run_on_one_node_keeps_its_single_pod(tmp_path):
 
 
 def _pod(index: int, exit_code: int | None = None, phase: str = "Running",
-         waiting: str | None = None, init_waiting: str | None = None):
+         waiting: str | None = None, init_waiting: str | None = None,
+         init_exit: int | None = None):
     def status(name, reason, code):
         state = k8s.V1ContainerState(
             terminated=k8s.V1ContainerStateTerminated(exit_code=code) if code is not None else None,
@@ -245,7 +246,7 @@ def _pod(index: int, exit_code: int | None = None, phase: str = "Running",
     meta = k8s.V1ObjectMeta(name=f"job-{index}-abcde", annotations={INDEX_KEY: str(index)})
     return k8s.V1Pod(metadata=meta, status=k8s.V1PodStatus(
         phase=phase, container_statuses=[status("trainer", waiting, exit_code)],
-        init_container_statuses=[status(DNS_WAIT_CONTAINER, init_waiting, None)]))
+        init_container_statuses=[status(DNS_WAIT_CONTAINER, init_waiting, init_exit)]))
 
 
 def _job(*conditions: str):
@@ -320,6 +321,9 @@ def test_a_node_killed_is_the_attempts_end_whatever_its_peers_then_reported():
 def test_a_node_whose_image_can_never_start_is_bad_input_naming_the_reason():
     with pytest.raises(TrainerStartError, match="rendezvous-dns: InvalidImageName: bad image"):
         NodeEnds(2, 30.0).see(False, [_pod(0), _pod(1, init_waiting="InvalidImageName")], 0.0)
+    # An image whose python the DNS wait cannot run: the trainer never started, no kill.
+    with pytest.raises(TrainerStartError, match="init container rendezvous-dns exited 127"):
+        NodeEnds(2, 30.0).see(False, [_pod(0), _pod(1, phase="Failed", init_exit=127)], 0.0)
 
 
 # -- the Job through a fake of the API ------------------------------------------------------

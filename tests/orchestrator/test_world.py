@@ -44,7 +44,7 @@ def test_a_launch_at_another_world_size_changes_only_the_ranks_of_the_registered
     ({"nproc_per_node": "3"}, "config key 'batch_size' is 32, which does not split evenly"),
     ({"nproc_per_node": "two"}, "distributed.nproc_per_node for this launch is 'two': pass a "
                                 "whole number"),
-    ({"nnodes": "0"}, "nnodes"),
+    ({"nnodes": "0"}, "--nnodes 0: .*nnodes.*pass a world size it allows"),
 ])
 def test_a_world_size_the_run_would_refuse_is_refused_naming_what_to_pass(reg, world, says):
     with pytest.raises(ConfigError, match=says):
@@ -76,8 +76,20 @@ def test_the_cli_refuses_a_world_size_the_config_does_not_split_over_and_queues_
     config.write_text(json.dumps(training_config(**TWO)))
     assert cli_main(["launch", KEY, "--config", str(config), "--nproc-per-node", "3"]) == 2
     assert "does not split evenly over 3 ranks" in capsys.readouterr().err
+    assert read_registration(open_store(store_uri), KEY) is None  # bad input creates nothing
     assert cli_main(["launch", KEY, "--tag", f"{TAG_NPROC_PER_NODE}=1"]) == 2
     assert "pass --nproc-per-node instead" in capsys.readouterr().err
     assert dg.DagsterInstance.get().get_runs() == []
-    # The refused world size changed nothing of the registration.
-    assert read_registration(open_store(store_uri), KEY).config.distributed.nproc_per_node == 2
+
+
+def test_the_world_size_checked_is_the_chains_with_the_flags_change(reg):
+    from argparse import Namespace
+
+    from ckpt_assets.cli.main import _world_tags
+
+    chain = {TAG_NPROC_PER_NODE: "4"}  # carried from the failed run: 32 splits over 4
+    assert _world_tags(Namespace(nproc_per_node=None, nnodes=None), reg, chain) == chain
+    with pytest.raises(ConfigError, match="--nnodes 3: .*does not split evenly over 12 ranks"):
+        _world_tags(Namespace(nproc_per_node=None, nnodes=3), reg, chain)
+    assert _world_tags(Namespace(nproc_per_node=1, nnodes=None), reg, chain) == \
+        {TAG_NPROC_PER_NODE: "1"}

@@ -150,6 +150,34 @@ def test_the_config_refuses_a_rendezvous_endpoint_that_is_not_host_port():
     assert DistributedConfig(rdzv_endpoint="node0:29400").rdzv_endpoint == "node0:29400"
 
 
+@pytest.mark.slow
+def test_a_node_killed_after_the_grace_is_an_echo_and_the_node_that_failed_names_the_cause():
+    import signal as sig
+
+    from trainer.nodes import LocalNodes
+
+    bug = subprocess.Popen(["sh", "-c", "exit 1"])
+    stuck = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60"])  # deaf to the stop
+    nodes = LocalNodes([bug, stuck])
+    assert nodes.first_to_end() is bug
+    nodes.tell(sig.SIGTERM)
+    nodes.wait_out(0.5)
+    assert nodes.killed == {1} and stuck.returncode == -sig.SIGKILL
+    assert nodes.exit_status() == 1  # the bug, never resumed; not the kill it caused
+
+
+@pytest.mark.slow
+def test_after_a_node_succeeds_the_others_are_waited_for_without_a_deadline():
+    from trainer.nodes import LocalNodes
+
+    done = subprocess.Popen(["true"])
+    finishing = subprocess.Popen(["sh", "-c", "sleep 1"])  # still committing its last step
+    nodes = LocalNodes([done, finishing])
+    assert nodes.first_to_end() is done
+    nodes.wait_out(None)
+    assert not nodes.killed and nodes.exit_status() == 0
+
+
 # -- slow: real ranks ------------------------------------------------------------------------
 
 EXPERIMENT, RUN = "default", "equiv"
