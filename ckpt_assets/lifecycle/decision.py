@@ -41,12 +41,9 @@ from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.store import StoreSource
 from ckpt_assets.runs.tags import (
     PARTITION_TAG,
-    TAG_ATTEMPT,
     TAG_BUDGET,
     TAG_DECISION,
-    TAG_PARENT_RUN_ID,
     TAG_RESUME_FROM,
-    TAG_ROOT_RUN_ID,
 )
 from ckpt_assets.runs.view import RunView
 from trainer.outcomes import Kind
@@ -139,9 +136,8 @@ def resume_request(run: dg.DagsterRun, rec: DecisionRecord,
         run_key=f"{RESUME_KEY_PREFIX}{run.run_id}",
         partition_key=rec.training_run,
         job_name=TRAIN_JOB,
-        tags={TAG_PARENT_RUN_ID: run.run_id, TAG_ROOT_RUN_ID: view.root_run_id,
-              TAG_ATTEMPT: str(rec.attempt + 1), TAG_RESUME_FROM: resume_from or "latest",
-              TAG_BUDGET: rec.next_budget, **view.world_tags},
+        tags={**view.next_attempt_tags(rec.attempt + 1),
+              TAG_RESUME_FROM: resume_from or "latest", TAG_BUDGET: rec.next_budget},
     )
 
 

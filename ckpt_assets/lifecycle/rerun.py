@@ -16,7 +16,6 @@ from ckpt_assets.lifecycle.model import Event, State, allows
 from ckpt_assets.lifecycle.state import run_state
 from ckpt_assets.runs.queries import ENDED_UNSUCCESSFULLY, newest_training_run, training_runs_of
 from ckpt_assets.runs.registration import Registration
-from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.runs.view import RunView
 
 
@@ -36,8 +35,7 @@ def rerun_tags(instance: dg.DagsterInstance, name: str) -> dict[str, str]:
     ended, view = recorded_end(instance, failed), RunView.of(failed)
     attempt = (ended.attempt if ended and ended.attempt else None) or (
         view.attempt if view.attempt_tagged else len(training_runs_of(instance, name)))
-    return {TAG_PARENT_RUN_ID: failed.run_id, TAG_ROOT_RUN_ID: view.root_run_id,
-            TAG_ATTEMPT: str(attempt + 1), **view.world_tags}
+    return view.next_attempt_tags(attempt + 1)
 
 
 def already_finished(instance: dg.DagsterInstance, reg: Registration) -> str | None:

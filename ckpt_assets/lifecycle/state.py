@@ -165,14 +165,14 @@ def sensors_running(instance: dg.DagsterInstance) -> bool:
     """Whether a dagster-daemon runs the sensors (the resume sensors act on a failure)."""
     from ckpt_assets.runs.dagster_private import daemon_types
 
-    return daemon_running(instance, daemon_types()[0])
+    return daemon_running(instance, daemon_types().sensors)
 
 
 def queue_running(instance: dg.DagsterInstance) -> bool:
     """Whether a dagster-daemon dequeues queued runs."""
     from ckpt_assets.runs.dagster_private import daemon_types
 
-    return daemon_running(instance, daemon_types()[1])
+    return daemon_running(instance, daemon_types().queue)
 
 
 def without_daemon(instance: dg.DagsterInstance, state: RunState,

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import dagster as dg
 from dagster._core.errors import DagsterRunAlreadyExists
@@ -54,14 +54,19 @@ def report_engine_event(instance: dg.DagsterInstance, run: dg.DagsterRun, words:
                                  engine_event_data=EngineEventData(metadata=metadata))
 
 
-def daemon_types() -> tuple[str, str]:
-    """(the sensor daemon's, the run queue's) type names in the instance's daemon heartbeats."""
+class DaemonTypes(NamedTuple):
+    sensors: str  # the sensor daemon's type name in the instance's daemon heartbeats
+    queue: str  # the run queue's
+
+
+def daemon_types() -> DaemonTypes:
+    """The daemons' type names in the instance's daemon heartbeats."""
     from dagster._daemon.daemon import SensorDaemon
     from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import (
         QueuedRunCoordinatorDaemon,
     )
 
-    return SensorDaemon.daemon_type(), QueuedRunCoordinatorDaemon.daemon_type()
+    return DaemonTypes(SensorDaemon.daemon_type(), QueuedRunCoordinatorDaemon.daemon_type())
 
 
 @dataclass(frozen=True)
@@ -225,4 +230,10 @@ def execute_run_here(serialized_args: str) -> int:
                 set_exit_code_on_failure=args.set_exit_code_on_failure or False)
 
 
-__all__ += ["RunCode", "run_code", "load_run_code", "execute_run_args", "execute_run_here"]
+def remember_launched_run(launcher: dg.DefaultRunLauncher, run_id: str) -> None:
+    """Count a run started outside the code server among `launcher`'s own, as its
+    `launch_run` does (`DefaultRunLauncher.join` waits for them)."""
+    launcher._run_ids.add(run_id)  # noqa: SLF001
+
+
+__all__ += ["remember_launched_run", "RunCode", "run_code", "load_run_code", "execute_run_args", "execute_run_here"]

@@ -39,7 +39,12 @@ from pathlib import Path
 import dagster as dg
 
 from ckpt_assets.attempt.process_group import ProcessRef
-from ckpt_assets.runs.dagster_private import execute_run_args, report_engine_event, run_code
+from ckpt_assets.runs.dagster_private import (
+    execute_run_args,
+    remember_launched_run,
+    report_engine_event,
+    run_code,
+)
 from ckpt_assets.runs.run_pool import Forked, PoolPaths, PoolSettings, PoolUnavailable, RunPool
 
 POOL_FOLDER = "run_pool"  # in the instance folder, unless pool_directory says otherwise
@@ -98,7 +103,7 @@ class PoolRunLauncher(dg.DefaultRunLauncher):
                             f"{forked.server_pid}; its output goes to {forked.log}.",
                             {"pid": forked.pid, "server_pid": forked.server_pid,
                              "log": forked.log})
-        self._run_ids.add(run.run_id)  # what DefaultRunLauncher.join waits for
+        remember_launched_run(self, run.run_id)
 
     def _fork(self, run: dg.DagsterRun) -> Forked:
         code = run_code(run)

@@ -92,6 +92,13 @@ class RunView:
         """The tags that ask for this run's world size: a resume of it carries them."""
         return world_tags(self.world)
 
+    def next_attempt_tags(self, attempt: int) -> dict[str, str]:
+        """What the run of the chain's next attempt carries, whoever launches it (the
+        sensors' resume, a launch by hand): this run as its parent, the chain's root, the
+        attempt's number, and the world size this run was asked to train at."""
+        return {TAG_PARENT_RUN_ID: self.run_id, TAG_ROOT_RUN_ID: self.root_run_id,
+                TAG_ATTEMPT: str(attempt), **self.world_tags}
+
     @property
     def ended_unsuccessfully(self) -> bool:
         return self.status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)

@@ -141,7 +141,7 @@ def test_a_queued_launch_says_whether_a_daemon_will_dequeue_it(queue_instance, c
     launch = launch_training_run(queue_instance, "same")
     _print_launch(reg, launch, queue_instance)
     assert "no dagster-daemon runs the queue here" in capsys.readouterr().out
-    queue_instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), daemon_types()[1],
+    queue_instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), daemon_types().queue,
                                                         "d", errors=[]))
     _print_launch(reg, launch, queue_instance)
     said = capsys.readouterr().out
