@@ -186,7 +186,11 @@ def run_code(run: dg.DagsterRun) -> RunCode | None:
     module = getattr(pointer, "module", None)
     if not module or not attribute:
         return None
-    return RunCode(module, attribute, getattr(pointer, "working_directory", None),
+    # A run launched from the CLI records its working directory as given ("."), one a
+    # sensor submits through the code server as that server's: the same code, so compared
+    # resolved (from the launcher's directory, where a run worker it starts cold runs too).
+    directory = getattr(pointer, "working_directory", None)
+    return RunCode(module, attribute, str(Path(directory).resolve()) if directory else None,
                    origin.repository_origin.executable_path)
 
 

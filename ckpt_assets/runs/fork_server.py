@@ -16,7 +16,9 @@ stays held forever in the child), so the server runs no thread at all, and refus
 
 Code changes: the server records the project's code fingerprint before it imports the code;
 a request with another fingerprint makes it give up the pool (socket, lock) and exit, and
-the launcher starts a fresh one. It also exits after `--idle-exit-s` without a request.
+the launcher starts a fresh one. It also exits after `--idle-exit-s` without a request,
+and, given `--parent-pid`, once that process (the launcher's: a daemon) has exited: a
+stopped daemon leaves no interpreter of its pool behind.
 """
 
 from __future__ import annotations
@@ -114,12 +116,15 @@ def listen(server: Server) -> None:
                                                     "fingerprint": server.fingerprint}))
 
 
-def serve(server: Server, idle_exit_s: float) -> None:
+def serve(server: Server, idle_exit_s: float, parent_pid: int | None) -> None:
     last = time.monotonic()
     while server.listener is not None:
         reap(server)
         if time.monotonic() - last > idle_exit_s:
             server.log(f"no request for {idle_exit_s:g}s; exiting")
+            return
+        if parent_pid is not None and os.getppid() != parent_pid:  # reparented: it exited
+            server.log(f"the process that started it ({parent_pid}) has exited; exiting")
             return
         ready, _, _ = select.select([server.listener], [], [], ACCEPT_TICK_S)
         if not ready:
@@ -248,6 +253,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--attribute", required=True)
     ap.add_argument("--working-directory")
     ap.add_argument("--idle-exit-s", type=float, default=3600.0)
+    ap.add_argument("--parent-pid", type=int,
+                    help="exit once this process, the server's parent, has exited")
     ap.add_argument("--watch", action="append", default=[])
     return ap.parse_args(argv)
 
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     server.log(f"loaded {code.module}:{code.attribute} in {time.monotonic() - t0:.2f}s; "
                f"listening on {paths.socket}")
     try:
-        serve(server, args.idle_exit_s)
+        serve(server, args.idle_exit_s, args.parent_pid)
     finally:
         server.give_up_pool()
     return 0

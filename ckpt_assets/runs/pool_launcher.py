@@ -1,8 +1,8 @@
 """`PoolRunLauncher`: Dagster's default run launcher, but each run's worker is forked from
 a warm server (the run pool) instead of started as a fresh interpreter.
 
-In dagster.yaml (not the project's default; see docs/dagster.md, "A warm pool of run
-workers"):
+In dagster.yaml (the embedded default instance's launcher; see docs/dagster.md, "A warm
+pool of run workers"):
 
     run_launcher:
       module: ckpt_assets.runs.pool_launcher
@@ -12,6 +12,7 @@ workers"):
         start_timeout_seconds: 30   # wait for a server being started, else start cold
         reply_timeout_seconds: 5    # a server that answers nothing within this is broken
         idle_exit_seconds: 3600     # the server exits after this long without a run
+        exit_with_launcher: true    # ... and when the process that started it exits
         watch_paths: []             # more code whose change restarts the server
 
 Fail safe: where the pool cannot take a run (no server could be started or reached, it
@@ -53,13 +54,17 @@ POOL_FOLDER = "run_pool"  # in the instance folder, unless pool_directory says o
 class PoolRunLauncher(dg.DefaultRunLauncher):
     def __init__(self, inst_data=None, pool_directory: str | None = None,
                  start_timeout_seconds: float = 30.0, reply_timeout_seconds: float = 5.0,
-                 idle_exit_seconds: float = 3600.0, watch_paths: list[str] | None = None):
+                 idle_exit_seconds: float = 3600.0, watch_paths: list[str] | None = None,
+                 exit_with_launcher: bool = True):
         super().__init__(inst_data=inst_data)
         self._pool_directory = pool_directory
-        self._settings = PoolSettings(float(start_timeout_seconds),
-                                      float(reply_timeout_seconds), float(idle_exit_seconds),
-                                      # Absolute here: the server resolves them elsewhere.
-                                      tuple(str(Path(p).resolve()) for p in watch_paths or ()))
+        self._settings = PoolSettings(
+            start_timeout_s=float(start_timeout_seconds),
+            reply_timeout_s=float(reply_timeout_seconds),
+            idle_exit_s=float(idle_exit_seconds),
+            # Absolute here: the server resolves them elsewhere.
+            watch=tuple(str(Path(p).resolve()) for p in watch_paths or ()),
+            exit_with_launcher=bool(exit_with_launcher))
         self._pool: RunPool | None = None
 
     @classmethod
@@ -70,6 +75,7 @@ class PoolRunLauncher(dg.DefaultRunLauncher):
             "reply_timeout_seconds": dg.Field(float, is_required=False, default_value=5.0),
             "idle_exit_seconds": dg.Field(float, is_required=False, default_value=3600.0),
             "watch_paths": dg.Field([str], is_required=False, default_value=[]),
+            "exit_with_launcher": dg.Field(bool, is_required=False, default_value=True),
         }
 
     @classmethod
@@ -84,9 +90,12 @@ class PoolRunLauncher(dg.DefaultRunLauncher):
         run = context.dagster_run
         try:
             forked = self._fork(run)
-        except PoolUnavailable as e:
+        except Exception as e:  # noqa: BLE001 - a fault of the pool must never lose the run
+            # Safe to start cold: a forked worker runs only once `_fork` has told it GO, its
+            # last act, so whatever raised here, no worker runs this run.
+            why = str(e) if isinstance(e, PoolUnavailable) else f"{type(e).__name__}: {e}"
             report_engine_event(self._instance, run,
-                                f"The run pool cannot start this run ({e}); starting it cold "
+                                f"The run pool cannot start this run ({why}); starting it cold "
                                 "through the code server, as the default launcher does.",
                                 {"pool_directory": str(self.paths().root)})
             super().launch_run(context)

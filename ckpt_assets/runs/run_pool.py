@@ -73,6 +73,9 @@ class PoolSettings:
     reply_timeout_s: float = 5.0
     idle_exit_s: float = 3600.0
     watch: tuple[str, ...] = ()  # more files or folders whose .py files are the code
+    # The server exits with the launcher's process: right where that is a daemon (the pool
+    # lives as long as what launches runs), wrong where each launch is a short-lived command.
+    exit_with_launcher: bool = True
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,8 @@ class RunPool:
                 "--idle-exit-s", str(self.settings.idle_exit_s)]
         if code.working_directory:
             argv += ["--working-directory", code.working_directory]
+        if self.settings.exit_with_launcher:
+            argv += ["--parent-pid", str(os.getpid())]
         for path in self.settings.watch:
             argv += ["--watch", str(path)]
         with log:

@@ -187,3 +187,44 @@ def test_a_pool_server_that_answers_nothing_in_time_has_the_run_started_cold(
     (why,) = [m for m in engine_messages(run) if m.startswith(POOL_REFUSED)]
     assert "gave no answer within 1s" in why
     assert GRPC_INFO_TAG in run.tags
+
+
+def test_a_fault_inside_the_pool_starts_the_run_cold_and_says_why(dagster_home, monkeypatch):
+    # Not only the faults the pool foresees (PoolUnavailable): whatever `_fork` raises, no
+    # forked worker was told to run, so the run must start cold, never be lost.
+    from dagster._core.launcher import LaunchRunContext
+    from dagster._core.test_utils import create_run_for_test
+
+    from ckpt_assets.runs.pool_launcher import PoolRunLauncher
+
+    def broken_fork(self, run):
+        raise TypeError("a bug in the pool")
+
+    cold: list[str] = []
+    monkeypatch.setattr(PoolRunLauncher, "_fork", broken_fork)
+    monkeypatch.setattr(dg.DefaultRunLauncher, "launch_run",
+                        lambda self, context: cold.append(context.dagster_run.run_id))
+    instance = dg.DagsterInstance.get()
+    assert isinstance(instance.run_launcher, PoolRunLauncher)  # the embedded default's
+    run = create_run_for_test(instance, job_name="train_job")
+    instance.run_launcher.launch_run(LaunchRunContext(dagster_run=run, workspace=None))
+    assert cold == [run.run_id]
+    (why,) = [m for m in engine_messages(run) if m.startswith(POOL_REFUSED)]
+    assert "TypeError: a bug in the pool" in why and "starting it cold" in why
+
+
+def test_a_run_launched_from_the_cli_and_one_a_sensor_submitted_name_the_same_pooled_code():
+    # The CLI records the code's working directory as given ("."), a code server as its own
+    # absolute path; were they compared as written, the pool would refuse every resume.
+    from dagster._core.definitions.reconstruct import ReconstructableRepository
+    from dagster._core.origin import JobPythonOrigin
+
+    from ckpt_assets.runs.dagster_private import run_code
+
+    def code_of(directory: str):
+        repo = ReconstructableRepository.for_module("ckpt_assets.definitions", "defs", directory)
+        origin = JobPythonOrigin("train_job", repo.get_python_origin())
+        return run_code(dg.DagsterRun(job_name="train_job", run_id="r", job_code_origin=origin))
+
+    assert code_of(".") == code_of(os.getcwd())
+    assert code_of(".").working_directory == os.getcwd()
