@@ -234,10 +234,31 @@ def execute_run_here(serialized_args: str) -> int:
                 set_exit_code_on_failure=args.set_exit_code_on_failure or False)
 
 
+def fail_unfinished_run(serialized_args: str, exit_code: int) -> bool:
+    """What Dagster's code server does when a run worker it started has exited
+    (`DagsterApiServer._check_for_orphaned_runs`): a run the worker left unfinished is failed,
+    with an engine event that says how the worker ended. Whether it failed the run."""
+    from dagster._grpc.types import ExecuteRunArgs
+    from dagster._serdes import deserialize_value
+    from dagster._utils import get_run_crash_explanation
+
+    args = deserialize_value(serialized_args, ExecuteRunArgs)
+    with dg.DagsterInstance.from_ref(args.instance_ref) as instance:
+        run = instance.get_run_by_id(args.run_id)
+        if run is None or run.is_finished:
+            return False
+        message = get_run_crash_explanation(prefix=f"Run execution process for {run.run_id}",
+                                            exit_code=exit_code)
+        instance.report_engine_event(message, run)
+        instance.report_run_failed(run)
+        return True
+
+
 def remember_launched_run(launcher: dg.DefaultRunLauncher, run_id: str) -> None:
     """Count a run started outside the code server among `launcher`'s own, as its
     `launch_run` does (`DefaultRunLauncher.join` waits for them)."""
     launcher._run_ids.add(run_id)  # noqa: SLF001
 
 
-__all__ += ["remember_launched_run", "RunCode", "run_code", "load_run_code", "execute_run_args", "execute_run_here"]
+__all__ += ["remember_launched_run", "RunCode", "run_code", "load_run_code", "execute_run_args",
+            "execute_run_here", "fail_unfinished_run"]

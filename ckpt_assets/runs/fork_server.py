@@ -14,6 +14,11 @@ Fork is safe only in a process with one thread (a lock held by another thread at
 stays held forever in the child), so the server runs no thread at all, and refuses a fork
 (the run then starts cold) if anything it imported started one, native threads included.
 
+A run worker that exits leaving its run unfinished (killed, say) has its run failed, as
+Dagster's code server fails the runs of the workers it started: the failure sensors then
+see it at once, not at the reconciler's next sweep. The server forks a short-lived child
+to write that, so that it never opens the instance (whose storage may start threads).
+
 Code changes: the server records the project's code fingerprint before it imports the code;
 a request with another fingerprint makes it give up the pool (socket, lock) and exit, and
 the launcher starts a fresh one. It also exits after `--idle-exit-s` without a request,
@@ -35,12 +40,17 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_assets.attempt.process_group import ProcessRef
 from ckpt_assets.runs.code_fingerprint import PROJECT_PACKAGES, code_fingerprint
-from ckpt_assets.runs.dagster_private import RunCode, execute_run_here, load_run_code
+from ckpt_assets.runs.dagster_private import (
+    RunCode,
+    execute_run_here,
+    fail_unfinished_run,
+    load_run_code,
+)
 from ckpt_assets.runs.run_pool import GO, PoolPaths, read_line
 
 ACCEPT_TICK_S = 0.5  # how often children are reaped and idleness checked
@@ -58,6 +68,7 @@ class Server:
     lock_fd: int
     listener: socket.socket | None = None
     forked: int = 0
+    workers: dict[int, str] = field(default_factory=dict)  # pid -> its run's execute args
 
     def log(self, words: str) -> None:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} fork server {os.getpid()}: {words}",
@@ -179,6 +190,7 @@ def fork_worker(server: Server, conn: socket.socket, request: dict) -> dict:
     if pid == 0:
         become_run_worker(server, conn, request)  # never returns
     server.forked += 1
+    server.workers[pid] = request["execute_args"]
     server.log(f"forked run worker {pid} for run {request['run_id']}")
     return {"pid": pid, "start": ProcessRef.known(pid).start, "server_pid": os.getpid()}
 
@@ -197,9 +209,7 @@ def become_run_worker(server: Server, conn: socket.socket, request: dict) -> Non
             code = 0
             return
         conn.close()
-        if server.listener is not None:
-            server.listener.close()  # closing the child's copy leaves the server's bound
-        os.close(server.lock_fd)  # else a dead server's lock would live on in its runs
+        drop_server_files(server)
         out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         devnull = os.open(os.devnull, os.O_RDONLY)
         for src, fd in ((devnull, 0), (out, 1), (out, 2)):
@@ -221,6 +231,14 @@ def become_run_worker(server: Server, conn: socket.socket, request: dict) -> Non
         exit_as_interpreter(code)
 
 
+def drop_server_files(server: Server) -> None:
+    """In a forked child: close the child's copies of the socket (the server's stays bound)
+    and of the lock (else a dead server's lock would live on in its children)."""
+    if server.listener is not None:
+        server.listener.close()
+    os.close(server.lock_fd)
+
+
 def exit_as_interpreter(code: int) -> None:
     """End the child as an interpreter ends (wait for its non-daemon threads, run its exit
     handlers, flush) but never return into the server's loop."""
@@ -236,14 +254,43 @@ def exit_as_interpreter(code: int) -> None:
 
 
 def reap(server: Server) -> None:
-    """Collect run workers that ended (they are this server's children)."""
+    """Collect the children that ended (run workers, reporters); report each run worker's."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        execute_args = server.workers.pop(pid, None)
+        if execute_args is not None:
+            report_worker_exit(server, pid, execute_args, os.waitstatus_to_exitcode(status))
+
+
+def report_worker_exit(server: Server, pid: int, execute_args: str, exit_code: int) -> None:
+    """Fail the run of run worker `pid` if it ended leaving it unfinished, in a forked child
+    (this process stays without the instance's threads); the child is reaped as any."""
+    try:
+        reporter = os.fork()
+    except OSError as e:
+        server.log(f"run worker {pid} exited {exit_code}; cannot fork to report it ({e}): "
+                   "the reconciler's sweep will find its run")
+        return
+    if reporter:
+        return
+    code = 1
+    try:
+        drop_server_files(server)
+        if fail_unfinished_run(execute_args, exit_code):
+            server.log(f"run worker {pid} exited {exit_code} leaving its run unfinished; "
+                       "the run is failed")
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported in the server's log
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -26,8 +26,10 @@ cancel does for its run workers (`dagster_shared.ipc.send_interrupt`), so the ru
 CANCELED the same way. A cold run is terminated through its code server, as before.
 
 Health checks: none, as with the default launcher (`supports_check_run_worker_health`
-stays False): run monitoring treats pooled and cold runs alike, and a run whose worker
-died is found by the project's own readers (`ckpt_assets.lifecycle.lost_worker`).
+stays False): run monitoring treats pooled and cold runs alike. A run whose worker died is
+failed by the fork server that reaped it, as the code server fails a cold run's
+(`fork_server.report_worker_exit`); one whose server was gone too is found by the project's
+own readers (`ckpt_assets.lifecycle.lost_worker`).
 """
 
 from __future__ import annotations

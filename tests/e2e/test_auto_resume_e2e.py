@@ -9,7 +9,7 @@ default (dagster_home/dagster.yaml, SQLite, MLflow in a SQLite file) and the tea
 database on that server). A lost run worker is found and resumed through the same kinds of
 storage calls (runs and their tags read, tags and run events written), so it is proven on
 the embedded instance only. One daemon (with the code server it spawns)
-serves each kind (the embedded one is the session's, tests/e2e/conftest.py); each test trains
+serves each kind (the embedded one is shared, tests/e2e/conftest.py); each test trains
 its own partition, its first attempt held at the step where it is interrupted. A `command:` run (the digits
 classifier in its own loop) is resumed through the same daemon; what differs between the
 examples (their own loops, SIGTERM as well as SIGKILL) is proven standalone by
@@ -43,18 +43,22 @@ SLOW_STEPS = ["python", "tests/slow_steps.py"]  # STEP_DELAY seconds per step: r
 RNG = random.Random(20261129)
 
 
-@pytest.fixture(scope="module")
-def daemon(request, tmp_path_factory):
+@pytest.fixture
+def daemon(request, sensors_daemon):
     # This module proves the sensors' path: a killed trainer's run fails and is resumed as
     # a new run, exactly once. A trainer killed while its run worker lives is relaunched
     # in its own run by default, so that is turned off here; the default is proven by
     # tests/orchestrator/test_in_run_relaunch.py, under a daemon too. On the embedded
-    # instance that daemon is the session's, shared with test_ranks_dagster.
+    # instance that daemon is the one shared with test_ranks_dagster.
     if request.param == "sqlite":
-        yield request.getfixturevalue("sensors_daemon")
-        return
-    work = tmp_path_factory.mktemp(f"e2e-{request.param}")
-    instance = team_instance(request.getfixturevalue("postgres_server"), work)
+        return sensors_daemon.get()
+    return request.getfixturevalue("team_daemon")
+
+
+@pytest.fixture(scope="module")
+def team_daemon(tmp_path_factory, postgres_server):
+    work = tmp_path_factory.mktemp("e2e-postgres")
+    instance = team_instance(postgres_server, work)
     instance["extra_env"] = {**instance.get("extra_env", {}), Setting.IN_RUN_RELAUNCH.value: "0"}
     d = Daemon.start(work, str(work / "store"), **instance)
     yield d

@@ -40,8 +40,8 @@ TWO_NODES = {"nproc_per_node": 1, "nnodes": 2}
 
 @pytest.fixture
 def daemon(sensors_daemon):
-    """The session's daemon for the sensors' resumes (tests/e2e/conftest.py)."""
-    return sensors_daemon
+    """The shared daemon for the sensors' resumes (tests/e2e/conftest.py)."""
+    return sensors_daemon.get()
 
 
 def _rank_states(store: Path, experiment: str, run: str) -> list[dict]:

@@ -166,6 +166,23 @@ def test_terminating_a_pooled_run_interrupts_its_worker_and_the_run_ends_cancele
 
 
 @pytest.mark.slow
+def test_a_killed_pooled_run_worker_has_its_run_failed_by_the_server_as_a_code_server_would(
+        tmp_path, pool_home, store_uri):
+    # No daemon, no sensor, no reconciler here: only the server, the worker's parent, can
+    # say that the run's worker is gone, as Dagster's code server does for its own.
+    write_instance(pool_home)
+    run = start(tmp_path, "killed", max_steps=100000, task_args={"step_delay": 0.05})
+    wait_for(lambda: (pointer_step(Path(store_uri), "default", "killed") or 0) >= 10, 300,
+             0.1, "the first checkpoint")
+    worker, _ = forked_by(run)
+    os.kill(worker, signal.SIGKILL)
+    run = ended(run)
+    assert run.status == S.FAILURE, engine_messages(run)
+    (why,) = [m for m in engine_messages(run) if m.startswith("Run execution process for")]
+    assert why.startswith(f"Run execution process for {run.run_id} was terminated by signal 9")
+
+
+@pytest.mark.slow
 def test_a_pool_server_that_answers_nothing_in_time_has_the_run_started_cold(
         tmp_path, pool_home):
     pool = tmp_path / "pool"
