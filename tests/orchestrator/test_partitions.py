@@ -129,6 +129,7 @@ def _partitions() -> list[str]:
 def _register(tmp_path, capsys, name: str, config: dict | str, *extra: str):
     path = tmp_path / "cfg.json"
     path.write_text(config if isinstance(config, str) else json.dumps(config))
+    capsys.readouterr()  # only the command's own output: not what a fixture set up just now wrote
     code = cli_main(["register", name, "--config", str(path), *extra])
     return code, capsys.readouterr()
 

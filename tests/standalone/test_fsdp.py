@@ -2,8 +2,8 @@
 
 The two-rank transformer of examples/fsdp under `python -m trainer.ranks`: rank 1 SIGKILLed
 mid-run and the attempt resumed ends bitwise equal to an uninterrupted two-rank run (model,
-optimizer, each rank's RNG and data position), its saves in the background; 2 -> 1 -> 4 -> 2
-ranks reshard through DCP, the resharded state being exactly the checkpoint's and every
+optimizer, each rank's RNG and data position), its saves in the background; 2 -> 1 -> 4 ranks
+reshard through DCP, the resharded state being exactly the checkpoint's and every
 checkpoint at its global sample position. The toy task sharded by the trainer itself
 (`distributed.strategy: fsdp`) resumes bitwise after a lost rank.
 """
@@ -98,14 +98,15 @@ def _assert_restored_exactly(restored: dict, store: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_two_then_one_then_four_then_two_ranks_reshard_exactly_at_the_global_sample_position(  # noqa: E501
+def test_fsdp_two_then_one_then_four_ranks_reshard_exactly_at_the_global_sample_position(
         tmp_path):
     # Each world size restores exactly what the one before it saved (four CPU ranks fit one
     # machine); 2 -> 1 -> 2 of a task through Dagster is tests/e2e/test_world_dagster.py's.
     store, log = tmp_path / "store", tmp_path / "ranks.log"
     assert _ranks(2, store, 8, log) == 0, log.read_text()[-3000:]
     repo = _repo(store)
-    for nproc, steps in ((1, 16), (4, 24), (2, 32)):
+    # Down to one rank (a process group of one), then up past where it started.
+    for nproc, steps in ((1, 16), (4, 24)):
         _assert_restored_exactly(_restored(nproc, store, tmp_path, log), store)
         assert _ranks(nproc, store, steps, log) == 0, log.read_text()[-3000:]
         latest = repo.verify(repo.read_pointer().checkpoint)
