@@ -55,6 +55,10 @@ from ckpt_assets.runs.run_pool import GO, PoolPaths, read_line
 
 ACCEPT_TICK_S = 0.5  # how often children are reaped and idleness checked
 REQUEST_TIMEOUT_S = 5.0
+# A forked run worker's exit status when it never heard GO: the run is another worker's
+# (started cold), so the server must not fail it when this one is reaped. A run worker that
+# ran exits as `dagster api execute_run` does: 0, 1, or by a signal.
+NOT_RUN_EXIT = 3
 # How long a forked run worker waits for its launcher's GO (it answered the server's reply
 # at once, unless it gave up on the pool).
 GO_TIMEOUT_S = 60.0
@@ -206,7 +210,7 @@ def become_run_worker(server: Server, conn: socket.socket, request: dict) -> Non
         except (OSError, ValueError):
             go = False
         if not go:  # the launcher gave up on the pool and starts the run cold
-            code = 0
+            code = NOT_RUN_EXIT
             return
         conn.close()
         drop_server_files(server)
@@ -263,8 +267,13 @@ def reap(server: Server) -> None:
         if pid == 0:
             return
         execute_args = server.workers.pop(pid, None)
-        if execute_args is not None:
-            report_worker_exit(server, pid, execute_args, os.waitstatus_to_exitcode(status))
+        code = os.waitstatus_to_exitcode(status)
+        if execute_args is None:
+            continue
+        if code == NOT_RUN_EXIT:
+            server.log(f"run worker {pid} exited without running its run (no go)")
+        else:
+            report_worker_exit(server, pid, execute_args, code)
 
 
 def report_worker_exit(server: Server, pid: int, execute_args: str, exit_code: int) -> None:

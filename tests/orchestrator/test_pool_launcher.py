@@ -172,6 +172,57 @@ def test_a_killed_pooled_run_worker_has_its_run_failed_by_the_server_as_a_code_s
 
 
 @pytest.mark.slow
+def test_a_forked_worker_whose_launcher_gave_up_leaves_the_run_to_its_cold_start(
+        tmp_path, pool_home):
+    # The launcher that stopped waiting starts the run cold; the worker forked for it never
+    # hears GO and exits, and the server must not then fail the run the cold worker runs.
+    import subprocess
+    import sys
+
+    from dagster._core.definitions.reconstruct import ReconstructableRepository
+    from dagster._core.origin import JobPythonOrigin
+    from dagster._core.test_utils import create_run_for_test
+
+    from ckpt_assets.runs.code_fingerprint import PROJECT_PACKAGES, code_fingerprint
+    from ckpt_assets.runs.dagster_private import execute_run_args
+
+    root = os.getcwd()
+    repo = ReconstructableRepository.for_module("ckpt_assets.definitions", "defs", root)
+    instance = dg.DagsterInstance.get()
+    run = create_run_for_test(instance, job_name="train_job",
+                              job_code_origin=JobPythonOrigin("train_job",
+                                                              repo.get_python_origin()))
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_assets.runs.fork_server", "--root", str(pool), "--module",
+         "ckpt_assets.definitions", "--attribute", "defs", "--working-directory", root,
+         "--idle-exit-s", "120"], stdout=open(tmp_path / "server.log", "wb"),
+        stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (pool / "fork.sock").exists() and (pool / "server.json").exists(),
+                 120, 0.1, "the fork server to listen")
+        request = {"fingerprint": code_fingerprint(list(PROJECT_PACKAGES)),
+                   "code": {"module": "ckpt_assets.definitions", "attribute": "defs",
+                            "working_directory": root, "executable": sys.executable},
+                   "run_id": run.run_id, "execute_args": execute_run_args(run, instance),
+                   "env": dict(os.environ), "cwd": root, "log": str(tmp_path / "run.log")}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(pool / "fork.sock"))
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            reply = json.loads(conn.makefile().readline())
+        # Closed without GO, as a launcher that gave up closes it.
+        said = f"run worker {reply['pid']} exited without running its run (no go)"
+        wait_for(lambda: said in (tmp_path / "server.log").read_text(), 60, 0.1,
+                 "the server to reap the worker that never ran")
+        assert not instance.get_run_by_id(run.run_id).is_finished
+        assert not [m for m in engine_messages(run) if m.startswith("Run execution process")]
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.mark.slow
 def test_a_pool_server_that_answers_nothing_in_time_has_the_run_started_cold(
         tmp_path, pool_home):
     pool = tmp_path / "pool"
