@@ -134,13 +134,19 @@ def gone(pid: int) -> bool:
     return state == b"Z"
 
 
+def training(tmp_path: Path, pool_home: Path, store_uri: str, name: str) -> dg.DagsterRun:
+    """A pooled run of training run `name` that trains on, once its first checkpoint is in."""
+    write_instance(pool_home)
+    run = start(tmp_path, name, max_steps=100000, task_args={"step_delay": 0.05})
+    wait_for(lambda: (pointer_step(Path(store_uri), "default", name) or 0) >= 10, 300,
+             0.1, "the first checkpoint")
+    return run
+
+
 @pytest.mark.slow
 def test_terminating_a_pooled_run_interrupts_its_worker_and_the_run_ends_canceled(
         tmp_path, pool_home, store_uri):
-    write_instance(pool_home)
-    run = start(tmp_path, "stopped", max_steps=100000, task_args={"step_delay": 0.05})
-    wait_for(lambda: (pointer_step(Path(store_uri), "default", "stopped") or 0) >= 10, 300,
-             0.1, "the first checkpoint")
+    run = training(tmp_path, pool_home, store_uri, "stopped")
     worker, server = forked_by(run)
     # While it runs: the run worker is the fork server's child, with the server's command
     # line (a fork, not a fresh `dagster api execute_run`).
@@ -159,10 +165,7 @@ def test_a_killed_pooled_run_worker_has_its_run_failed_by_the_server_as_a_code_s
         tmp_path, pool_home, store_uri):
     # No daemon, no sensor, no reconciler here: only the server, the worker's parent, can
     # say that the run's worker is gone, as Dagster's code server does for its own.
-    write_instance(pool_home)
-    run = start(tmp_path, "killed", max_steps=100000, task_args={"step_delay": 0.05})
-    wait_for(lambda: (pointer_step(Path(store_uri), "default", "killed") or 0) >= 10, 300,
-             0.1, "the first checkpoint")
+    run = training(tmp_path, pool_home, store_uri, "killed")
     worker, _ = forked_by(run)
     os.kill(worker, signal.SIGKILL)
     run = ended(run)
