@@ -51,7 +51,8 @@ from ckpt_assets.attempt.k8s_pod import (
     pod_plan,
     termination_grace,
 )
-from ckpt_assets.attempt.process import PROCESS_STARTED, ProcessOutcome, TrackingOpener, _pump
+from ckpt_assets.attempt.output_log import log_output
+from ckpt_assets.attempt.process import PROCESS_STARTED, ProcessOutcome, TrackingOpener
 from ckpt_assets.attempt.process_group import KILL_WAIT_S
 from ckpt_assets.attempt.transport import PipesChannels
 from ckpt_assets.runs.registration import Registration
@@ -324,5 +325,5 @@ def _stream_logs(core, name: str, namespace: str, context, done: threading.Event
                 return
             context.log.warning(f"pod {name}: its output cannot be read ({e.reason})")
             return
-        _pump((raw.decode("utf-8", "replace") for raw in stream), context)
+        log_output((raw.decode("utf-8", "replace") for raw in stream), context)
         return

@@ -24,7 +24,6 @@ orchestrator down. An attempt owns its processes:
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import dagster as dg
 
 from ckpt_assets.attempt.errors import TrainerStartError
 from ckpt_assets.attempt.file_tail import whole_lines
+from ckpt_assets.attempt.output_log import log_output
 from ckpt_assets.attempt.process_group import (
     POLL_S,
     AttemptProcesses,
@@ -193,7 +193,7 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
                          f"{', ' + WARM_STARTED if warmed else ''}; "
                          f"output {output}): {' '.join(argv)}")
         done = threading.Event()
-        reader = threading.Thread(target=_pump, args=(tail(output, done), context),
+        reader = threading.Thread(target=log_output, args=(tail(output, done), context),
                                   daemon=True, name="training-output")
         reader.start()
         opener = TrackingOpener(attempt.after_start)
@@ -203,11 +203,7 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
             held.deliver()
             opener.wait_while_running(proc)
             while (rc := proc.poll()) is None:
-                msgs = session.get_custom_messages()
-                attempt.on_messages(msgs[seen:])
-                seen = len(msgs)
-                if seen and warm is not None:  # it has started: the next one may get ready
-                    warm.refill(argv, env, cwd)
+                seen = hand_on_messages(session, attempt, seen, env)
                 _wait_a_little(proc)
         except BaseException as e:  # DagsterExecutionInterruptedError (terminate), Ctrl-C
             interrupted = e
@@ -224,6 +220,23 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
 
 
 MESSAGES_EVERY_S = 0.2  # how often the supervising loop hands on the process's messages
+
+
+def hand_on_messages(session, attempt: Attempt, seen: int, env: dict[str, str]) -> int:
+    """Hand the messages that came since `seen` to `attempt.on_messages`; how many have come.
+
+    A stop (the run's terminate) is held while they are handled and raised after, in the
+    loop's wait. Raised inside a database call (MLflow's SQLite store, Dagster's event log),
+    it left that call's statement open in the frames the stored exception keeps, and every
+    write after it waited out SQLite's lock timeout and failed: 20 s each, minutes in all
+    before the run could end canceled."""
+    with stops_held() as held:
+        msgs = session.get_custom_messages()
+        attempt.on_messages(msgs[seen:])
+        if msgs and attempt.warm is not None:  # it has started: the next one may get ready
+            attempt.warm.refill(attempt.argv, env, attempt.cwd)
+    held.deliver()
+    return len(msgs)
 
 
 def _wait_a_little(proc: subprocess.Popen) -> None:
@@ -264,75 +277,6 @@ def stop_leftovers(context, grace_s: float) -> None:
         if procs.worker_gone() and not procs.left():  # its `finally` never ran
             if (leftover := leftover_output(procs, run.run_id)) is not None:
                 leftover.unlink(missing_ok=True)
-
-
-# A Python traceback, as printed: its first line, the chain separators, and the lines that
-# continue it (indented frames and source, exception-group borders, blank lines).
-TRACEBACK_START = "Traceback (most recent call last):"
-CHAIN_LINES = ("During handling of the above exception, another exception occurred:",
-               "The above exception was the direct cause of the following exception:")
-GROUP_START = "Exception Group Traceback (most recent call last):"  # indented: "  + ..."
-BLOCK_IDLE_S = 0.5  # a traceback is written at once; a pause this long ends the block
-BLOCK_MAX_LINES = 1000
-
-
-def _starts(line: str) -> bool:
-    return line.startswith(TRACEBACK_START) or line.lstrip(" +").startswith(GROUP_START)
-
-
-def _continues(line: str, closed: bool) -> bool:
-    """Whether `line` belongs to the traceback block being collected: before its exception
-    line every line does (frames are indented; the first unindented line is the exception
-    line, which `closes` it); after it, only a blank line or a chained traceback does."""
-    if _starts(line) or line in CHAIN_LINES or not line.strip():
-        return True
-    return not closed
-
-
-def _pump(source: Iterator[str], context) -> None:
-    """The process's output as INFO lines, except that a traceback is ONE entry: one event
-    per frame line would bury the run's log (the structured `failed` report logs it as an
-    error as well, whole)."""
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        for raw in source:
-            lines.put(raw.rstrip())
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True, name="training-output-read").start()
-    block: list[str] = []
-    closed = False  # the block's exception line was seen
-
-    def flush() -> None:
-        nonlocal closed
-        if block:
-            text = "\n".join(block).rstrip()
-            context.log.info(f"[trainer] {text}")
-            block.clear()
-        closed = False
-
-    while True:
-        try:
-            line = lines.get(timeout=BLOCK_IDLE_S) if block else lines.get()
-        except queue.Empty:
-            flush()
-            continue
-        if line is None:
-            flush()
-            return
-        if block and _continues(line, closed) and len(block) < BLOCK_MAX_LINES:
-            if _starts(line) or line in CHAIN_LINES:
-                closed = False
-            elif line.strip() and line[:1] not in (" ", "\t", "|", "+"):
-                closed = True
-            block.append(line)
-            continue
-        flush()
-        if _starts(line):
-            block.append(line)
-        elif line:
-            context.log.info(f"[trainer] {line}")
 
 
 TRACKING_OPEN_WAIT_S = 30.0  # MLflow's start-up on a new database (schema migrations)

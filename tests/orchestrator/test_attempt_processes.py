@@ -30,7 +30,13 @@ import torch
 
 from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.messages import AttemptReport, exit_outcome
-from ckpt_assets.attempt.process import leftover_output, output_prefix, start_process
+from ckpt_assets.attempt.process import (
+    Attempt,
+    hand_on_messages,
+    leftover_output,
+    output_prefix,
+    start_process,
+)
 from ckpt_assets.attempt.process_group import (
     AttemptProcesses,
     ProcessRef,
@@ -258,6 +264,36 @@ def test_a_stop_that_comes_while_a_process_forks_is_delivered_once_the_process_i
         tmp_path):
     with pytest.raises(_Interrupted):
         _start_with_a_signal_during_the_fork(tmp_path, held=True)
+
+
+class _Messages:
+    def get_custom_messages(self) -> list[str]:
+        return ["seen", "new"]
+
+
+def test_a_stop_that_comes_while_messages_are_handled_is_raised_once_their_handling_ends():
+    # Raised inside MLflow's SQLite write, it left the statement open and the database
+    # locked for every write after it, the run's end included.
+    handled = []
+
+    def on_messages(msgs):
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(1000):  # bytecodes after it: an unheld handler would raise here
+            pass
+        handled.append(msgs)
+
+    def interrupt(_signum, _frame):
+        raise _Interrupted()
+
+    attempt = Attempt(argv=["true"], env={}, cwd=".", grace_s=1.0, on_messages=on_messages,
+                      after_start=lambda: None)
+    before = signal.signal(signal.SIGINT, interrupt)
+    try:
+        with pytest.raises(_Interrupted):
+            hand_on_messages(_Messages(), attempt, 1, {})
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert handled == [["new"]]
 
 
 @pytest.mark.slow

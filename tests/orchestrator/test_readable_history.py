@@ -20,7 +20,7 @@ from ckpt_assets.attempt.messages import (
     checkpoint_event,
     link_resume,
 )
-from ckpt_assets.attempt.process import _pump
+from ckpt_assets.attempt.output_log import log_output
 from ckpt_assets.lifecycle.decision import record as record_decision
 from ckpt_assets.lifecycle.policy import Budget, Decision
 from ckpt_assets.records.history import (
@@ -207,7 +207,7 @@ def _printed_by_a_failing_script() -> str:
 
 def test_a_traceback_printed_by_the_training_process_is_one_log_entry_not_one_per_line():
     ctx = Context()
-    _pump(iter(io.StringIO(_printed_by_a_failing_script())), ctx)
+    log_output(iter(io.StringIO(_printed_by_a_failing_script())), ctx)
     msgs = [m for _, m in ctx.log.entries]
     assert msgs[0] == "[trainer] before" and msgs[2] == "[trainer] after"
     assert len(msgs) == 4, msgs
