@@ -11,7 +11,9 @@ to the public API):
   workspace.yaml` creates it (`ckpt_assets.runs.submit`): the workspace's code location,
   the job's snapshots and execution plan, the run's origins.
 * a run worker's body run in a process forked from a warm one, as `dagster api
-  execute_run` runs it (`ckpt_assets.runs.fork_server`).
+  execute_run` runs it (`ckpt_assets.runs.fork_server`);
+* the schema migrations of Dagster's storages read once per process, not once per instance
+  (`read_schema_migrations_once`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["DagsterRunAlreadyExists", "capture_interrupts", "check_captured_interrupt",
            "pop_captured_interrupt", "report_engine_event",
            "daemon_types", "TrainingLocation", "open_training_location", "create_training_run",
-           "SubmitError"]
+           "SubmitError", "read_schema_migrations_once"]
 
 
 class SubmitError(Exception):
@@ -262,3 +264,34 @@ def remember_launched_run(launcher: dg.DefaultRunLauncher, run_id: str) -> None:
 
 __all__ += ["remember_launched_run", "RunCode", "run_code", "load_run_code", "execute_run_args",
             "execute_run_here", "fail_unfinished_run"]
+
+
+_MIGRATIONS: dict[tuple[type, str | None, str | None], Any] = {}
+
+
+def read_schema_migrations_once() -> None:
+    """Have each process read the migration scripts of Dagster's storages once.
+
+    A code server builds a new instance for every sensor evaluation
+    (`SensorEvaluationContext.instance`), and each storage it opens compares its schema with
+    the newest migration (`dagster._core.storage.sql.check_alembic_revision`) through a new
+    alembic `ScriptDirectory`, which reads and compiles every migration script again: 48 ms
+    of CPU an instance, 7 ms with the scripts read once. With four sensors evaluated every
+    loop, that was most of an idle code server's CPU. The scripts are files of the installed
+    Dagster, which do not change while a process runs."""
+    from alembic.script import ScriptDirectory
+
+    if getattr(ScriptDirectory.from_config, "reads_once", False):
+        return
+    read = ScriptDirectory.from_config.__func__
+
+    def from_config(cls, config, *args, **kwargs):
+        if args or kwargs:
+            return read(cls, config, *args, **kwargs)
+        key = (cls, config.config_file_name, config.get_main_option("script_location"))
+        if key not in _MIGRATIONS:
+            _MIGRATIONS[key] = read(cls, config)
+        return _MIGRATIONS[key]
+
+    from_config.reads_once = True
+    ScriptDirectory.from_config = classmethod(from_config)
