@@ -259,14 +259,15 @@ def test_a_bug_in_the_training_code_is_never_relaunched(instance, tmp_path, mlfl
 def test_a_runs_first_attempt_is_relaunched_from_its_standby_though_the_worker_set_torch_variables(
         instance, tmp_path, mlflow_uri, monkeypatch):
     """In a fresh run worker, the end-of-run imports that start once attempt 1 has spoken
-    import torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR, a variable torch reads at
-    start. Attempt 2 inherits the worker's environment as the run began, as attempt 1 and
-    its standby did: the standby fits, and the run's first relaunch is warm."""
+    may change the worker's environment (torch._dynamo, imported where a task's `build`
+    builds its optimizer, sets TORCHINDUCTOR_CACHE_DIR, a variable torch reads at start).
+    Attempt 2 inherits the worker's environment as the run began, as attempt 1 and its
+    standby did: the standby fits, and the run's first relaunch is warm."""
     import ckpt_assets.defs.assets as assets
 
     monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    # What the prefetch's import does to a fresh worker's environment (in this test process
+    # What such an import does to a fresh worker's environment (in this test process
     # torch._dynamo was imported long ago, and the prefetch runs once per process).
     monkeypatch.setattr(assets, "prefetch_end_of_run_imports", lambda evaluates: monkeypatch.setenv(
         "TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor")))
