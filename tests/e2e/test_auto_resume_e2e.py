@@ -55,8 +55,9 @@ def daemon(request, sensors_daemon):
     return request.getfixturevalue("team_daemon")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def team_daemon(tmp_path_factory, postgres_server):
+    # One test runs on it: stopped after it, not idle (sensor ticks) until the module ends.
     work = tmp_path_factory.mktemp("e2e-postgres")
     instance = team_instance(postgres_server, work)
     instance["extra_env"] = {**instance.get("extra_env", {}), Setting.IN_RUN_RELAUNCH.value: "0"}
