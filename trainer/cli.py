@@ -43,12 +43,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported here so that `--help` and argument errors answer without loading torch.
     from trainer.config_file import load_config
-    from trainer.loop import train
     from trainer.report import Reporter, report_failure
 
     reporter = Reporter.shared()
     try:
-        code = train(load_config(args.config), args.store, args.resume)
+        config = load_config(args.config)
+        # torch (3 s of CPU with Dynamo) only once the config is known good: a bad one is
+        # refused in a fraction of a second.
+        from trainer.loop import train
+
+        code = train(config, args.store, args.resume)
     except Exception as e:  # before training began: the config
         code = report_failure(e, reporter)
     reporter.close()
