@@ -84,9 +84,11 @@ class ResumableLoader:
         self.epoch = 0
         self.position = 0  # batches of this epoch the loop has taken
         # Where this process began the current epoch (0, or the restored position), whether
-        # an iterator of it began already, and which iterator is the live one.
+        # an iterator of it began already, whether one ran it to its end, and which iterator
+        # is the live one.
         self._epoch_start = 0
         self._begun = False
+        self._ran_out = False
         self._live = 0
 
     @property
@@ -120,11 +122,13 @@ class ResumableLoader:
         return self.batches_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
+        if self._begun and not self._ran_out:
+            # An earlier iterator stopped partway: a peek at the first batch, which may be
+            # the epoch's last one where a resume restored the loader one batch before it.
+            self.position = self._epoch_start
         if self.epoch_finished:
             self.epoch, self.position, self._epoch_start = self.epoch + 1, 0, 0
-        elif self._begun:
-            self.position = self._epoch_start  # an earlier iterator stopped partway
-        self._begun = True
+        self._begun, self._ran_out = True, False
         self._live += 1
         return self._epoch(self._live)
 
@@ -134,6 +138,8 @@ class ResumableLoader:
                 return  # a newer iterator took over this epoch
             self.position += 1  # counted when the loop takes it, not when a worker made it
             yield batch
+        if me == self._live:
+            self._ran_out = True
 
     def batches(self) -> Iterator[Any]:
         """An endless stream of batches across epochs (for step-based loops)."""
@@ -156,4 +162,4 @@ class ResumableLoader:
             # Saved right after an epoch's last batch: the loader stands at the next epoch's
             # start, so `range(loader.epoch, epochs)` resumes at the right epoch.
             self.epoch, self.position = self.epoch + 1, 0
-        self._epoch_start, self._begun = self.position, False
+        self._epoch_start, self._begun, self._ran_out = self.position, False, False

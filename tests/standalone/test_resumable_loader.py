@@ -50,6 +50,26 @@ def test_a_restored_loader_continues_its_epoch_at_the_next_batch_even_after_a_pe
     assert peek == rest[0] and taken + rest == whole
 
 
+def test_a_loader_restored_one_batch_before_its_epochs_end_yields_that_batch_after_a_peek():
+    # The class-based DDP port peeks at each epoch's first batch: restored at 9 of 10, the
+    # peek takes the epoch's last batch, and the loop after it must still get that batch.
+    whole, ld = epoch(loader()), loader()
+    it = iter(ld)
+    for _ in range(9):
+        next(it)
+    resumed = loader()
+    resumed.load_state_dict(ld.state_dict())
+    assert resumed.epoch == 0
+    peek = next(iter(resumed)).tolist()
+    assert epoch(resumed) == [peek] == whole[9:]
+    assert resumed.epoch == 0 and epoch(resumed) == _second(loader())  # then the next epoch
+
+
+def _second(ld: ResumableLoader) -> list[list[int]]:
+    epoch(ld)
+    return epoch(ld)
+
+
 def test_an_abandoned_iterator_ends_once_a_newer_one_took_the_epoch_over():
     ld = loader()
     old = iter(ld)
