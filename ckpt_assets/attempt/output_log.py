@@ -35,9 +35,7 @@ def _continues(line: str, closed: bool) -> bool:
 
 
 def log_output(source: Iterator[str], context) -> None:
-    """The process's output as INFO lines, except that a traceback is ONE entry: one event
-    per frame line would bury the run's log (the structured `failed` report logs it as an
-    error as well, whole)."""
+    """Log each line of `source` as INFO, and each traceback in it as one entry."""
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
