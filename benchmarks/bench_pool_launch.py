@@ -1,4 +1,5 @@
-"""Launch -> first training step with the run pool's launcher against Dagster's default one.
+"""Launch -> first training step with the run pool's launcher, against Dagster's default one
+and against the same trainer started as a plain `python -m trainer` without Dagster.
 
 Two temporary instances without the run queue (launching starts the run), one with
 `ckpt_assets.runs.pool_launcher.PoolRunLauncher` (tests/orchestrator/pool_launcher_instance.yaml),
@@ -9,8 +10,12 @@ before the run is created and submitted (`ckpt_assets.runs.submit.submit`) and s
 trainer's first step in its heartbeat. Its parts: "worker start" is RUN_STARTING -> RUN_START
 (the run worker's own start-up: what the pool removes), then RUN_START -> the trainer's
 process started (the run's first step and the attempt's set-up, in the run worker), then
-the trainer's own start to its first step. Each run is waited for to its end before the
-next starts.
+the trainer's own start to its first step. "plain" is the run's trainer as a user starts
+it by hand (`python -m trainer --config FILE --store DIR`, the command every attempt of
+these runs runs, less the orchestrator's contract): its process started -> its first step.
+Each run is waited for to its end before the next starts. With standby trainers on (the
+default; `CKPT_WARM_TRAINER=0` turns them off for both launchers), the pool hands a training
+run the spare worker whose standby trainer is warm.
 
     python benchmarks/bench_pool_launch.py [--runs 3] [--steps 10] [--step-s 0.01]
 """
@@ -23,6 +28,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +50,8 @@ from tests.polling import wait_for  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
 POOL_YAML = ROOT / "tests" / "orchestrator" / "pool_launcher_instance.yaml"
+# Launch -> first step through Dagster against `python -m trainer` start -> first step.
+TARGET = 1.2
 COLUMNS = ("launch->first step", "worker start", "RUN_START->trainer", "trainer->first step")
 DEFAULT_LAUNCHER = {"module": "dagster.core.launcher", "class": "DefaultRunLauncher"}
 
@@ -94,6 +102,29 @@ def one_run(instance, loc, store: str, name: str, args) -> tuple[float, ...]:
             m["spawned"] - m["RUN_START"], float(first["time"]) - m["spawned"])
 
 
+def one_plain(store: str, work: Path, name: str, args) -> tuple[float, ...]:
+    """(start -> first step) of the same trainer as a plain process, waited to its end."""
+    cfg = training_config(name, max_steps=args.steps, eval_every=0,
+                          task_args={"step_delay": args.step_s},
+                          checkpoint={"every_steps": args.steps, "heartbeat_seconds": 0})
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(path),
+                             "--store", store], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    first = wait_for(lambda: (hb := heartbeat(store, name)) and int(hb.get("step", 0)) >= 1
+                     and hb, 300, 0.01, f"{name}'s first step")
+    if proc.wait() != 0:
+        raise SystemExit(f"the plain trainer of {name} exited {proc.returncode}")
+    return (float(first["time"]) - t0,)
+
+
+def columns(values) -> str:
+    """The figures named; a plain run has the first alone (its start -> first step)."""
+    return ", ".join(f"{c} {v:.2f}s" for c, v in zip(COLUMNS, values, strict=False))
+
+
 def stop_pool(home: Path) -> None:
     try:
         os.kill(json.loads((home / "run_pool" / "server.json").read_text())["pid"],
@@ -117,7 +148,7 @@ def main() -> int:
         homes[kind] = home
     os.environ.update({"CKPT_STORE_URI": store, "DAGSTER_HOME": str(homes["default"]),
                        "MLFLOW_TRACKING_URI": f"sqlite:///{homes['default'] / 'mlflow.db'}"})
-    rows: dict[str, list[tuple[float, ...]]] = {"default": [], "pool": []}
+    rows: dict[str, list[tuple[float, ...]]] = {"plain": [], "default": [], "pool": []}
     print(f"bench_pool_launch: {args.runs} runs each of {args.steps} steps of "
           f"{args.step_s * 1000:.0f} ms, interleaved, after one warm-up run each; workdir {work}")
     try:
@@ -127,23 +158,27 @@ def main() -> int:
                 instance = stack.enter_context(dg.DagsterInstance.from_config(str(home)))
                 ctx[kind] = (instance, stack.enter_context(open_training_location(instance)))
             for i in range(-1, args.runs):
-                for kind, (instance, loc) in ctx.items():
-                    row = one_run(instance, loc, store, f"{kind}-{i + 1}", args)
+                for kind in rows:
+                    name = f"{kind}-{i + 1}"
+                    row = (one_plain(store, work, name, args) if kind == "plain"
+                           else one_run(*ctx[kind], store, name, args))
                     if i >= 0:
                         rows[kind].append(row)
-                        print(f"{kind:>8} run {i}: " + ", ".join(
-                            f"{c} {v:.2f}s" for c, v in zip(COLUMNS, row, strict=True)),
-                              flush=True)
+                        print(f"{kind:>8} run {i}: {columns(row)}", flush=True)
     finally:
         stop_pool(homes["pool"])
         shutil.rmtree(work, ignore_errors=True)
-    med = {k: [statistics.median(r[c] for r in v) for c in range(len(COLUMNS))]
+    med = {k: [statistics.median(r[c] for r in v) for c in range(len(v[0]))]
            for k, v in rows.items()}
     for kind, values in med.items():
-        print(f"median {kind:>8}: " + ", ".join(f"{c} {v:.2f}s"
-                                                 for c, v in zip(COLUMNS, values, strict=True)))
+        print(f"median {kind:>8}: {columns(values)}")
     print("ratio pool/default: " + ", ".join(
         f"{c} {p / d:.2f}" for c, p, d in zip(COLUMNS, med["pool"], med["default"], strict=True)))
+    for kind in ("pool", "default"):
+        ratio = med[kind][0] / med["plain"][0]
+        verdict = "MET" if ratio <= TARGET else "NOT MET"
+        print(f"ratio {kind}/plain: launch->first step {ratio:.2f} (target <= {TARGET}: "
+              f"{verdict if kind == 'pool' else 'the default launcher, for comparison'})")
     return 0
 
 

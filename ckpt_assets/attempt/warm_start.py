@@ -6,6 +6,8 @@ standby process (`trainer.standby`) per Dagster run, with the attempt's interpre
 directory and environment less the per-attempt names:
 - for the run's first attempt, started by the run's first step (`training_dataset`), so that
   it imports torch while the run worker loads the dataset record and prepares the attempt;
+  or, in a run worker of the run pool, before the run was known (`keep_pool_standby`,
+  `ckpt_assets.runs.pool_worker`), taken if it fits the run's launch;
 - for a relaunch in the same run (`ckpt_assets.lifecycle.in_run`), started once the attempt it stands
   beside has sent its first message (so it never competes with that attempt's own start-up).
 When the attempt is launched, the standby is handed it and becomes it; a new standby is
@@ -100,26 +102,66 @@ class WarmTrainer:
             self.log.info(f"no standby trainer: the attempt imports {theirs} as `trainer`, "
                           "which a standby's own `trainer` would hide; attempts start cold")
             return
+        self._standby = self._pooled(argv, env, cwd)
+        if self._standby is not None:
+            return
         with stops_held() as held:
-            try:
-                proc = subprocess.Popen(
-                    [argv[0], "-m", MODULE], env=standing_env(env), cwd=cwd,
-                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
-                    start_new_session=True)
+            try:  # recorded before a held stop is delivered: `close` ends it
+                self._standby = start_standby(argv[0], env, cwd)
+                self.log.info(f"{STANDBY_STARTED} (pid {self._standby.proc.pid}) for the "
+                              "next attempt")
             except OSError as e:  # the next attempt starts cold; this one trains on
-                proc = None
                 self.log.warning(f"could not start a standby trainer ({e}); a relaunch "
                                  "starts cold")
-        if proc is not None:  # recorded before a held stop is delivered: `close` ends it
-            self._standby = _Standby(proc, argv[0], standing_env(env))
-            self.log.info(f"{STANDBY_STARTED} (pid {proc.pid}) for the next attempt")
         held.deliver()
+
+    def _pooled(self, argv: list[str], env: dict[str, str], cwd: str) -> _Standby | None:
+        """The standby this process was forked with by the run pool, if it fits `argv` in
+        `env`; one that does not is stopped."""
+        global _pool_standby
+        standby, _pool_standby = _pool_standby, None
+        if standby is None:
+            return None
+        unfit = ("it has exited" if standby.proc.poll() is not None
+                 else Handoff(argv, env, cwd, "").unfit(standby.python, standby.env))
+        if unfit is None:
+            self.log.info(f"{STANDBY_STARTED} (pid {standby.proc.pid}) before the run, by "
+                          "the run pool, for its first attempt")
+            return standby
+        self.log.info(f"the run pool's standby trainer cannot take this run ({unfit}); "
+                      "starting another")
+        _end(standby.proc)
+        return None
 
     def close(self) -> None:
         standby, self._standby = self._standby, None
         if standby is not None:
             _end(standby.proc)
+
+
+def start_standby(python: str, env: dict[str, str], cwd: str) -> _Standby:
+    """A standby interpreter `python` in `env` (less the per-attempt names) and `cwd`, in a
+    session of its own, dying with the thread that started it. Raises OSError. In a run's
+    step, start it under `stops_held`."""
+    proc = subprocess.Popen(
+        [python, "-m", MODULE], env=standing_env(env), cwd=cwd,
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+        start_new_session=True)
+    return _Standby(proc, python, standing_env(env))
+
+
+# The standby a run worker forked by the run pool was given before its run was known
+# (`keep_pool_standby`): the first `WarmTrainer` of the process takes it if it fits.
+_pool_standby: _Standby | None = None
+
+
+def keep_pool_standby(python: str, env: dict[str, str], cwd: str) -> int:
+    """Start this process's standby ahead of its run (the run pool's spare worker); its pid.
+    Raises OSError."""
+    global _pool_standby
+    _pool_standby = start_standby(python, env, cwd)
+    return _pool_standby.proc.pid
 
 
 def _end(proc: subprocess.Popen) -> None:

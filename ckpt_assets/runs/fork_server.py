@@ -3,12 +3,22 @@ forked from that state for each run (`python -m ckpt_assets.runs.fork_server`).
 
 A run worker started by Dagster's default launcher is a fresh interpreter that imports
 Dagster and loads the code location (about 3 s) before the run's first step. This server
-pays that once, then waits on a Unix socket in the pool's folder; for each request
-(`ckpt_assets.runs.run_pool`) it forks a child that becomes the run worker: a new session,
-stdout and stderr to the run's log, the launcher's environment and the code's working
-directory, then the run's body exactly as `dagster api execute_run` runs it
-(`dagster_private.execute_run_here`). The child is a process of its own, as a cold run
-worker is: it outlives this server, and a crash in one run touches no other.
+pays that once, then waits on a Unix socket in the pool's folder; each request
+(`ckpt_assets.runs.run_pool`) is handed to a forked child that becomes the run worker
+(`ckpt_assets.runs.pool_worker`): a new session, stdout and stderr to the run's log, the
+launcher's environment and the code's working directory, then the run's body exactly as
+`dagster api execute_run` runs it (`dagster_private.execute_run_here`). The child is a
+process of its own, as a cold run worker is: it outlives this server, and a crash in one
+run touches no other.
+
+A training run's trainer is a fresh interpreter too (torch: seconds). So while standby
+trainers are on (`CKPT_WARM_TRAINER`), the server keeps one spare worker forked ahead of
+any run, whose standby trainer has imported torch by the time a run comes: a training
+run is handed the spare and pays for neither interpreter. The next spare is forked
+`SPARE_DELAY_S` later. Any other run, or one that comes before the spare is back, gets a
+worker forked for it. What it costs: one idle forked worker (its memory shared with this
+server's until written) and one idle interpreter with torch imported (about 370 MB),
+for as long as the pool lives.
 
 Fork is safe only in a process with one thread (a lock held by another thread at the fork
 stays held forever in the child), so the server runs no thread at all, and refuses a fork
@@ -29,12 +39,10 @@ stopped daemon leaves no interpreter of its pool behind.
 from __future__ import annotations
 
 import argparse
-import atexit
 import fcntl
 import json
 import os
 import select
-import signal
 import socket
 import sys
 import threading
@@ -47,21 +55,18 @@ from ckpt_assets.attempt.process_group import ProcessRef
 from ckpt_assets.runs.code_fingerprint import PROJECT_PACKAGES, code_fingerprint
 from ckpt_assets.runs.dagster_private import (
     RunCode,
-    execute_run_here,
     fail_unfinished_run,
     load_run_code,
 )
-from ckpt_assets.runs.run_pool import GO, PoolPaths, read_line
+from ckpt_assets.runs.pool_worker import NOT_RUN_EXIT, Worker, fork_worker, hand_run
+from ckpt_assets.runs.run_pool import PoolPaths, read_line
+from ckpt_assets.runs.settings import warm_trainer_on
 
 ACCEPT_TICK_S = 0.5  # how often children are reaped and idleness checked
 REQUEST_TIMEOUT_S = 5.0
-# A forked run worker's exit status when it never heard GO: the run is another worker's
-# (started cold), so the server must not fail it when this one is reaped. A run worker that
-# ran exits as `dagster api execute_run` does: 0, 1, or by a signal.
-NOT_RUN_EXIT = 3
-# How long a forked run worker waits for its launcher's GO (it answered the server's reply
-# at once, unless it gave up on the pool).
-GO_TIMEOUT_S = 60.0
+# The next spare is forked this long after the last was handed a run, so that its standby
+# trainer's imports do not compete with that run's start for the CPU.
+SPARE_DELAY_S = 5.0
 
 
 @dataclass
@@ -73,6 +78,8 @@ class Server:
     listener: socket.socket | None = None
     forked: int = 0
     workers: dict[int, str] = field(default_factory=dict)  # pid -> its run's execute args
+    spare: Worker | None = None  # forked ahead of any run, waiting for one
+    refill_at: float = 0.0  # when the next spare may be forked
 
     def log(self, words: str) -> None:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} fork server {os.getpid()}: {words}",
@@ -92,6 +99,9 @@ class Server:
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
             self.lock_fd = -1
+        if self.spare is not None:  # closed unused, it exits: its code is this server's
+            self.spare.channel.close()
+            self.spare = None
 
 
 def thread_count() -> int:
@@ -135,6 +145,7 @@ def serve(server: Server, idle_exit_s: float, parent_pid: int | None) -> None:
     last = time.monotonic()
     while server.listener is not None:
         reap(server)
+        keep_spare(server)
         if time.monotonic() - last > idle_exit_s:
             server.log(f"no request for {idle_exit_s:g}s; exiting")
             return
@@ -161,7 +172,7 @@ def answer(server: Server, conn: socket.socket) -> None:
         server.log(f"an unreadable request ({e}); ignored")
         return
     try:
-        reply = decide(server, request) or fork_worker(server, conn, request)
+        reply = decide(server, request) or hand_over(server, conn, request)
     except Exception as e:  # noqa: BLE001 - a malformed request must not end the pool
         reply = {"error": f"a malformed request ({type(e).__name__}: {e})"}
     try:
@@ -186,75 +197,65 @@ def decide(server: Server, request: dict) -> dict | None:
     return None
 
 
-def fork_worker(server: Server, conn: socket.socket, request: dict) -> dict:
+def hand_over(server: Server, conn: socket.socket, request: dict) -> dict:
+    """Hand the run to the spare worker if the run trains (its standby trainer is warm),
+    else, or if the spare is gone, to a worker forked for it now: the reply."""
+    trains = bool(request.get("trains"))
+    if trains and server.spare is not None:
+        spare, server.spare = server.spare, None
+        server.refill_at = time.monotonic() + SPARE_DELAY_S
+        if hand_run(spare, conn, request):
+            return handed(server, spare.pid, request, "forked ahead, its standby trainer ready")
+        server.log(f"spare run worker {spare.pid} is gone; forking one for the run")
     try:
-        pid = os.fork()
+        worker = fork_worker(server_files(server), request["env"],
+                             trains and warm_trainer_on(request["env"]))
     except OSError as e:
         return {"error": f"fork failed ({e})"}
-    if pid == 0:
-        become_run_worker(server, conn, request)  # never returns
     server.forked += 1
+    if not hand_run(worker, conn, request):
+        return {"error": f"run worker {worker.pid} exited before it was handed its run"}
+    return handed(server, worker.pid, request, "forked for it")
+
+
+def handed(server: Server, pid: int, request: dict, how: str) -> dict:
     server.workers[pid] = request["execute_args"]
-    server.log(f"forked run worker {pid} for run {request['run_id']}")
+    server.log(f"run worker {pid} ({how}) takes run {request['run_id']}")
     return {"pid": pid, "start": ProcessRef.known(pid).start, "server_pid": os.getpid()}
 
 
-def become_run_worker(server: Server, conn: socket.socket, request: dict) -> None:
-    """In the child: drop the server's files, become a process of the run's own, run it."""
-    code = 1
+def keep_spare(server: Server) -> None:
+    """Fork the spare run worker, with its standby trainer, unless there is one, one was
+    handed a run less than `SPARE_DELAY_S` ago, standbys are off, or forking is unsafe."""
+    if (server.spare is not None or time.monotonic() < server.refill_at
+            or not warm_trainer_on(os.environ) or thread_count() != 1):
+        return
+    server.refill_at = time.monotonic() + SPARE_DELAY_S  # a failed fork is not retried at once
     try:
-        os.setsid()  # not in the server's (or its starter's) process group or session
-        conn.settimeout(GO_TIMEOUT_S)
-        try:
-            go = read_line(conn) + b"\n" == GO
-        except (OSError, ValueError):
-            go = False
-        if not go:  # the launcher gave up on the pool and starts the run cold
-            code = NOT_RUN_EXIT
-            return
-        conn.close()
-        drop_server_files(server)
-        out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        for src, fd in ((devnull, 0), (out, 1), (out, 2)):
-            os.dup2(src, fd)
-        os.close(out)
-        os.close(devnull)
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's
-        os.chdir(request["cwd"])
-        os.environ.clear()  # putenv/unsetenv too: the run's subprocesses get the launcher's
-        os.environ.update(request["env"])
-        code = execute_run_here(request["execute_args"])
-    except SystemExit as e:  # as an interpreter reads it: None is 0, anything else 1
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported in the run's log, then exit 1
-        traceback.print_exc()
-    finally:
-        exit_as_interpreter(code)
+        server.spare = fork_worker(server_files(server), dict(os.environ), standby=True)
+    except OSError as e:
+        server.log(f"could not fork a spare run worker ({e}); runs get one forked for them")
+        return
+    server.forked += 1
+    server.log(f"forked spare run worker {server.spare.pid}")
+
+
+def server_files(server: Server) -> list[int]:
+    """The descriptors of the server a forked child must close: the socket (the server's
+    stays bound), the lock (else a dead server's lock would live on in its children) and
+    the spare's channel (else the spare would never see the server exit)."""
+    files = [server.lock_fd] if server.lock_fd >= 0 else []
+    if server.listener is not None:
+        files.append(server.listener.fileno())
+    if server.spare is not None:
+        files.append(server.spare.channel.fileno())
+    return files
 
 
 def drop_server_files(server: Server) -> None:
-    """In a forked child: close the child's copies of the socket (the server's stays bound)
-    and of the lock (else a dead server's lock would live on in its children)."""
-    if server.listener is not None:
-        server.listener.close()
-    os.close(server.lock_fd)
-
-
-def exit_as_interpreter(code: int) -> None:
-    """End the child as an interpreter ends (wait for its non-daemon threads, run its exit
-    handlers, flush) but never return into the server's loop."""
-    try:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()  # noqa: SLF001 - what interpreter exit runs
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
+    """In a forked child: close the server's descriptors (`server_files`)."""
+    for fd in server_files(server):
+        os.close(fd)
 
 
 def reap(server: Server) -> None:
@@ -268,6 +269,10 @@ def reap(server: Server) -> None:
             return
         execute_args = server.workers.pop(pid, None)
         code = os.waitstatus_to_exitcode(status)
+        if server.spare is not None and pid == server.spare.pid:
+            server.log(f"spare run worker {pid} exited {code} before it had a run")
+            server.spare.channel.close()
+            server.spare = None
         if execute_args is None:
             continue
         if code == NOT_RUN_EXIT:

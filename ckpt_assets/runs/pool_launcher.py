@@ -48,6 +48,7 @@ from ckpt_assets.runs.dagster_private import (
     report_engine_event,
     run_code,
 )
+from ckpt_assets.runs.names import TRAINING_JOB_NAMES
 from ckpt_assets.runs.run_pool import Forked, PoolPaths, PoolSettings, PoolUnavailable, RunPool
 
 POOL_FOLDER = "run_pool"  # in the instance folder, unless pool_directory says otherwise
@@ -123,7 +124,8 @@ class PoolRunLauncher(dg.DefaultRunLauncher):
                                   "serves module code locations only")
         if self._pool is None or self._pool.paths != self.paths():
             self._pool = RunPool(self.paths(), self._settings)
-        return self._pool.fork_run(run.run_id, code, execute_run_args(run, self._instance))
+        return self._pool.fork_run(run.run_id, code, execute_run_args(run, self._instance),
+                                   trains=run.job_name in TRAINING_JOB_NAMES)
 
     def pooled_worker(self, run_id: str) -> ProcessRef | None:
         """The run worker the pool forked for `run_id`, or None (a cold run, or none)."""

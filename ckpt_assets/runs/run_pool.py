@@ -97,15 +97,18 @@ class RunPool:
     def roots(self) -> list[Path]:
         return [*PROJECT_PACKAGES, *(Path(p) for p in self.settings.watch)]
 
-    def fork_run(self, run_id: str, code: RunCode, execute_args: str) -> Forked:
-        """A run worker for `run_id`, forked by the server; raises PoolUnavailable."""
+    def fork_run(self, run_id: str, code: RunCode, execute_args: str, trains: bool) -> Forked:
+        """A run worker for `run_id`, forked by the server (`trains`: the run is a training
+        run's, so it is handed the worker whose standby trainer is warm); raises
+        PoolUnavailable."""
         self._reap()
         if len(os.fsencode(self.paths.socket)) > MAX_SOCKET_PATH:
             raise PoolUnavailable(f"the pool's socket path {self.paths.socket} is longer than "
                                   f"{MAX_SOCKET_PATH} bytes; set the launcher's "
                                   "pool_directory to a shorter folder")
         request = {"fingerprint": code_fingerprint(self.roots()), "code": asdict(code),
-                   "run_id": run_id, "execute_args": execute_args, "env": dict(os.environ),
+                   "run_id": run_id, "execute_args": execute_args, "trains": trains,
+                   "env": dict(os.environ),
                    "cwd": code.working_directory or os.getcwd(),
                    "log": str(self.paths.run_log(run_id))}
         for _ in range(2):  # the second: a fresh server, after one exited for a code change

@@ -23,10 +23,11 @@ import dagster as dg
 import pytest
 import yaml
 
+from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
 from ckpt_assets.runs.tags import PARTITION_TAG
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import cli, pointer_step, training_config
-from tests.polling import wait_for
+from tests.polling import pid_alive, wait_for
 
 S = dg.DagsterRunStatus
 POOL_INSTANCE = Path(__file__).with_name("pool_launcher_instance.yaml")
@@ -34,6 +35,7 @@ GRPC_INFO_TAG = ".dagster/grpc_info"  # what the default launcher records on a c
 FORKED = re.compile(r"Run worker (\d+) forked from the run pool's server (\d+)")
 STARTED = re.compile(r"Started process for run \(pid: (\d+)\)")
 POOL_REFUSED = "The run pool cannot start this run"
+STANDBY_AHEAD = re.compile(r"run worker (\d+): standby trainer (\d+) started ahead of the run")
 
 
 def write_instance(home: Path, **pool_config) -> None:
@@ -109,7 +111,7 @@ def test_a_pooled_start_runs_the_run_in_the_forked_worker_and_a_code_change_rest
     assert started == worker
     assert GRPC_INFO_TAG not in pooled.tags
     server_log = (pool_home / "run_pool" / "server.log").read_text()
-    assert f"fork server {server}: forked run worker {worker} for run {pooled.run_id}" in server_log
+    assert f"fork server {server}: run worker {worker} (forked for it) takes run {pooled.run_id}" in server_log
     assert (pool_home / "run_pool" / "runs" / f"{pooled.run_id}.log").exists()
     assert pointer_step(Path(store_uri), "default", "pooled") == 20
 
@@ -120,6 +122,32 @@ def test_a_pooled_start_runs_the_run_in_the_forked_worker_and_a_code_change_rest
     server_log = (pool_home / "run_pool" / "server.log").read_text()
     assert f"fork server {server}: the code changed since it was loaded" in server_log
     wait_for(lambda: gone(server), 30, 0.1, "the old server to exit")
+
+
+@pytest.mark.slow
+@pytest.mark.warm_standby
+def test_a_training_run_is_handed_the_spare_worker_whose_standby_trainer_becomes_its_first_attempt(
+        tmp_path, pool_home, store_uri):
+    write_instance(pool_home)
+    run = launch(tmp_path, "spare")
+    assert run.status == S.SUCCESS, engine_messages(run)
+    worker, server = forked_by(run)
+    log = pool_home / "run_pool" / "server.log"
+    assert (f"run worker {worker} (forked ahead, its standby trainer ready) takes run "
+            f"{run.run_id}") in log.read_text()
+    messages = engine_messages(run)
+    assert any("before the run, by the run pool" in m for m in messages), messages
+    (started,) = [m for m in messages if m.startswith(PROCESS_STARTED)]
+    assert WARM_STARTED in started
+    assert pointer_step(Path(store_uri), "default", "spare") == 20
+    # The next spare comes with a standby of its own; a server that exits takes both along.
+    ahead = wait_for(lambda: [m for m in STANDBY_AHEAD.finditer(log.read_text())
+                              if int(m.group(1)) != worker], 120, 0.2, "the next spare")
+    spare, standby = int(ahead[0].group(1)), int(ahead[0].group(2))
+    assert pid_alive(spare) and pid_alive(standby)
+    os.kill(server, signal.SIGTERM)
+    wait_for(lambda: gone(spare) and gone(standby), 60, 0.1,
+             "the spare and its standby to exit with their server")
 
 
 def parent_of(pid: int) -> int:
