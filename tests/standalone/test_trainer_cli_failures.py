@@ -122,6 +122,28 @@ def test_a_zombie_attempt_cannot_advance_a_run_after_a_newer_attempt_claimed_it(
     assert final["checkpoint"] == "step-000000400-a2"
 
 
+def test_the_toy_tasks_hold_records_a_stop_without_taking_a_lock():
+    # The handler runs between two bytecodes of the main thread, which may hold the lock it
+    # would take (an Event's, inside the hold's own wait): the trainer then waited for itself
+    # forever and ignored every later SIGTERM until it was killed.
+    from trainer.tasks.toy import Hold
+
+    locks = []
+
+    def watch(frame, event, arg):
+        if event == "c_call" and type(getattr(arg, "__self__", None)).__name__ in (
+                "lock", "RLock"):
+            locks.append(arg)
+
+    hold = Hold(after=9)
+    sys.setprofile(watch)
+    try:
+        hold._record(signal.SIGTERM, None)
+    finally:
+        sys.setprofile(None)
+    assert hold.signum == signal.SIGTERM and locks == []
+
+
 def test_sigterm_commits_the_step_it_interrupts_and_the_resume_runs_on_without_pausing(tmp_path):
     # `pause_after_step`: the fresh attempt waits after step 9, so the signal lands at a
     # known step, with no clock to race; the resumed attempt never pauses.

@@ -23,7 +23,6 @@ import hashlib
 import io
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -114,12 +113,13 @@ class Hold:
     as the heartbeat says that step is done cannot stop that step. Masking the signals
     instead would not do: the mask is per thread, so the kernel hands the signal to one of
     torch's worker threads and Python runs the session's handler all the same. The wait
-    wakes every 0.1 s because a signal taken on another thread only reaches Python's
-    handlers when the main thread runs bytecode again."""
+    polls every 0.1 s because a signal taken on another thread only reaches Python's
+    handlers when the main thread runs bytecode again. The handler takes no lock: it runs
+    between two bytecodes of the main thread, which may hold that very lock (an Event's,
+    inside its `wait`), and would wait for itself forever, deaf to every later SIGTERM."""
 
     def __init__(self, after: int) -> None:
         self.after = after
-        self.got = threading.Event()
         self.signum = 0
         self.saved: dict = {}
 
@@ -127,15 +127,14 @@ class Hold:
         if step == self.after:
             self.saved = {s: signal.signal(s, self._record) for s in STOPS}
         elif step == self.after + 1:
-            while not self.got.wait(0.1):
-                pass
+            while not self.signum:
+                time.sleep(0.1)
             for s, handler in self.saved.items():
                 signal.signal(s, handler)
             signal.raise_signal(self.signum)
 
     def _record(self, signum: int, _frame) -> None:
         self.signum = signum
-        self.got.set()
 
 
 def build(t: TaskArgs) -> Task:
