@@ -1,5 +1,7 @@
 """The run pool's launcher (`ckpt_assets.runs.pool_launcher`): a run's worker forked from a
-warm server runs the run as a cold one does; a code change restarts the server; a pool that
+warm server runs the run as a cold one does, and a training run is handed the spare worker
+whose standby trainer becomes its first attempt; a code change restarts the server (its
+spare and standby exit with it); a pool that
 cannot serve (its server cannot start, or answers nothing) falls back to the default
 launcher's cold start, and says why; terminating a pooled run cancels it as a cold run's
 terminate does.
@@ -95,10 +97,12 @@ def forked_by(run: dg.DagsterRun) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_a_pooled_start_runs_the_run_in_the_forked_worker_and_a_code_change_restarts_the_pool(
+@pytest.mark.warm_standby
+def test_a_pooled_training_run_runs_in_the_spare_worker_its_standby_trains_and_a_code_change_restarts_the_pool(
         tmp_path, pool_home, store_uri):
     # That a pool which cannot serve starts the run cold: the tests below (a server that
-    # answers nothing; any fault inside the pool).
+    # answers nothing; any fault inside the pool). A worker forked for its run (standbys
+    # off, or a run that does not train): the other tests here.
     watched = tmp_path / "watched.py"
     watched.write_text("VERSION = 1\n")
     write_instance(pool_home, watch_paths=[str(watched)])
@@ -107,47 +111,34 @@ def test_a_pooled_start_runs_the_run_in_the_forked_worker_and_a_code_change_rest
     worker, server = forked_by(pooled)
     # The process that ran the run is the one the server forked, not a fresh
     # `dagster api execute_run`, and no code server was asked to start it.
-    (started,) = [int(m.group(1)) for msg in engine_messages(pooled) if (m := STARTED.search(msg))]
+    messages = engine_messages(pooled)
+    (started,) = [int(m.group(1)) for msg in messages if (m := STARTED.search(msg))]
     assert started == worker
     assert GRPC_INFO_TAG not in pooled.tags
-    server_log = (pool_home / "run_pool" / "server.log").read_text()
-    assert f"fork server {server}: run worker {worker} (forked for it) takes run {pooled.run_id}" in server_log
+    # It was the spare, forked before the run came, and the standby it started then became
+    # the run's first attempt.
+    log = pool_home / "run_pool" / "server.log"
+    assert (f"fork server {server}: run worker {worker} (forked ahead, its standby trainer "
+            f"ready) takes run {pooled.run_id}") in log.read_text()
+    assert any("before the run, by the run pool" in m for m in messages), messages
+    (attempt,) = [m for m in messages if m.startswith(PROCESS_STARTED)]
+    assert WARM_STARTED in attempt
     assert (pool_home / "run_pool" / "runs" / f"{pooled.run_id}.log").exists()
     assert pointer_step(Path(store_uri), "default", "pooled") == 20
+    # The next spare comes with a standby of its own.
+    ahead = wait_for(lambda: [m for m in STANDBY_AHEAD.finditer(log.read_text())
+                              if int(m.group(1)) != worker], 120, 0.2, "the next spare")
+    spare, standby = int(ahead[0].group(1)), int(ahead[0].group(2))
+    assert pid_alive(spare) and pid_alive(standby)
 
     watched.write_text("VERSION = 22\n")  # another size: a change whatever the mtime's grain
     changed = launch(tmp_path, "after-change")
     assert changed.status == S.SUCCESS, engine_messages(changed)
     assert forked_by(changed)[1] != server
-    server_log = (pool_home / "run_pool" / "server.log").read_text()
-    assert f"fork server {server}: the code changed since it was loaded" in server_log
-    wait_for(lambda: gone(server), 30, 0.1, "the old server to exit")
-
-
-@pytest.mark.slow
-@pytest.mark.warm_standby
-def test_a_training_run_is_handed_the_spare_worker_whose_standby_trainer_becomes_its_first_attempt(
-        tmp_path, pool_home, store_uri):
-    write_instance(pool_home)
-    run = launch(tmp_path, "spare")
-    assert run.status == S.SUCCESS, engine_messages(run)
-    worker, server = forked_by(run)
-    log = pool_home / "run_pool" / "server.log"
-    assert (f"run worker {worker} (forked ahead, its standby trainer ready) takes run "
-            f"{run.run_id}") in log.read_text()
-    messages = engine_messages(run)
-    assert any("before the run, by the run pool" in m for m in messages), messages
-    (started,) = [m for m in messages if m.startswith(PROCESS_STARTED)]
-    assert WARM_STARTED in started
-    assert pointer_step(Path(store_uri), "default", "spare") == 20
-    # The next spare comes with a standby of its own; a server that exits takes both along.
-    ahead = wait_for(lambda: [m for m in STANDBY_AHEAD.finditer(log.read_text())
-                              if int(m.group(1)) != worker], 120, 0.2, "the next spare")
-    spare, standby = int(ahead[0].group(1)), int(ahead[0].group(2))
-    assert pid_alive(spare) and pid_alive(standby)
-    os.kill(server, signal.SIGTERM)
-    wait_for(lambda: gone(spare) and gone(standby), 60, 0.1,
-             "the spare and its standby to exit with their server")
+    assert f"fork server {server}: the code changed since it was loaded" in log.read_text()
+    # The old server's unused spare and its standby, of the old code, exit with it.
+    wait_for(lambda: gone(server) and gone(spare) and gone(standby), 60, 0.1,
+             "the old server, its spare and the spare's standby to exit")
 
 
 def parent_of(pid: int) -> int:
