@@ -66,7 +66,7 @@ ACCEPT_TICK_S = 0.5  # how often children are reaped and idleness checked
 REQUEST_TIMEOUT_S = 5.0
 # The next spare is forked this long after the last was handed a run, so that its standby
 # trainer's imports do not compete with that run's start for the CPU.
-SPARE_DELAY_S = 5.0
+SPARE_DELAY_S = 1.0
 
 
 @dataclass
