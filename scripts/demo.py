@@ -1,6 +1,6 @@
 """The whole story on the embedded default (local store, SQLite instance in dagster_home/).
 
-Starts a dagster-daemon and launches a training run. Preempts its trainer alone (SIGTERM to
+Launches a training run and starts a dagster-daemon to run it. Preempts its trainer alone (SIGTERM to
 its pid): the run's worker lives, so the trainer is relaunched in the same Dagster run.
 Then terminates the Dagster run itself, as the UI's Terminate button does: the
 `resume_terminated_training` sensor resumes it as a new Dagster run. Prints the run's
@@ -42,13 +42,14 @@ def main() -> int:
     instance = DagsterInstance.get()  # creates the SQLite storage before the daemon starts
     runs = lambda: list(reversed(training_runs_of(instance, run)))  # noqa: E731
     logs = Path(os.environ["DAGSTER_HOME"]) / "demo-daemon.log"
+    # Launched first, then the daemon that runs the queue: the launch says what it sees.
+    say(f"launching training run {run!r} (config scripts/demo_config.json)")
+    ckpt("launch", run, "--config", str(ROOT / "scripts" / "demo_config.json"))
     say(f"starting dagster-daemon (instance {os.environ['DAGSTER_HOME']}, log {logs})")
     daemon = subprocess.Popen([str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
                               cwd=ROOT, start_new_session=True, stdout=open(logs, "w"),
                               stderr=subprocess.STDOUT)
     try:
-        say(f"launching training run {run!r} (config scripts/demo_config.json)")
-        ckpt("launch", run, "--config", str(ROOT / "scripts" / "demo_config.json"))
         repo = CheckpointRepo(open_store(os.environ["CKPT_STORE_URI"]), "demo", run)
         first = _preempt_the_trainer(repo, runs)
         done = _terminate_the_run(instance, repo, runs, first)
