@@ -67,6 +67,7 @@ REQUEST_TIMEOUT_S = 5.0
 # The next spare is forked this long after the last was handed a run, so that its standby
 # trainer's imports do not compete with that run's start for the CPU.
 SPARE_DELAY_S = 1.0
+LOGS_KEPT = 200  # the pool keeps the output logs of this many newest runs
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Server:
     lock_fd: int
     listener: socket.socket | None = None
     forked: int = 0
-    workers: dict[int, str] = field(default_factory=dict)  # pid -> its run's execute args
+    workers: dict[int, tuple[str, str]] = field(default_factory=dict)  # pid -> (run id, execute args)
     spare: Worker | None = None  # forked ahead of any run, waiting for one
     refill_at: float = 0.0  # when the next spare may be forked
 
@@ -219,7 +220,7 @@ def hand_over(server: Server, conn: socket.socket, request: dict) -> dict:
 
 
 def handed(server: Server, pid: int, request: dict, how: str) -> dict:
-    server.workers[pid] = request["execute_args"]
+    server.workers[pid] = (request["run_id"], request["execute_args"])
     server.log(f"run worker {pid} ({how}) takes run {request['run_id']}")
     return {"pid": pid, "start": ProcessRef.known(pid).start, "server_pid": os.getpid()}
 
@@ -267,18 +268,32 @@ def reap(server: Server) -> None:
             return
         if pid == 0:
             return
-        execute_args = server.workers.pop(pid, None)
+        run = server.workers.pop(pid, None)
         code = os.waitstatus_to_exitcode(status)
         if server.spare is not None and pid == server.spare.pid:
             server.log(f"spare run worker {pid} exited {code} before it had a run")
             server.spare.channel.close()
             server.spare = None
-        if execute_args is None:
+        if run is None:
             continue
         if code == NOT_RUN_EXIT:
             server.log(f"run worker {pid} exited without running its run (no go)")
         else:
-            report_worker_exit(server, pid, execute_args, code)
+            report_worker_exit(server, pid, run[1], code)
+            forget_run(server.paths, run[0])
+
+
+def forget_run(paths: PoolPaths, run_id: str) -> None:
+    """What the pool's folder keeps of a run whose worker has exited: no record (only
+    `terminate` reads it, and there is nothing left to interrupt), and its output log while
+    it is among the newest `LOGS_KEPT`."""
+    paths.run_record(run_id).unlink(missing_ok=True)
+    try:
+        logs = sorted(paths.runs.glob("*.log"), key=lambda f: f.stat().st_mtime)
+        for old in logs[:-LOGS_KEPT]:
+            old.unlink(missing_ok=True)
+    except OSError:  # a log removed meanwhile: the next exit prunes again
+        pass
 
 
 def report_worker_exit(server: Server, pid: int, execute_args: str, exit_code: int) -> None:

@@ -4,8 +4,9 @@ there is none.
 The pool lives in one folder (`PoolPaths`, by default `run_pool/` in the instance folder):
 the server's Unix socket, its lock (held for its whole life: at most one server per
 pool), its log and `server.json` (pid, fingerprint), and per run the run worker's record
-(`runs/RUN_ID.json`: pid and start time, read by `terminate`) and its stdout/stderr
-(`runs/RUN_ID.log`).
+(`runs/RUN_ID.json`: pid and start time, read by `terminate`, removed once the worker has
+exited) and its stdout/stderr (`runs/RUN_ID.log`, kept for the newest
+`fork_server.LOGS_KEPT` runs).
 
 One request, one reply, each a JSON line on a fresh connection. Anything that goes wrong
 (no server and none could be started within `start_timeout_s`, no answer within
@@ -60,11 +61,15 @@ class PoolPaths:
     def server_info(self) -> Path:
         return self.root / "server.json"
 
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
     def run_record(self, run_id: str) -> Path:
-        return self.root / "runs" / f"{run_id}.json"
+        return self.runs / f"{run_id}.json"
 
     def run_log(self, run_id: str) -> Path:
-        return self.root / "runs" / f"{run_id}.log"
+        return self.runs / f"{run_id}.log"
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,7 @@ class RunPool:
         try:
             # Private: the runs' logs and the socket that starts runs are this user's alone.
             self.paths.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            (self.paths.root / "runs").mkdir(mode=0o700, exist_ok=True)
+            self.paths.runs.mkdir(mode=0o700, exist_ok=True)
             log = open(self.paths.server_log, "ab")  # noqa: SIM115 - the server owns it
         except OSError as e:
             raise PoolUnavailable(f"cannot create the pool's folder {self.paths.root} ({e}); "

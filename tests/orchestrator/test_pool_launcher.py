@@ -125,6 +125,9 @@ def test_a_pooled_training_run_runs_in_the_spare_worker_its_standby_trains_and_a
     assert WARM_STARTED in attempt
     assert (pool_home / "run_pool" / "runs" / f"{pooled.run_id}.log").exists()
     assert pointer_step(Path(store_uri), "default", "pooled") == 20
+    # Its record (what terminate reads) goes once its worker has exited; its log stays.
+    wait_for(lambda: not (pool_home / "run_pool" / "runs" / f"{pooled.run_id}.json").exists(),
+             60, 0.1, "the ended run's record to go")
     # The next spare comes with a standby of its own.
     ahead = wait_for(lambda: [m for m in STANDBY_AHEAD.finditer(log.read_text())
                               if int(m.group(1)) != worker], 120, 0.2, "the next spare")
@@ -290,6 +293,22 @@ def test_a_fault_inside_the_pool_starts_the_run_cold_and_says_why(dagster_home, 
     assert cold == [run.run_id]
     (why,) = [m for m in engine_messages(run) if m.startswith(POOL_REFUSED)]
     assert "TypeError: a bug in the pool" in why and "starting it cold" in why
+
+
+def test_an_ended_runs_record_goes_and_only_the_newest_runs_logs_are_kept(tmp_path, monkeypatch):
+    from ckpt_assets.runs import fork_server
+    from ckpt_assets.runs.run_pool import PoolPaths
+
+    monkeypatch.setattr(fork_server, "LOGS_KEPT", 3)
+    paths = PoolPaths(tmp_path)
+    paths.runs.mkdir()
+    for i in range(5):
+        paths.run_log(f"r{i}").write_text("output")
+        os.utime(paths.run_log(f"r{i}"), (1000 + i, 1000 + i))
+    paths.run_record("r4").write_text("{}")
+    fork_server.forget_run(paths, "r4")
+    assert not paths.run_record("r4").exists()
+    assert sorted(f.name for f in paths.runs.iterdir()) == ["r2.log", "r3.log", "r4.log"]
 
 
 def test_a_run_launched_from_the_cli_and_one_a_sensor_submitted_name_the_same_pooled_code():
