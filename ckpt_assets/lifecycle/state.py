@@ -27,6 +27,7 @@ promises what nobody will do, and says what to run instead.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -256,4 +257,7 @@ def report_state(instance: dg.DagsterInstance, partition: str,
             instance.report_runless_asset_event(state_check_evaluation(state))
         return state
     except Exception:  # an event-log hiccup must not fail a sensor tick or a stop
+        # ... but it must not pass unseen: the partition's events then lack this state.
+        logging.getLogger(__name__).warning(
+            "could not record the state of training run %s", partition, exc_info=True)
         return None

@@ -211,3 +211,17 @@ def test_a_queued_run_without_a_daemon_says_it_stays_queued_until_one_dequeues_i
     assert "stays queued until `dagster-daemon run`" in _listed(instance, tmp_path)["detail"]
     _beat(instance, QueuedRunCoordinatorDaemon.daemon_type(), time.time())
     assert "no daemon" not in _listed(instance, tmp_path)["detail"]
+
+
+def test_a_state_that_could_not_be_recorded_is_logged_and_fails_nothing(monkeypatch, caplog):
+    # Best-effort for people, never what a decision rests on; but a lost state event must
+    # not pass unseen.
+    from ckpt_assets.lifecycle import state
+
+    def locked(*_a, **_k):
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(state, "run_state", locked)
+    assert state.report_state(None, "r1") is None
+    (record,) = [r for r in caplog.records if "could not record the state" in r.message]
+    assert "r1" in record.message and record.exc_info[1].args == ("database is locked",)
