@@ -46,6 +46,12 @@ class _Standby:
     python: str
     env: dict[str, str]
 
+    def unfit(self, handoff: Handoff) -> str | None:
+        """Why this standby cannot become `handoff`'s attempt, or None when it can."""
+        if self.proc.poll() is not None:
+            return "it has exited"
+        return handoff.unfit(self.python, self.env)
+
 
 class WarmTrainer:
     """At most one standby; `take` hands it the attempt when it can become it."""
@@ -64,8 +70,7 @@ class WarmTrainer:
         if standby is None:
             return None
         handoff = Handoff(list(argv), dict(env), cwd, output)
-        unfit = ("it has exited" if standby.proc.poll() is not None
-                 else handoff.unfit(standby.python, standby.env))
+        unfit = standby.unfit(handoff)
         if unfit:
             self.log.info(f"the standby trainer cannot take this attempt ({unfit}); "
                           "starting it cold")
@@ -82,17 +87,24 @@ class WarmTrainer:
 
     def warm_up(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
         """Start the standby the run's first attempt, launched as `argv` in `env` and `cwd`
-        (`ckpt_assets.attempt.command.standing_launch`), is to become."""
+        (`ckpt_assets.attempt.command.standing_launch`), is to become. A standby the run
+        pool started with this process is taken if it fits, and stopped otherwise: an idle
+        one would hold its memory for the whole run."""
+        pooled = _take_pool_standby()
         if self.enabled:
-            self._start(argv, env, cwd)
+            self._start(argv, env, cwd, pooled)
+        if pooled is not None and pooled is not self._standby:
+            _end(pooled.proc)
 
     def refill(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
         """Start a standby for a relaunch of the attempt launched as `argv`, once it runs."""
         if self.refills:
             self._start(argv, env, cwd)
 
-    def _start(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
-        """Start a standby unless there is one or it could not run `argv`. Called from the
+    def _start(self, argv: list[str], env: dict[str, str], cwd: str,
+               pooled: _Standby | None = None) -> None:
+        """Start a standby (or take `pooled`, if it fits) unless there is one or it could
+        not run `argv`. Called from the
         run's own thread (a step's): PR_SET_PDEATHSIG follows the thread that started a
         process, so a helper thread's exit would stop it."""
         if self._standby is not None or entry(argv) is None:
@@ -102,9 +114,15 @@ class WarmTrainer:
             self.log.info(f"no standby trainer: the attempt imports {theirs} as `trainer`, "
                           "which a standby's own `trainer` would hide; attempts start cold")
             return
-        self._standby = self._pooled(argv, env, cwd)
-        if self._standby is not None:
-            return
+        if pooled is not None:
+            unfit = pooled.unfit(Handoff(argv, env, cwd, ""))
+            if unfit is None:
+                self._standby = pooled
+                self.log.info(f"{STANDBY_STARTED} (pid {self._standby.proc.pid}) before the "
+                              "run, by the run pool, for its first attempt")
+                return
+            self.log.info(f"the run pool's standby trainer cannot take this run ({unfit}); "
+                          "starting another")
         with stops_held() as held:
             try:  # recorded before a held stop is delivered: `close` ends it
                 self._standby = start_standby(argv[0], env, cwd)
@@ -114,24 +132,6 @@ class WarmTrainer:
                 self.log.warning(f"could not start a standby trainer ({e}); a relaunch "
                                  "starts cold")
         held.deliver()
-
-    def _pooled(self, argv: list[str], env: dict[str, str], cwd: str) -> _Standby | None:
-        """The standby this process was forked with by the run pool, if it fits `argv` in
-        `env`; one that does not is stopped."""
-        global _pool_standby
-        standby, _pool_standby = _pool_standby, None
-        if standby is None:
-            return None
-        unfit = ("it has exited" if standby.proc.poll() is not None
-                 else Handoff(argv, env, cwd, "").unfit(standby.python, standby.env))
-        if unfit is None:
-            self.log.info(f"{STANDBY_STARTED} (pid {standby.proc.pid}) before the run, by "
-                          "the run pool, for its first attempt")
-            return standby
-        self.log.info(f"the run pool's standby trainer cannot take this run ({unfit}); "
-                      "starting another")
-        _end(standby.proc)
-        return None
 
     def close(self) -> None:
         standby, self._standby = self._standby, None
@@ -162,6 +162,12 @@ def keep_pool_standby(python: str, env: dict[str, str], cwd: str) -> int:
     global _pool_standby
     _pool_standby = start_standby(python, env, cwd)
     return _pool_standby.proc.pid
+
+
+def _take_pool_standby() -> _Standby | None:
+    global _pool_standby
+    standby, _pool_standby = _pool_standby, None
+    return standby
 
 
 def _end(proc: subprocess.Popen) -> None:

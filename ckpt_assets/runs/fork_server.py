@@ -77,7 +77,6 @@ class Server:
     fingerprint: str
     lock_fd: int
     listener: socket.socket | None = None
-    forked: int = 0
     workers: dict[int, tuple[str, str]] = field(default_factory=dict)  # pid -> (run id, execute args)
     spare: Worker | None = None  # forked ahead of any run, waiting for one
     refill_at: float = 0.0  # when the next spare may be forked
@@ -213,7 +212,6 @@ def hand_over(server: Server, conn: socket.socket, request: dict) -> dict:
                              trains and warm_trainer_on(request["env"]))
     except OSError as e:
         return {"error": f"fork failed ({e})"}
-    server.forked += 1
     if not hand_run(worker, conn, request):
         return {"error": f"run worker {worker.pid} exited before it was handed its run"}
     return handed(server, worker.pid, request, "forked for it")
@@ -237,7 +235,6 @@ def keep_spare(server: Server) -> None:
     except OSError as e:
         server.log(f"could not fork a spare run worker ({e}); runs get one forked for them")
         return
-    server.forked += 1
     server.log(f"forked spare run worker {server.spare.pid}")
 
 
@@ -279,8 +276,9 @@ def reap(server: Server) -> None:
         if code == NOT_RUN_EXIT:
             server.log(f"run worker {pid} exited without running its run (no go)")
         else:
-            report_worker_exit(server, pid, run[1], code)
-            forget_run(server.paths, run[0])
+            run_id, execute_args = run
+            report_worker_exit(server, pid, execute_args, code)
+            forget_run(server.paths, run_id)
 
 
 def forget_run(paths: PoolPaths, run_id: str) -> None:

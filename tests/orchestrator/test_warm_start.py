@@ -233,6 +233,12 @@ def test_the_run_pools_standby_is_the_runs_once_if_it_fits_and_else_is_replaced(
         assert not pid_alive(ahead) and warm._standby.proc.pid != ahead
     finally:
         warm.close()
+    # A run that cannot use one (several ranks, a command that is not Python) stops it at
+    # once rather than hold an idle interpreter for the whole run.
+    ahead = keep_pool_standby(PY, BASE_ENV, str(tmp_path))
+    warm = WarmTrainer(ResumeSettings(), LOG)
+    warm.warm_up(["bash", "train.sh"], BASE_ENV, str(tmp_path))
+    assert not pid_alive(ahead) and warm._standby is None
 
 
 @pytest.mark.slow
