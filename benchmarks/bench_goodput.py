@@ -59,8 +59,8 @@ from tests.daemon_harness import (  # noqa: E402
     training_config,
 )
 from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
-from trainer.interval import young_daly  # noqa: E402
-from trainer.repo import CheckpointRepo  # noqa: E402
+from trainer.base.interval import young_daly  # noqa: E402
+from trainer.checkpoints.repo import CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -3,7 +3,7 @@ trains again. Printed side by side in one run.
 
   save       the same total state (an MLP and its AdamW state, `--mib` MiB of parameters)
              saved by one rank, and by two ranks that each write their share of it
-             (`trainer.distributed`: parts spread over the ranks' files), median of
+             (`trainer.ranks.distributed`: parts spread over the ranks' files), median of
              `--saves` synchronous saves: the stall on the training thread as the
              checkpoint's manifest records it (rank 0's, which waits for the barrier)
   barrier    the save's barrier alone: rank 1's file entries to rank 0 (gather) on the
@@ -14,7 +14,7 @@ trains again. Printed side by side in one run.
              `--kills`; start-up (torchrun, interpreters, torch, rendezvous) included
 
   --fsdp     the save stall alone, of the same MLP sharded by FSDP2 (`fully_shard` on every
-             layer and the root) and saved through DCP (`trainer.sharded`): each rank
+             layer and the root) and saved through DCP (`trainer.ranks.sharded`): each rank
              writes its shards, rank 0 the metadata and the manifest, one rank and two;
              synchronous saves, then background ones (`async_save=True`: the stall is
              the training thread's copy of its shards, the write runs on the save's
@@ -51,7 +51,7 @@ from tests.rank_runs import (  # noqa: E402
     wait_for_step,
 )
 from tests.trainer_proc import write_config  # noqa: E402
-from trainer.ranks import LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV  # noqa: E402
+from trainer.ranks.world import LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_RE = re.compile(r"step (\d+) done")

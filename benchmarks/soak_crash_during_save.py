@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import cli, loop  # noqa: E402,F401  (loop imports torch here, once, before any fork)
-from trainer.repo import CheckpointRepo  # noqa: E402
+from trainer.checkpoints.repo import CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
 SAVE_RE = re.compile(rb"saving step (\d+)")

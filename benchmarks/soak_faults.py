@@ -56,11 +56,11 @@ from ckpt_assets.lifecycle.liveness import judge  # noqa: E402
 from ckpt_assets.runs.settings import ResumeSettings  # noqa: E402
 from tests.polling import WaitTimeout, wait_for  # noqa: E402
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
-from trainer.checkpointer import load_verified_state  # noqa: E402
-from trainer.contract import Env  # noqa: E402
-from trainer.errors import CheckpointError  # noqa: E402
-from trainer.outcomes import Outcome  # noqa: E402
-from trainer.repo import POINTER, CheckpointRepo  # noqa: E402
+from trainer.api.checkpointer import load_verified_state  # noqa: E402
+from trainer.base.errors import CheckpointError  # noqa: E402
+from trainer.base.outcomes import Outcome  # noqa: E402
+from trainer.checkpoints.repo import POINTER, CheckpointRepo  # noqa: E402
+from trainer.process.contract import Env  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
 MAX_STEPS, EVERY = 110, 20

@@ -193,7 +193,7 @@ class Daemon:
         return list(reversed(training_runs_of(self.instance, partition)))
 
     def heartbeat(self, run: str, experiment: str = "default") -> dict | None:
-        from trainer.repo import CheckpointRepo
+        from trainer.checkpoints.repo import CheckpointRepo
         from trainer.storage import open_store
 
         try:

@@ -57,7 +57,7 @@ def store_with_a_checkpoint(root, partition: str, max_steps: int, meta: dict | N
     attempt 1 (`meta`: the manifest's extra fields, such as the loss)."""
     from ckpt_assets.defs.resources import CheckpointStore
     from ckpt_assets.runs.registration import register_training_run
-    from trainer.repo import CheckpointRepo
+    from trainer.checkpoints.repo import CheckpointRepo
 
     cs = CheckpointStore(uri=str(root / "store"))
     reg = register_training_run(cs.open(), partition, {"max_steps": max_steps})

@@ -14,7 +14,7 @@ import runpy
 import sys
 import threading
 
-import trainer.checkpointer as checkpointer
+import trainer.api.checkpointer as checkpointer
 
 _nth = int(os.environ.get("GATED_SAVE", "2"))
 _mode = os.environ.get("GATED_MODE", "hang")

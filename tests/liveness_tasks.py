@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import time
 
-from trainer.contract import Env
-from trainer.task import Task, TaskArgs
+from trainer.api.task import Task, TaskArgs
+from trainer.process.contract import Env
 from trainer.tasks import toy
 
 MAX_HOLD_S = 600.0

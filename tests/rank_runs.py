@@ -18,7 +18,7 @@ from pathlib import Path
 from tests.polling import pid_alive, wait_for
 from tests.ports import free_port
 from tests.trainer_proc import ROOT
-from trainer.ranks import LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV
+from trainer.ranks.world import LOCAL_RANK_ENV, RANK_ENV, WORLD_SIZE_ENV
 
 SLOW_STEPS = str(ROOT / "tests" / "slow_steps.py")
 
@@ -127,8 +127,8 @@ def sharded_final(store: Path, experiment: str, run: str) -> tuple[dict, list[di
     each rank's own file (or the one file of a one-rank checkpoint)."""
     import torch
 
-    from trainer.dcp_storage import read_whole
-    from trainer.repo import CheckpointRepo
+    from trainer.checkpoints.repo import CheckpointRepo
+    from trainer.ranks.dcp_storage import read_whole
     from trainer.storage import open_store
 
     repo = CheckpointRepo(open_store(str(store)), experiment, run)
@@ -140,8 +140,8 @@ def sharded_final(store: Path, experiment: str, run: str) -> tuple[dict, list[di
 
 def state_files(manifest) -> list[str]:
     """The files of a checkpoint's state besides its shards: one per rank, or one alone."""
-    from trainer.checkpointer import STATE_FILE
-    from trainer.distributed import rank_file
+    from trainer.api.checkpointer import STATE_FILE
+    from trainer.ranks.distributed import rank_file
 
     world = manifest.meta.get("world_size")
     return [rank_file(r) for r in range(world)] if world else [STATE_FILE]

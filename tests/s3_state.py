@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from trainer.checkpointer import load_verified_state
-from trainer.repo import CheckpointRepo
+from trainer.api.checkpointer import load_verified_state
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store
 
 

@@ -10,7 +10,7 @@ import runpy
 import sys
 import time
 
-from trainer.session import CheckpointSession
+from trainer.api.session import CheckpointSession
 
 _delay = float(os.environ.get("STEP_DELAY", "0.05"))
 _step = CheckpointSession.step

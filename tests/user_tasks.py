@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.task import Task, TaskArgs
+from trainer.api.task import Task, TaskArgs
 from trainer.tasks import regression, toy
 
 
@@ -82,7 +82,7 @@ def _wait_for_a_sibling_standby(timeout_s: float = 120) -> None:
     import time
     from pathlib import Path
 
-    from trainer.standby import MODULE
+    from trainer.process.standby import MODULE
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

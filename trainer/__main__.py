@@ -1,5 +1,5 @@
-from trainer.cli import main
-from trainer.exit_hooks import exit_now
+from .cli import main
+from .process.exit_hooks import exit_now
 
 # Once `main` returns, the attempt has committed, reported and closed everything it opened:
 # what is left is the interpreter's teardown of torch, 0.8 s idle and seconds on a busy

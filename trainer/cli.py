@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from trainer.outcomes import Outcome
+from .base.outcomes import Outcome
 
 log = logging.getLogger("trainer")
 
@@ -42,15 +42,15 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     # Imported here so that `--help` and argument errors answer without loading torch.
-    from trainer.config_file import load_config
-    from trainer.report import Reporter, report_failure
+    from .config_file import load_config
+    from .process.report import Reporter, report_failure
 
     reporter = Reporter.shared()
     try:
         config = load_config(args.config)
         # torch (3 s of CPU with Dynamo) only once the config is known good: a bad one is
         # refused in a fraction of a second.
-        from trainer.loop import train
+        from .loop import train
 
         code = train(config, args.store, args.resume)
     except Exception as e:  # before training began: the config

@@ -18,12 +18,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainer.contract import RESERVED_PREFIXES, Env, reserved
-from trainer.errors import ConfigError
-from trainer.interval import AUTO
-from trainer.manifest import MAX_STEP
-from trainer.storage import validate_name
-from trainer.strict_json import non_finite_path
+from .base.errors import ConfigError
+from .base.interval import AUTO
+from .base.strict_json import non_finite_path
+from .checkpoints.manifest import MAX_STEP
+from .process.contract import RESERVED_PREFIXES, Env, reserved
+from .storage import validate_name
 
 MAX_HEARTBEAT_S = 60.0
 # The longest a collective may wait for a peer (a day): a bound, never a hang.
@@ -104,7 +104,7 @@ class CheckpointConfig(Section):
                                     "done, and running it again trains nothing")
     # Liveness: the reconciler declares a run dead when its heartbeat is older than
     # CKPT_HEARTBEAT_TIMEOUT_S (120 s), so a heartbeat is not optional. It is written by a
-    # thread of its own (trainer.liveness), whatever a step costs.
+    # thread of its own (trainer.process.liveness), whatever a step costs.
     heartbeat_seconds: float = Field(5.0, description="liveness heartbeat interval, 0 to "
                                      f"{MAX_HEARTBEAT_S:.0f} s, beaten on its own thread "
                                      "whatever a step costs (0: after every step)")
@@ -178,7 +178,7 @@ class TrainConfig(Section):
     run: str = Field("run", description="run name (the partition key under Dagster)")
     experiment: str = Field("default", description="experiment the run belongs to")
     task: str = Field("trainer.tasks.toy:build",
-                      description="package.module:function returning a trainer.task.Task")
+                      description="package.module:function returning a trainer.api.task.Task")
     task_args: dict[str, Any] = Field(default_factory=dict,
                                       description="arguments the task function receives")
     dataset: str | None = Field(None, description="data by reference: a path, "

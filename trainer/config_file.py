@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from trainer.config import TrainConfig, config_from_dict
-from trainer.errors import ConfigError
+from .base.errors import ConfigError
+from .config import TrainConfig, config_from_dict
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -28,7 +28,7 @@ class _NoAliasLoader(yaml.SafeLoader):
 
 
 def _read_s3_text(uri: str) -> str:
-    from trainer.storage.s3 import read_uri
+    from .storage.s3 import read_uri
 
     return read_uri(uri).decode("utf-8")
 

@@ -7,7 +7,7 @@ model on its slice of each global batch, and reports the mean loss over the rank
 loss curve is the global batch's at any world size. With `strategy: ddp` the model is
 wrapped in DistributedDataParallel and the checkpoint holds the task's own module (not the
 wrapper); with `strategy: fsdp` it is sharded in place by `fully_shard`, and the session
-saves its shards (and the optimizer's) through DCP (`trainer.sharded`). Either loads at
+saves its shards (and the optimizer's) through DCP (`trainer.ranks.sharded`). Either loads at
 any world size.
 """
 
@@ -19,8 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.config import TrainConfig
-from trainer.ranks import LOCAL_RANK_ENV, env_rank
+from .config import TrainConfig
+from .ranks.world import LOCAL_RANK_ENV, env_rank
 
 
 def join(cfg: TrainConfig, device: torch.device) -> tuple[int, int, torch.device]:

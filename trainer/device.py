@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from trainer.errors import ConfigError
+from .base.errors import ConfigError
 
 log = logging.getLogger("trainer")
 

@@ -17,14 +17,10 @@ from typing import Any
 
 import torch
 
-from trainer import ddp
-from trainer.config import OptimConfig, TrainConfig
-from trainer.data import ResumableLoader
-from trainer.device import autocast, grad_scaler, resolve_device
-from trainer.errors import ConfigError
-from trainer.progress import Progress
-from trainer.session import CheckpointSession, seed_all
-from trainer.task import (
+from . import ddp
+from .api.data import ResumableLoader
+from .api.session import CheckpointSession, seed_all
+from .api.task import (
     Task,
     build_task,
     needs_closure,
@@ -32,6 +28,10 @@ from trainer.task import (
     task_optimizer,
     task_scheduler,
 )
+from .base.errors import ConfigError
+from .config import OptimConfig, TrainConfig
+from .device import autocast, grad_scaler, resolve_device
+from .progress import Progress
 
 
 def lr_schedule(optim: OptimConfig, max_steps: int):

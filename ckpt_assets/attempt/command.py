@@ -21,10 +21,10 @@ from ckpt_assets.lifecycle.failure_history import experiment_mtbf
 from ckpt_assets.runs.datasets import DatasetRecord
 from ckpt_assets.runs.names import REPO_ROOT
 from ckpt_assets.runs.registration import Registration
-from trainer import strict_json
-from trainer.contract import RANKS_LAUNCHER, RESUME_FROM_ALIAS, LaunchEnv
-from trainer.interval import AUTO, Mtbf
-from trainer.repo import CheckpointRepo
+from trainer.base import strict_json
+from trainer.base.interval import AUTO, Mtbf
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import RANKS_LAUNCHER, RESUME_FROM_ALIAS, LaunchEnv
 from trainer.storage import ObjectStore
 
 
@@ -68,7 +68,7 @@ class AttemptIds:
 
 def contract(reg: Registration, store_uri: str, ids: AttemptIds,
              dataset: DatasetRecord, mtbf: Mtbf | None = None) -> LaunchEnv:
-    """What this attempt's process is told about the run it trains (`trainer.contract`);
+    """What this attempt's process is told about the run it trains (`trainer.process.contract`);
     `mtbf`: the experiment's, from `attempt_mtbf`."""
     return LaunchEnv(
         run=reg.run, experiment=reg.experiment, store_uri=store_uri, attempt=ids.attempt,

@@ -1,6 +1,6 @@
 """How an attempt ended, as the assets record it and the policy and sensors read it back.
 
-The vocabulary (classes, exit codes, kinds, what is resumed) is `trainer.outcomes`; this is
+The vocabulary (classes, exit codes, kinds, what is resumed) is `trainer.base.outcomes`; this is
 the one record over it. A failed `model_checkpoint` step carries one `AttemptEnd` as its
 `dagster.Failure` metadata, the `attempt_ended` observation carries the same fields (also on
 success), and the sensors read the record back from the event log, or build one for a run
@@ -17,8 +17,8 @@ from typing import Any
 import dagster as dg
 
 from ckpt_assets.records.metadata import to_metadata
-from trainer.outcomes import Kind, Outcome
-from trainer.records import CheckpointRecord, from_known_fields
+from trainer.base.outcomes import Kind, Outcome
+from trainer.checkpoints.records import CheckpointRecord, from_known_fields
 
 
 @dataclass(frozen=True)

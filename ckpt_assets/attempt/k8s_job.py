@@ -26,7 +26,7 @@ environment, no credentials), merged by dagster-k8s's `build_pod_body`, with:
   pods: their ranks get SIGTERM and commit the step they agree on, or find a peer gone.
 
 The attempt's exit status is the worst node's (`nodes_exit`): `trainer.ranks.attempt_exit`
-over the nodes' container statuses, as `trainer.nodes` does over nodes on one machine (a
+over the nodes' container statuses, as `trainer.ranks.nodes` does over nodes on one machine (a
 container's 128+N read as the signal N, as a process's -N is: a node killed wins). A
 node whose end was never seen (its pod deleted before its status was read) counts as one
 pod gone does (143 if the trainer reported stopping, else 137), unless another node's
@@ -48,9 +48,9 @@ from ckpt_assets.attempt.k8s_pod import (
     PodPlan,
     pod_end,
 )
-from trainer.contract import RANKS_LAUNCHER
-from trainer.outcomes import STOP_SIGNALS, Outcome, signal_of
-from trainer.ranks import ECHOES, attempt_exit
+from trainer.base.outcomes import STOP_SIGNALS, Outcome, signal_of
+from trainer.process.contract import RANKS_LAUNCHER
+from trainer.ranks.world import ECHOES, attempt_exit
 
 JOB_LABEL = "ckpt-assets/job"  # on every pod of the Job: the Service's selector and the watch's
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"  # the pod's annotation (and label)

@@ -56,8 +56,8 @@ from ckpt_assets.attempt.process import PROCESS_STARTED, ProcessOutcome, Trackin
 from ckpt_assets.attempt.process_group import KILL_WAIT_S
 from ckpt_assets.attempt.transport import PipesChannels
 from ckpt_assets.runs.registration import Registration
-from trainer.contract import Stopped, parse_message
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
+from trainer.process.contract import Stopped, parse_message
 
 UNREAD = object()  # the API did not answer one poll
 POD_RIGHTS = "create/get/delete on pods (and get on pods/log)"

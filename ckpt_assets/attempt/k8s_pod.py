@@ -12,7 +12,7 @@ directory, the run's config and its recorded save times into a `PodPlan`, and
 
 * The pod shares no filesystem with the run worker: Pipes travel over S3, the checkpoints
   and the registered config are in an S3 store (refused otherwise).
-* Its environment is the contract (`trainer.contract.LaunchEnv`) and the variables the run
+* Its environment is the contract (`trainer.process.contract.LaunchEnv`) and the variables the run
   and the resource set, never the run worker's own; AWS credentials come from a named
   Secret (`envFrom`), never as plain values.
 * Preemption is the pod's deletion: the kubelet sends SIGTERM, the trainer commits and
@@ -40,7 +40,7 @@ from pydantic import Field
 
 from ckpt_assets.attempt.errors import TrainerStartError
 from ckpt_assets.runs.events import CHECKPOINT, partition_events
-from trainer.contract import CONTRACT_NAMES, Env, PipesTransport
+from trainer.process.contract import CONTRACT_NAMES, Env, PipesTransport
 
 if TYPE_CHECKING:
     from ckpt_assets.attempt.command import TrainerCommand

@@ -44,7 +44,11 @@ from ckpt_assets.runs.tags import (
     TAG_PARENT_RUN_ID,
     TAG_RESUMED_BY,
 )
-from trainer.contract import (
+from trainer.base.errors import CheckpointError, StorageError, TrainerError
+from trainer.base.outcomes import Outcome, signal_name
+from trainer.checkpoints.records import CheckpointRecord
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import (
     Eval,
     Failed,
     Finished,
@@ -54,10 +58,6 @@ from trainer.contract import (
     Stopped,
     parse_message,
 )
-from trainer.errors import CheckpointError, StorageError, TrainerError
-from trainer.outcomes import Outcome, signal_name
-from trainer.records import CheckpointRecord
-from trainer.repo import CheckpointRepo
 from trainer.storage import ObjectStore
 
 TRACEBACK_MAX_CHARS = 20_000  # the end of a traceback is where the error is
@@ -73,7 +73,7 @@ def newest_progress_only(msgs: list[Message]) -> list[Message]:
 
 @dataclass
 class AttemptReport:
-    """What the training process reported during one attempt (`trainer.contract`)."""
+    """What the training process reported during one attempt (`trainer.process.contract`)."""
 
     run: str
     attempt: int

@@ -1,5 +1,5 @@
 """The Pipes channels over S3: dagster-aws's context injector and message reader, told to
-let the trainer know where it reads and writes them (`trainer.contract.PipesS3Params`).
+let the trainer know where it reads and writes them (`trainer.process.contract.PipesS3Params`).
 
 Apart from `ckpt_assets.attempt.transport` because importing dagster-aws's Pipes takes about
 0.9 s (it loads its components, and they Dagster's test utilities): only a run whose trainer
@@ -14,7 +14,7 @@ from typing import Any
 
 from dagster_aws.pipes import PipesS3ContextInjector, PipesS3MessageReader
 
-from trainer.contract import PipesS3Params
+from trainer.process.contract import PipesS3Params
 
 
 class S3ContextInjector(PipesS3ContextInjector):

@@ -27,7 +27,7 @@ END_OF_RUN_IMPORTS = ("pandas", "matplotlib.backends.backend_agg", "matplotlib.f
 # optimizer only if the task's `build` does (the default optimizer, or one given as a
 # function of the model, is never built there), and importing it ahead cost every run
 # worker 1.5 s of CPU and about 100 MB for an import its run never made.
-EVALUATION_IMPORTS = ("trainer.loop", "trainer.task")
+EVALUATION_IMPORTS = ("trainer.loop", "trainer.api.task")
 
 _started = threading.Lock()
 _thread: threading.Thread | None = None

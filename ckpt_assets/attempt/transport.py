@@ -5,8 +5,8 @@ reads and writes (its messages a whole line at a time: `ckpt_assets.attempt.pipe
 context is an object the trainer reads and its messages are
 chunks it uploads (dagster-aws's `PipesS3ContextInjector` and `PipesS3MessageReader`), so a
 trainer on another machine, sharing no filesystem with Dagster, reports the same events.
-Both injected params carry `trainer.contract.PipesS3Params`, from which the trainer picks
-its loader and writer (`trainer.report.pipes_channels`); nothing else is agreed by name.
+Both injected params carry `trainer.process.contract.PipesS3Params`, from which the trainer picks
+its loader and writer (`trainer.process.report.pipes_channels`); nothing else is agreed by name.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import dagster as dg
 
 from ckpt_assets.attempt.errors import TrainerStartError
 from ckpt_assets.attempt.pipes_file import WholeLineTempFileMessageReader
-from trainer.contract import PipesS3Params, PipesTransport
-from trainer.errors import ConfigError
+from trainer.base.errors import ConfigError
+from trainer.process.contract import PipesS3Params, PipesTransport
 from trainer.storage.s3 import validate_bucket
 
 DEFAULT_PIPES_PREFIX = "pipes"  # under the checkpoint store's bucket, when no URI is set

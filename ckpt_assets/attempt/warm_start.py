@@ -2,7 +2,7 @@
 
 A fresh trainer spends about 2 s, and 3 s while its run worker is busy beside it,
 importing torch, Dynamo and the trainer before its first step. `WarmTrainer` keeps at most one
-standby process (`trainer.standby`) per Dagster run, with the attempt's interpreter, working
+standby process (`trainer.process.standby`) per Dagster run, with the attempt's interpreter, working
 directory and environment less the per-attempt names:
 - for the run's first attempt, started by the run's first step (`training_dataset`), so that
   it imports torch while the run worker loads the dataset record and prepares the attempt;
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from ckpt_assets.attempt.process_group import die_with_parent, stops_held
 from ckpt_assets.runs.settings import ResumeSettings
-from trainer.standby import MODULE, Handoff, entry, own_trainer, standing_env
+from trainer.process.standby import MODULE, Handoff, entry, own_trainer, standing_env
 
 STANDBY_STARTED = "standby trainer started"  # the run's log line
 

@@ -41,8 +41,8 @@ from pathlib import Path
 
 from ckpt_assets.cli.parser import parser
 from ckpt_assets.runs.names import REPO_ROOT
-from trainer import strict_json
-from trainer.outcomes import Outcome
+from trainer.base import strict_json
+from trainer.base.outcomes import Outcome
 
 # The CLI answers with the trainer's codes: 2 bad input, 5 store unavailable, 1 otherwise.
 EXIT_OK = Outcome.SUCCESS.exit_code
@@ -78,8 +78,8 @@ def _store(uri: str | None):
 
 
 def _read_config(path: str) -> dict:
+    from trainer.base.errors import ConfigError
     from trainer.config_file import read_config_file
-    from trainer.errors import ConfigError
 
     try:
         raw = read_config_file(path)
@@ -358,7 +358,7 @@ COMMANDS = {"register": cmd_register, "launch": cmd_launch, "run": cmd_run, "lis
 
 def main(argv: list[str] | None = None) -> int:
     args = parser(__doc__).parse_args(argv)
-    from trainer.errors import ConfigError, StorageError, TrainerError
+    from trainer.base.errors import ConfigError, StorageError, TrainerError
 
     try:
         return COMMANDS[args.command](args)

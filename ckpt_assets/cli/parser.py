@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
 
 EXIT_BAD_INPUT = Outcome.BAD_INPUT.exit_code
 

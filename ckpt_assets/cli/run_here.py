@@ -19,7 +19,7 @@ from pathlib import Path
 import dagster as dg
 
 from ckpt_assets.runs.events import ATTEMPT_ENDED, partition_events
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
 
 # What the command exits with when the attempt recorded no exit of its own.
 INTERRUPTED = Outcome.PREEMPTED.exit_code

@@ -68,9 +68,9 @@ from ckpt_assets.runs.registration import Registration
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.runs.training_run import TrainingRunConfig, attempt_number, resolve_registration
-from trainer.errors import ConfigError, StorageError
-from trainer.records import CheckpointRecord
-from trainer.repo import CheckpointRepo
+from trainer.base.errors import ConfigError, StorageError
+from trainer.checkpoints.records import CheckpointRecord
+from trainer.checkpoints.repo import CheckpointRepo
 
 # Output(data_version=...) and Pipes' writer count are marked beta/preview in 1.13.
 warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*data_version.*")

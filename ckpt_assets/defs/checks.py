@@ -28,8 +28,8 @@ from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.state import STATE_CHECK, run_state, state_check_result
 from ckpt_assets.records.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.runs.registration import read_registration, validate_partition_key
-from trainer.errors import CheckpointError, CheckpointNotFoundError, StorageError
-from trainer.repo import CheckpointRepo
+from trainer.base.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from trainer.checkpoints.repo import CheckpointRepo
 
 # Partitioned checks (an evaluation per training run, not one for the asset as a whole) are
 # a preview feature of Dagster 1.13 (pinned in constraints.txt); tests/orchestrator/test_checks.py pins

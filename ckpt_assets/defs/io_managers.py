@@ -28,9 +28,9 @@ import dagster as dg
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.records.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.runs.registration import read_registration, validate_partition_key
-from trainer.contract import Skipped
-from trainer.records import CheckpointRecord
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.records import CheckpointRecord
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import Skipped
 from trainer.storage import ObjectStore
 
 CHECKPOINT_KEY = "__checkpoint__"  # beside the parts: which checkpoint they are
@@ -111,8 +111,8 @@ def load_checkpoint_state(store: ObjectStore, experiment: str, run: str,
             f"training run {experiment}/{run} has no valid checkpoint in {store.uri}"
             + (f" ({len(skipped)} failed verification)" if skipped else "")
             + "; materialize model_checkpoint first")
-    from trainer.checkpointer import load_rank_state  # imports torch: only when loading
-    from trainer.dcp_storage import is_sharded, read_whole
+    from trainer.api.checkpointer import load_rank_state  # imports torch: only when loading
+    from trainer.ranks.dcp_storage import is_sharded, read_whole
 
     # As one rank reads it: every part, whichever rank of a multi-rank save wrote it, and
     # the parts sharded over the ranks (FSDP2, through DCP) read back whole.

@@ -56,8 +56,8 @@ from ckpt_assets.runs.names import (
 )
 from ckpt_assets.runs.registration import register_training_run
 from ckpt_assets.runs.tags import TAG_NEW_RUN_TARGET, TAG_STOP_TARGET
+from trainer.base.errors import ConfigError, StorageError
 from trainer.config_file import read_config_file
-from trainer.errors import ConfigError, StorageError
 
 DEMO_CONFIG = REPO_ROOT / "scripts" / "demo_config.json"
 TRAINING_TAGS = {"dagster/max_retries": "0"}

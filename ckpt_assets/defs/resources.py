@@ -20,8 +20,8 @@ from ckpt_assets.attempt.k8s_pod import POD_WORKDIR, K8sTrainerConfig, Launcher
 from ckpt_assets.attempt.warm_start import WarmTrainer
 from ckpt_assets.runs.names import REPO_ROOT
 from ckpt_assets.runs.settings import ResumeSettings
-from trainer.contract import Env, PipesTransport
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import Env, PipesTransport
 from trainer.storage import ObjectStore, open_store
 from trainer.storage.file_lock import lock_exclusive
 
@@ -35,7 +35,7 @@ def default_store_uri() -> str:
 
 def git_commit() -> str | None:
     """ckpt-assets' own code version (git commit, +dirty), recorded in lineage."""
-    from trainer.code_version import ckpt_assets_version
+    from trainer.process.code_version import ckpt_assets_version
 
     return ckpt_assets_version()
 

@@ -46,7 +46,7 @@ from ckpt_assets.runs.tags import (
     TAG_RESUME_FROM,
 )
 from ckpt_assets.runs.view import RunView
-from trainer.outcomes import Kind
+from trainer.base.outcomes import Kind
 
 RESUME_KEY_PREFIX = "resume-"
 

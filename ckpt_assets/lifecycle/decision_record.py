@@ -25,7 +25,7 @@ from ckpt_assets.runs.tags import (
     TAG_NEXT_BUDGET,
     TAG_RESUME_AT,
 )
-from trainer.errors import AlreadyExistsError, StorageError
+from trainer.base.errors import AlreadyExistsError, StorageError
 from trainer.storage import ObjectStore
 
 DECISIONS_PREFIX = "DECISIONS"
@@ -36,8 +36,8 @@ class DecisionRecord:
     failed_run_id: str
     training_run: str
     resume: bool
-    kind: str  # the policy's class (`trainer.outcomes.Kind`)
-    failure_class: str  # the attempt's outcome (`trainer.outcomes.Outcome`)
+    kind: str  # the policy's class (`trainer.base.outcomes.Kind`)
+    failure_class: str  # the attempt's outcome (`trainer.base.outcomes.Outcome`)
     reason: str
     decided_at: float
     resume_at: float | None  # only for a resume after a back-off

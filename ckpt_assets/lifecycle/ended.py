@@ -17,8 +17,8 @@ from ckpt_assets.runs.registration import read_registration
 from ckpt_assets.runs.store import StoreSource
 from ckpt_assets.runs.tags import TAG_HEARTBEAT_LOST, TAG_STALLED
 from ckpt_assets.runs.view import RunView
-from trainer.outcomes import Outcome
-from trainer.repo import CheckpointRepo
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.repo import CheckpointRepo
 
 # The reconciler's verdict on a STARTED run's trainer, tagged on the run before it acts
 # (`lifecycle.liveness`): it, not the trainer's exit that the reconciler caused, is how

@@ -1,8 +1,8 @@
 """An experiment's failure history as a mean time between failures (MTBF).
 
-Each attempt is told the MTBF of its experiment (`trainer.contract.LaunchEnv.mtbf`); a run
+Each attempt is told the MTBF of its experiment (`trainer.process.contract.LaunchEnv.mtbf`); a run
 whose config says `checkpoint.every_seconds: auto` sets its checkpoint interval from it
-(`trainer.interval`: T = sqrt(2 * stall * MTBF)).
+(`trainer.base.interval`: T = sqrt(2 * stall * MTBF)).
 
 The experiment's training runs are the runs registered in it (the store's registry names
 each run's experiment); their Dagster runs, one per attempt, give the wall time trained
@@ -24,8 +24,8 @@ import dagster as dg
 from ckpt_assets.runs.queries import is_training_run
 from ckpt_assets.runs.registration import REGISTRY_PREFIX
 from ckpt_assets.runs.tags import PARTITION_TAG, TAG_FAILURE_KIND
-from trainer.interval import Mtbf, MtbfSource
-from trainer.outcomes import Kind
+from trainer.base.interval import Mtbf, MtbfSource
+from trainer.base.outcomes import Kind
 from trainer.storage import ObjectStore
 
 INTERRUPTIONS = frozenset({Kind.PREEMPTED, Kind.KILLED, Kind.STORAGE, Kind.CRASH_LOOP})

@@ -63,7 +63,7 @@ from ckpt_assets.runs.dagster_private import (
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
 from ckpt_assets.runs.view import RunView
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
 
 # The trainer ended and nothing says its run worker is about to: a relaunch here is safe.
 # (A rank that only lost its peers is such a death too: the peer's process died or hung.)

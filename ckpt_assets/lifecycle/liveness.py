@@ -1,7 +1,7 @@
 """The reconciler's judgement of a running attempt's trainer, and how a trainer declared
 failed is retired before its resume is launched.
 
-Liveness is not progress (`trainer.liveness`): the trainer's heartbeat beats on a thread of
+Liveness is not progress (`trainer.process.liveness`): the trainer's heartbeat beats on a thread of
 its own, so a step of any length keeps it fresh. Each STARTED training run is judged on two
 clocks:
 
@@ -45,8 +45,9 @@ from ckpt_assets.runs.dagster_private import report_engine_event
 from ckpt_assets.runs.settings import ResumeSettings
 from ckpt_assets.runs.store import StoreSource
 from ckpt_assets.runs.view import RunView
-from trainer.liveness import Beat, ProcessId
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
+from trainer.base.process_id import ProcessId
+from trainer.checkpoints.records import Beat
 
 
 @dataclass(frozen=True)

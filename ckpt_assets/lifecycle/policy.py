@@ -2,7 +2,7 @@
 
 Pure functions over plain data, so every rule is unit-tested without a Dagster instance;
 the sensors (`ckpt_assets.defs.sensors`) gather the facts into one `AttemptEnd` and act on the
-decision. What each outcome is and whether it is resumed is `trainer.outcomes` (the
+decision. What each outcome is and whether it is resumed is `trainer.base.outcomes` (the
 README's table is generated from it); what is decided here is the budgets: preemptions,
 transient failures with back-off, and the crash loop (a chain that fails again without a
 new highest checkpoint step stops after a small budget).
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, fields
 
 from ckpt_assets.attempt.end import AttemptEnd
-from trainer.outcomes import Kind, Resume
+from trainer.base.outcomes import Kind, Resume
 
 
 @dataclass(frozen=True)

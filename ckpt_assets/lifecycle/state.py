@@ -41,7 +41,7 @@ from ckpt_assets.runs.clock import iso
 from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY, STATE
 from ckpt_assets.runs.queries import newest_training_run
 from ckpt_assets.runs.view import RunView
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
 
 ENDED = frozenset({State.NOT_LAUNCHED, State.FINISHED, State.STOPPED_BY_POLICY,
                    State.STOPPED_BY_USER})
@@ -56,7 +56,7 @@ class RunState:
     attempt: int | None = None
     resume_at: str | None = None  # ISO 8601 UTC, while waiting for a back-off
     ended: bool = False  # the newest training run ended unsuccessfully (failed or canceled)
-    outcome: str | None = None  # how its last attempt ended (`trainer.outcomes`), once known
+    outcome: str | None = None  # how its last attempt ended (`trainer.base.outcomes`), once known
 
     def __str__(self) -> str:
         return f"{self.state.value}: {self.detail}" if self.detail else self.state.value

@@ -35,7 +35,7 @@ from ckpt_assets.runs.tags import (
     TAG_NO_RESUME,
     TAG_STOP_REASON,
 )
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
 
 # What happened to one run (StopAction.action):
 CANCELED = "canceled from the queue"

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckpt_assets.mlflow.run import MlflowRun
-from trainer.contract import Eval
-from trainer.records import CheckpointRecord
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.records import CheckpointRecord
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import Eval
 
 # The size of each committed checkpoint (all its files), in bytes, over the step.
 CHECKPOINT_BYTES = "checkpoint_bytes"

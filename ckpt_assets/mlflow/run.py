@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any
 
-from trainer.contract import Started
+from trainer.process.contract import Started
 
 TRAINING_RUN_TAG = "training_run"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"

@@ -37,9 +37,9 @@ from ckpt_assets.mlflow.run import (
     flatten_params,
     mlflow_run_url,
 )
-from trainer.contract import Eval, Started
-from trainer.records import CheckpointRecord
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.records import CheckpointRecord
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import Eval, Started
 
 # The loss plot's artifact path (`log_loss_plot`).
 LOSS_PLOT = "plots/loss.png"

@@ -6,8 +6,8 @@
 
 Each value is a new version: its payload is written create-once, then MANIFEST.json (size
 and SHA-256 of every file) create-once, then latest.json moves by a conditional write. The
-keys are a `trainer.layout.RunLayout` whose versions directory is the asset's, and writing,
-reading and verifying are the functions `trainer.repo.CheckpointRepo` is built on, so there
+keys are a `trainer.checkpoints.layout.RunLayout` whose versions directory is the asset's, and writing,
+reading and verifying are the functions `trainer.checkpoints.repo.CheckpointRepo` is built on, so there
 is exactly one commit protocol in the project. Nothing is overwritten in place: a kill
 before the manifest leaves an invisible orphan, a kill before the pointer leaves the
 previous version current.
@@ -25,12 +25,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from trainer import verification
-from trainer.errors import AlreadyExistsError, CheckpointError, CheckpointNotFoundError
-from trainer.layout import RunLayout, committed, read_pointer, read_pointer_versioned
-from trainer.manifest import MANIFEST, Manifest
-from trainer.pointer import Pointer
-from trainer.repo import Pending, committed_pointer, move_pointer, write_file, write_manifest
+from trainer.base.errors import AlreadyExistsError, CheckpointError, CheckpointNotFoundError
+from trainer.checkpoints import verification
+from trainer.checkpoints.layout import RunLayout, committed, read_pointer, read_pointer_versioned
+from trainer.checkpoints.manifest import MANIFEST, Manifest
+from trainer.checkpoints.pointer import Pointer
+from trainer.checkpoints.repo import (
+    Pending,
+    committed_pointer,
+    move_pointer,
+    write_file,
+    write_manifest,
+)
 from trainer.storage import ObjectStore
 
 _VERSION_RE = re.compile(r"^v-(\d{6,})$")
@@ -162,7 +168,7 @@ class VersionedRepo:
                 "re-materialize the asset for this partition") from e
         if fmt == "json":
             return json.loads(data), m
-        from trainer.checkpointer import safe_torch_load
+        from trainer.api.checkpointer import safe_torch_load
 
         return safe_torch_load(io.BytesIO(data), self.layout.uri(name, filename)), m
 

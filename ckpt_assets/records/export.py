@@ -17,9 +17,9 @@ from ckpt_assets.attempt.end import checkpoint_unloadable
 from ckpt_assets.mlflow.tracking import MlflowTracker
 from ckpt_assets.runs.datasets import describe_dataset
 from ckpt_assets.runs.registration import Registration
-from trainer import strict_json
-from trainer.errors import ConfigError
-from trainer.records import CheckpointRecord
+from trainer.base import strict_json
+from trainer.base.errors import ConfigError
+from trainer.checkpoints.records import CheckpointRecord
 
 
 def evaluate_final(reg: Registration, weights: dict[str, Any], ck: CheckpointRecord,
@@ -32,8 +32,8 @@ def evaluate_final(reg: Registration, weights: dict[str, Any], ck: CheckpointRec
         return recorded, recorded_version
     import torch
 
+    from trainer.api.task import build_task
     from trainer.loop import evaluate
-    from trainer.task import build_task
 
     torch.set_num_threads(cfg.threads)
     try:

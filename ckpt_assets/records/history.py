@@ -26,7 +26,7 @@ from typing import Any
 import dagster as dg
 
 from ckpt_assets.runs.events import CHECKPOINT, partition_events
-from trainer.records import CheckpointRecord
+from trainer.checkpoints.records import CheckpointRecord
 
 MAX_ROWS = 1000
 MAX_EVAL_COLUMNS = 6  # a task may report many eval metrics; the table stays readable

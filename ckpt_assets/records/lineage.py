@@ -23,9 +23,9 @@ from ckpt_assets.runs.tags import (
     TAG_ROOT_RUN_ID,
     TAG_STOP_REASON,
 )
-from trainer.errors import CheckpointError
-from trainer.outcomes import Outcome
-from trainer.repo import CheckpointRepo
+from trainer.base.errors import CheckpointError
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import ObjectStore
 
 # -- lineage report ---------------------------------------------------------------------------

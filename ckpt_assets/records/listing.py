@@ -16,10 +16,10 @@ import dagster as dg
 
 from ckpt_assets.lifecycle.state import run_state, without_daemon
 from ckpt_assets.runs.registration import read_registration
-from trainer.errors import CheckpointError
-from trainer.layout import CHECKPOINTS, POINTER
-from trainer.records import CheckpointRecord
-from trainer.repo import CheckpointRepo
+from trainer.base.errors import CheckpointError
+from trainer.checkpoints.layout import CHECKPOINTS, POINTER
+from trainer.checkpoints.records import CheckpointRecord
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import ObjectStore, is_segment
 
 # The state of a run that only the store knows of.

@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 import dagster as dg
 
-from trainer.records import CheckpointRecord
+from trainer.checkpoints.records import CheckpointRecord
 
 
 def to_metadata(values: dict[str, Any]) -> dict[str, Any]:

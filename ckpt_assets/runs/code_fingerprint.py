@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ckpt_assets.runs.names import REPO_ROOT
-from trainer.standby import READ_AT_START
+from trainer.process.standby import READ_AT_START
 
 # Where the code location's code lives: every run worker imports from these.
 PROJECT_PACKAGES = (REPO_ROOT / "ckpt_assets", REPO_ROOT / "trainer")

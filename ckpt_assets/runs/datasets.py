@@ -1,7 +1,7 @@
 """What a training run trains on, recorded by reference: the `training_dataset` value.
 
 A dataset URI (local file or directory, `s3://` prefix) is versioned by its content
-manifest (`trainer.dataset`); data the task generates is versioned by what generates it
+manifest (`trainer.checkpoints.dataset`); data the task generates is versioned by what generates it
 (the task, its arguments and the seed). No bytes travel through Dagster. A dataset whose
 version differs from the one the run's checkpoints were trained on is refused: resuming
 on other data is not a resume.
@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckpt_assets.runs.registration import Registration
-from trainer import strict_json
-from trainer.dataset import check_same_data, dataset_manifest
-from trainer.errors import CheckpointError
-from trainer.records import Lineage, from_known_fields
-from trainer.repo import CheckpointRepo
+from trainer.base import strict_json
+from trainer.base.errors import CheckpointError
+from trainer.checkpoints.dataset import check_same_data, dataset_manifest
+from trainer.checkpoints.records import Lineage, from_known_fields
+from trainer.checkpoints.repo import CheckpointRepo
 
 
 @dataclass(frozen=True)

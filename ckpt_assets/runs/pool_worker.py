@@ -3,7 +3,7 @@
 The fork server (`ckpt_assets.runs.fork_server`) forks a worker either ahead of any run (its
 spare) or for the run just asked for. From the fork the worker is a process of its own (a
 new session, the server's socket and lock closed), with the environment it was forked for,
-and, if the run it waits for trains, it starts the standby trainer (`trainer.standby`) its
+and, if the run it waits for trains, it starts the standby trainer (`trainer.process.standby`) its
 run's first attempt is to become (`ckpt_assets.attempt.warm_start.keep_pool_standby`): a
 spare's imports torch while no run needs it yet, so a run handed to it pays for neither
 interpreter. Then it waits on its channel to the server for its run: the launcher's

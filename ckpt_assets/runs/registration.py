@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_assets.runs.names import PARTITIONS_NAME
-from trainer import strict_json
+from trainer.base import strict_json
+from trainer.base.errors import AlreadyExistsError, ConfigError
 from trainer.config import TrainConfig, config_from_dict
-from trainer.errors import AlreadyExistsError, ConfigError
 from trainer.storage import NAME_RULE, ObjectStore, validate_name
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def _check_task(spec: str) -> None:
     as the trainer will import it, which says what is wrong."""
     if _defines_function(spec):
         return
-    from trainer.task import resolve_task
+    from trainer.api.task import resolve_task
 
     resolve_task(spec)
 
@@ -296,7 +296,7 @@ def register_training_run(store: ObjectStore, run: str, raw_config: dict[str, An
 def _check_correctable(store: ObjectStore, existing: Registration, config: TrainConfig,
                        instance: DagsterInstance | None, may_correct: bool) -> None:
     """Refuse to replace a registered config that anything already depends on."""
-    from trainer.repo import CheckpointRepo
+    from trainer.checkpoints.repo import CheckpointRepo
 
     if not may_correct or CheckpointRepo(store, existing.experiment, existing.run).committed():
         _compare(existing, config)

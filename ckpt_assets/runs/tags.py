@@ -35,7 +35,7 @@ def world_of(tags: dict[str, str]) -> dict[str, str]:
 TAG_DECISION = "ckpt/decision"  # "resume" | "stop"
 TAG_DECISION_REASON = "ckpt/decision_reason"  # in words
 TAG_FAILURE_KIND = "ckpt/failure_kind"  # the policy's class: preempted, killed, bug, ...
-TAG_FAILURE_CLASS = "ckpt/failure_class"  # the outcome: `trainer.outcomes.Outcome`'s name
+TAG_FAILURE_CLASS = "ckpt/failure_class"  # the outcome: `trainer.base.outcomes.Outcome`'s name
 TAG_DECIDED_AT = "ckpt/decided_at"  # ISO 8601, UTC
 TAG_RESUME_AT = "ckpt/resume_at"  # ISO 8601, UTC; only for a resume after a back-off
 TAG_NEXT_BUDGET = "ckpt/next_budget"  # the budget its resume will carry

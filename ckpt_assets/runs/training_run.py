@@ -17,8 +17,8 @@ from ckpt_assets.runs.registration import (
 from ckpt_assets.runs.store import StoreSource
 from ckpt_assets.runs.view import RunView
 from ckpt_assets.runs.world import at_world
-from trainer.errors import ConfigError, StorageError
-from trainer.repo import CheckpointRepo
+from trainer.base.errors import ConfigError, StorageError
+from trainer.checkpoints.repo import CheckpointRepo
 
 
 class TrainingRunConfig(dg.Config):

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ckpt_assets.runs.registration import Registration
+from trainer.base.errors import ConfigError
 from trainer.config import TrainConfig, config_from_dict
-from trainer.errors import ConfigError
 
 
 def at_world(reg: Registration, world: Mapping[str, str]) -> Registration:

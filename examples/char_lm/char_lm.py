@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.errors import ConfigError
-from trainer.task import Task, TaskArgs
+from ckpt_trainer import ConfigError, Task, TaskArgs
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 DEFAULTS = {"bptt": 32, "streams": 8, "embed": 32, "hidden": 128, "layers": 1,

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "digits"))
 from train import Net, digits, evaluate  # noqa: E402  (the single-rank example's model and data)
 
-from trainer import CheckpointSession, ResumableLoader  # noqa: E402  # ckpt
+from ckpt_trainer import CheckpointSession, ResumableLoader  # noqa: E402  # ckpt
 
 
 def main() -> None:

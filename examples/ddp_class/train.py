@@ -14,7 +14,7 @@ from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from trainer import CheckpointSession, ResumableLoader
+from ckpt_trainer import CheckpointSession, ResumableLoader
 
 
 class MyTrainDataset(Dataset):

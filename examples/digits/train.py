@@ -21,7 +21,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from trainer import CheckpointSession, ResumableLoader  # ckpt
+from ckpt_trainer import CheckpointSession, ResumableLoader  # ckpt
 
 log = logging.getLogger("digits")
 

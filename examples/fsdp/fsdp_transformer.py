@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from trainer import CheckpointSession, ResumableLoader  # ckpt
+from ckpt_trainer import CheckpointSession, ResumableLoader  # ckpt
 
 VOCAB, CONTEXT = 32, 16
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer import CheckpointSession
+from ckpt_trainer import CheckpointSession
 
 
 def parse_args() -> argparse.Namespace:

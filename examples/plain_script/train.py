@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer import CheckpointSession
+from ckpt_trainer import CheckpointSession
 
 p = argparse.ArgumentParser(description="noisy polynomial regression, resumable")
 p.add_argument("--steps", type=int, default=150)

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn as nn
 
-from trainer import CheckpointSession
+from ckpt_trainer import CheckpointSession
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 parser = argparse.ArgumentParser(description="word-level LSTM language model")

@@ -25,7 +25,7 @@ from tests.dagster_fixtures import (
     training_config,
 )
 from tests.polling import pid_alive, wait_for
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store
 
 SELECT = "training_dataset,model_checkpoint,final_model"

@@ -30,7 +30,7 @@ from tests.dagster_fixtures import (
     training_config,
 )
 from tests.polling import pid_alive, wait_for
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
 
 SLOW_RUN = {"max_steps": 2000, "task_args": {"step_delay": 0.02}}
 

@@ -25,9 +25,9 @@ from ckpt_assets.runs.tags import TAG_FAILURE_KIND, TAG_HEARTBEAT_LOST, TAG_STAL
 from tests.daemon_harness import Daemon, kill, training_config
 from tests.polling import pid_alive
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
-from trainer.contract import Env
-from trainer.liveness import Beat
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.records import Beat
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import Env
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow

@@ -28,7 +28,7 @@ from ckpt_assets.defs.io_managers import load_checkpoint_state
 from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
 from tests.polling import wait_for
 from tests.rank_runs import children, env, gone, ranks_under, sharded_final
-from trainer.distributed import rank_file
+from trainer.ranks.distributed import rank_file
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow

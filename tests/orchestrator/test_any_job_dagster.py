@@ -21,7 +21,7 @@ from tests.dagster_fixtures import (
     step_failure_metadata,
     training_config,
 )
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store
 
 PLAIN = str(ROOT / "examples" / "plain_script" / "train.py")

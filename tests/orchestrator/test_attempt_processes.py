@@ -66,11 +66,11 @@ from tests.dagster_fixtures import (
 )
 from tests.polling import pid_alive
 from tests.subreaper import read_status
-from trainer.contract import Finished, Started
-from trainer.outcomes import Kind, Outcome
-from trainer.records import CheckpointRecord
-from trainer.repo import CheckpointRepo
-from trainer.session import CheckpointSession
+from trainer.api.session import CheckpointSession
+from trainer.base.outcomes import Kind, Outcome
+from trainer.checkpoints.records import CheckpointRecord
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import Finished, Started
 from trainer.storage import open_store
 
 COMMANDS = str(ROOT / "tests" / "attempt_commands.py")
@@ -358,7 +358,7 @@ def test_a_process_is_known_by_pid_and_start_time_so_a_reused_pid_is_not_it():
 
 SHIELDED = textwrap.dedent("""
     import os, sys
-    from trainer.signals import shield_output
+    from trainer.process.signals import shield_output
     r, w = os.pipe()
     os.dup2(w, 1)
     os.close(w)
@@ -541,7 +541,7 @@ PIPED_PARENT = textwrap.dedent("""
 def test_a_printing_script_whose_stdout_pipe_died_with_its_parent_commits_and_exits_143(
         tmp_path):
     """Without the orchestrator's output file: the session itself keeps the stop path alive."""
-    from trainer.contract import LaunchEnv
+    from trainer.process.contract import LaunchEnv
 
     told = LaunchEnv("piped", "default", str(tmp_path / "store"), attempt=1)
     status = tmp_path / "exits.jsonl"

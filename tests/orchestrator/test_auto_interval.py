@@ -18,11 +18,11 @@ from ckpt_assets.runs.registration import register_training_run
 from ckpt_assets.runs.tags import TAG_FAILURE_KIND, TAG_NO_RESUME
 from tests.dagster_runs import lost_worker_run, started_run
 from trainer import CheckpointSession
+from trainer.base.errors import ConfigError
+from trainer.base.interval import ASSUMED_STALL_S, AutoInterval, Mtbf, MtbfSource, young_daly
+from trainer.base.outcomes import Kind
 from trainer.config import CheckpointConfig, config_from_dict, parse
-from trainer.contract import LaunchEnv
-from trainer.errors import ConfigError
-from trainer.interval import ASSUMED_STALL_S, AutoInterval, Mtbf, MtbfSource, young_daly
-from trainer.outcomes import Kind
+from trainer.process.contract import LaunchEnv
 
 HOUR = 3600.0
 

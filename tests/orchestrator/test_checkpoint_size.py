@@ -15,8 +15,8 @@ from ckpt_assets.records.listing import run_summary
 from ckpt_assets.records.metadata import checkpoint_metadata
 from ckpt_assets.runs.registration import register_training_run
 from tests.dagster_fixtures import made_mlflow_db
-from trainer.records import CheckpointRecord
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.records import CheckpointRecord
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store
 
 KEY = "sized"
@@ -114,7 +114,7 @@ def test_list_shows_a_tasks_step_count_from_its_config(tmp_path):
 def test_the_session_records_the_scripts_own_step_count_in_each_manifest(tmp_path):
     import torch
 
-    from trainer.session import CheckpointSession
+    from trainer.api.session import CheckpointSession
 
     model = torch.nn.Linear(2, 1)
     ckpt = CheckpointSession(run="counted", store=str(tmp_path / "s"), max_steps=3,

@@ -17,10 +17,10 @@ import pytest
 from ckpt_assets.runs.datasets import describe_dataset
 from ckpt_assets.runs.registration import Registration
 from tests.trainer_proc import ROOT, run_trainer, write_config
+from trainer.base.errors import ConfigError
+from trainer.checkpoints.dataset import dataset_manifest
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.config import config_from_dict
-from trainer.dataset import dataset_manifest
-from trainer.errors import ConfigError
-from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
 
 # A reader that blocks on a FIFO blocks for ever: a generous deadline tells a hang from a

@@ -45,7 +45,7 @@ from tests.dagster_fixtures import (
 )
 from tests.polling import pid_alive, wait_for
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
 from trainer.storage import open_store
 
 ON = ResumeSettings()

@@ -21,7 +21,7 @@ from ckpt_assets.records.asset_versions import StoredObjectError, VersionedRepo
 from ckpt_assets.runs.registration import register_training_run
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import ROOT, training_config
-from trainer.errors import InvalidNameError
+from trainer.base.errors import InvalidNameError
 from trainer.storage import open_store
 
 
@@ -210,7 +210,7 @@ def test_an_output_for_an_unregistered_run_is_refused_with_what_to_do(instance, 
 def test_load_input_of_model_checkpoint_returns_the_newest_checkpoint_that_verifies(tmp_path):
     """The trainer's walk-back, through the IO manager: a corrupt newest checkpoint is skipped."""
     from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, load_checkpoint_state
-    from trainer.session import CheckpointSession
+    from trainer.api.session import CheckpointSession
 
     store = tmp_path / "store"
     model = torch.nn.Linear(4, 2)

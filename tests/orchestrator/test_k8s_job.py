@@ -42,11 +42,11 @@ from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
 from ckpt_assets.runs.datasets import DatasetRecord
 from ckpt_assets.runs.events import CHECKPOINT, MODEL_CHECKPOINT_KEY
 from ckpt_assets.runs.registration import Registration
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.config import config_from_dict
-from trainer.contract import RANKS_LAUNCHER, Env, Stopped, to_message
-from trainer.outcomes import Outcome
-from trainer.ranks import attempt_exit
-from trainer.repo import CheckpointRepo
+from trainer.process.contract import RANKS_LAUNCHER, Env, Stopped, to_message
+from trainer.ranks.world import attempt_exit
 from trainer.storage import open_store
 
 SECRET = "s3cr3t-never-in-a-job-spec"

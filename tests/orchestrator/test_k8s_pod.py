@@ -32,10 +32,10 @@ from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
 from ckpt_assets.runs.datasets import DatasetRecord
 from ckpt_assets.runs.events import CHECKPOINT, MODEL_CHECKPOINT_KEY
 from ckpt_assets.runs.registration import Registration
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.config import config_from_dict
-from trainer.contract import Env, Progress, Stopped, to_message
-from trainer.outcomes import Outcome
-from trainer.repo import CheckpointRepo
+from trainer.process.contract import Env, Progress, Stopped, to_message
 from trainer.storage import open_store
 
 SECRET = "s3cr3t-never-in-a-pod-spec"

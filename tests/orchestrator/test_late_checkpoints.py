@@ -23,7 +23,7 @@ from ckpt_assets.runs.registration import register_training_run
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import PYTHON, ROOT, checkpoints, materialize_run
 from tests.dagster_runs import lost_worker_run
-from trainer.contract import LaunchEnv
+from trainer.process.contract import LaunchEnv
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow

@@ -28,8 +28,8 @@ from ckpt_assets.definitions import make_resources
 from ckpt_assets.lifecycle.policy import decide
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, step_failure_metadata, training_config
-from trainer.outcomes import Outcome
-from trainer.repo import CheckpointRepo
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store
 
 

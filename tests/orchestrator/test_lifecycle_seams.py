@@ -30,8 +30,8 @@ from ckpt_assets.runs.tags import (
 )
 from ckpt_assets.runs.view import RunView
 from tests import dagster_runs
-from trainer.liveness import Beat
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.records import Beat
 
 KEY = "seams"
 

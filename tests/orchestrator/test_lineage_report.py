@@ -69,7 +69,7 @@ def test_a_running_attempt_has_no_end_yet(instance, store):
 
 def _standalone(store, experiment: str, run: str) -> list[str]:
     """A script's run: two attempts of CheckpointSession-like commits, no registration."""
-    from trainer.repo import CheckpointRepo
+    from trainer.checkpoints.repo import CheckpointRepo
 
     names = []
     for attempt, steps in ((1, (10, 20)), (2, (30,))):

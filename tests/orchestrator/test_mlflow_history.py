@@ -11,8 +11,8 @@ from mlflow.tracking import MlflowClient
 from ckpt_assets.defs.resources import MLflowResource
 from ckpt_assets.mlflow.tracking import MlflowTracker
 from tests.dagster_fixtures import made_mlflow_db
-from trainer.contract import Eval
-from trainer.records import CheckpointRecord
+from trainer.checkpoints.records import CheckpointRecord
+from trainer.process.contract import Eval
 
 
 class Log:

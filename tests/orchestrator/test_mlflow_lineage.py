@@ -97,7 +97,7 @@ def test_the_first_attempt_failed_as_killed_and_the_second_resumed_and_finished(
 
 
 def test_every_checkpoint_attempt_1_committed_is_recorded_exactly_once(resumed_run):
-    from trainer.repo import CheckpointRepo
+    from trainer.checkpoints.repo import CheckpointRepo
     from trainer.storage import open_store
 
     repo = CheckpointRepo(open_store(str(resumed_run["store"])), "default", KEY)

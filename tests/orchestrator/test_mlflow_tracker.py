@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from ckpt_assets.defs.resources import MLflowResource
 from ckpt_assets.mlflow.tracking import MlflowTracker, flatten_params, mlflow_run_url
-from trainer.contract import Started
+from trainer.process.contract import Started
 
 
 class Log:
@@ -201,7 +201,7 @@ def test_an_attempt_stopped_for_good_is_stopped_by_user_with_its_reason_not_pree
     from ckpt_assets.defs.assets import _record_end
     from ckpt_assets.lifecycle.stop import named_if_stopped, stop_training_run
     from tests.dagster_runs import started_run
-    from trainer.outcomes import Outcome
+    from trainer.base.outcomes import Outcome
 
     with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
         run = started_run(instance, "halted")

@@ -12,9 +12,9 @@ import pytest
 
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.trainer_proc import ROOT
-from trainer.contract import Env
-from trainer.outcomes import Outcome
-from trainer.repo import CheckpointRepo
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import Env
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 
 from ckpt_assets.attempt.messages import newest_progress_only
-from trainer import errors
+from trainer.base import errors
+from trainer.base.errors import ConfigError, TrainerError
+from trainer.base.outcomes import Kind, Outcome, Resume, outcome_table
+from trainer.checkpoints.records import CheckpointRecord
 from trainer.config import config_from_dict
-from trainer.contract import (
+from trainer.process.contract import (
     CONTRACT_NAMES,
     Env,
     Eval,
@@ -24,9 +27,6 @@ from trainer.contract import (
     parse_message,
     to_message,
 )
-from trainer.errors import ConfigError, TrainerError
-from trainer.outcomes import Kind, Outcome, Resume, outcome_table
-from trainer.records import CheckpointRecord
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 

@@ -19,7 +19,7 @@ from ckpt_assets.runs.registration import (
 )
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import training_config
-from trainer.errors import ConfigError, InvalidNameError
+from trainer.base.errors import ConfigError, InvalidNameError
 from trainer.storage import NAME_RULE, open_store
 
 BAD_KEYS = ["", "Upper", "../escape", "a/b", "-dash-first", ".hidden", "x" * 65, "a..b",

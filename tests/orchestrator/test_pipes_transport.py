@@ -25,8 +25,8 @@ from ckpt_assets.attempt.pipes_s3 import S3ContextInjector, S3MessageReader
 from ckpt_assets.attempt.transport import DEFAULT_PIPES_PREFIX, pipes_channels, s3_location
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
 from tests.polling import wait_for
-from trainer.contract import PipesS3Params, PipesTransport
-from trainer.report import pipes_channels as trainer_channels
+from trainer.process.contract import PipesS3Params, PipesTransport
+from trainer.process.report import pipes_channels as trainer_channels
 
 
 class RecordingClient:

@@ -6,7 +6,7 @@ import pytest
 
 from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
 
 
 def f(exit_code: int | None = None, reported: str | None = None, outcome: Outcome | None = None,

@@ -34,9 +34,9 @@ from ckpt_assets.records.history import (
 from ckpt_assets.records.metadata import checkpoint_metadata
 from ckpt_assets.runs.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from tests import dagster_runs
-from trainer.contract import Failed
-from trainer.outcomes import Kind, Outcome
-from trainer.records import CheckpointRecord, Lineage
+from trainer.base.outcomes import Kind, Outcome
+from trainer.checkpoints.records import CheckpointRecord, Lineage
+from trainer.process.contract import Failed
 
 KEY = "hist-run"
 

@@ -22,8 +22,8 @@ from ckpt_assets.runs.registration import (
     register_training_run,
 )
 from tests.dagster_fixtures import *  # noqa: F403
-from trainer.errors import ConfigError
-from trainer.repo import CheckpointRepo
+from trainer.base.errors import ConfigError
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store
 
 

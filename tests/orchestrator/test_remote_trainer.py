@@ -33,8 +33,8 @@ from tests.dagster_fixtures import checkpoints, materializations, materialize_ru
 from tests.polling import WaitTimeout, wait_for
 from tests.s3_state import final_state_s3
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
-from trainer.contract import CHECKPOINT_MESSAGE, Finished, PipesS3Params, Started
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import CHECKPOINT_MESSAGE, Finished, PipesS3Params, Started
 from trainer.storage import open_store
 from trainer.tasks.toy import write_dataset
 

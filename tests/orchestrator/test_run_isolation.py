@@ -28,8 +28,8 @@ from tests.dagster_fixtures import (
     materialize_run,
     step_failure_metadata,
 )
-from trainer.contract import Env
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import Env
 from trainer.storage import open_store
 
 PLAIN = str(ROOT / "examples" / "plain_script" / "train.py")

@@ -61,10 +61,11 @@ from ckpt_assets.runs.tags import (
     TAG_STALLED,
 )
 from tests import dagster_runs
-from trainer.errors import PointerConflictError, StorageError
-from trainer.liveness import Beat, ProcessId
-from trainer.outcomes import Kind, Outcome
-from trainer.repo import CheckpointRepo
+from trainer.base.errors import PointerConflictError, StorageError
+from trainer.base.outcomes import Kind, Outcome
+from trainer.base.process_id import ProcessId
+from trainer.checkpoints.records import Beat
+from trainer.checkpoints.repo import CheckpointRepo
 
 KEY = "run-a"
 

@@ -34,8 +34,8 @@ from ckpt_assets.runs.tags import (
 from tests import dagster_runs
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import NO_COMPUTE_LOGS, instance_in
-from trainer.outcomes import Outcome
-from trainer.records import CheckpointRecord, Lineage
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.records import CheckpointRecord, Lineage
 
 KEY = "seen"
 S = dg.DagsterRunStatus

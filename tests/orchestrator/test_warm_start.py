@@ -1,4 +1,4 @@
-"""A warm trainer (`ckpt_assets.attempt.warm_start`, `trainer.standby`): a standby interpreter with
+"""A warm trainer (`ckpt_assets.attempt.warm_start`, `trainer.process.standby`): a standby interpreter with
 torch imported becomes the next attempt exactly as a fresh `python` would have started it,
 and only when nothing the interpreter or torch read at start-up has changed since.
 
@@ -35,10 +35,10 @@ from ckpt_assets.runs.settings import ResumeSettings
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, training_config
 from tests.polling import pid_alive
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.config import config_from_dict
-from trainer.contract import Env
-from trainer.repo import CheckpointRepo
-from trainer.standby import MODULE, Handoff, entry, own_trainer, standing_env
+from trainer.process.contract import Env
+from trainer.process.standby import MODULE, Handoff, entry, own_trainer, standing_env
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.warm_standby  # off in the other tests (tests/conftest.py)

@@ -20,7 +20,7 @@ from ckpt_assets.runs.world import at_world
 from tests import dagster_runs
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import training_config
-from trainer.errors import ConfigError
+from trainer.base.errors import ConfigError
 from trainer.storage import open_store
 
 KEY = "elastic"

@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-import trainer.checkpointer as checkpointer_mod
+import trainer.api.checkpointer as checkpointer_mod
 from tests.trainer_proc import assert_bitwise_equal
 from trainer import CheckpointSession
-from trainer.checkpointer import Checkpointer, RNGState, load_verified_state
-from trainer.outcomes import Outcome
-from trainer.repo import CheckpointRepo
-from trainer.snapshot import HostBuffers
+from trainer.api.checkpointer import Checkpointer, RNGState, load_verified_state
+from trainer.api.snapshot import HostBuffers
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store
 
 DEADLINE_S = 60.0

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from tests.trainer_proc import ROOT, run_trainer, write_config
-from trainer.checkpointer import load_verified_state
+from trainer.api.checkpointer import load_verified_state
+from trainer.api.session import CheckpointSession
+from trainer.base.errors import ConfigError
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.manifest import MAX_STEP
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.config import (
     MAX_LR,
     MAX_PARALLEL,
@@ -23,12 +28,7 @@ from trainer.config import (
     TrainConfig,
     config_from_dict,
 )
-from trainer.errors import ConfigError
 from trainer.loop import default_optimizer, seed_everything
-from trainer.manifest import MAX_STEP
-from trainer.outcomes import Outcome
-from trainer.repo import CheckpointRepo
-from trainer.session import CheckpointSession
 from trainer.storage import open_store
 
 # -- steps ---------------------------------------------------------------------------------

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from trainer.checkpointer import Checkpointer, load_verified_state
-from trainer.errors import (
+from trainer.api.checkpointer import Checkpointer, load_verified_state
+from trainer.base.errors import (
     CheckpointError,
     InvalidNameError,
     PointerConflictError,
 )
-from trainer.layout import RunLayout, committed, read_heartbeat, read_pointer
-from trainer.repo import MANIFEST, CheckpointRepo
+from trainer.checkpoints.layout import RunLayout, committed, read_heartbeat, read_pointer
+from trainer.checkpoints.repo import MANIFEST, CheckpointRepo
 from trainer.storage import open_store
 
 
@@ -126,8 +126,8 @@ def test_an_unreadable_pointer_falls_back_to_scanning_manifests(store, tmp_path)
 
 
 def test_a_multi_chunk_file_verifies_and_a_flipped_bit_names_its_chunk(tmp_path, monkeypatch):
+    import trainer.checkpoints.verification as verification
     import trainer.storage.base as base
-    import trainer.verification as verification
 
     monkeypatch.setattr(base, "CHUNK_SIZE", 4096)
     monkeypatch.setattr(verification, "CHUNK_SIZE", 4096)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.dataset import check_same_data, dataset_manifest
-from trainer.errors import ConfigError
-from trainer.outcomes import Outcome
-from trainer.session import CheckpointSession
+from trainer.api.session import CheckpointSession
+from trainer.base.errors import ConfigError
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.dataset import check_same_data, dataset_manifest
 
 
 def _thousand_files(root) -> None:

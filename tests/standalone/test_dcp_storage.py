@@ -19,7 +19,9 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
 from tests.trainer_proc import assert_bitwise_equal
-from trainer.dcp_storage import (
+from trainer.base.errors import AlreadyExistsError, CheckpointError
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.ranks.dcp_storage import (
     METADATA_FILE,
     NO_DIST_WARNING,
     SafeLoadPlanner,
@@ -30,8 +32,6 @@ from trainer.dcp_storage import (
     shard_file,
     the_cause,
 )
-from trainer.errors import AlreadyExistsError, CheckpointError
-from trainer.repo import CheckpointRepo
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.filterwarnings(f"ignore:{NO_DIST_WARNING}")

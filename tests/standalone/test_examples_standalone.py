@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_proc import COMMIT_RE, ROOT, Result, assert_bitwise_equal, final_state
-from trainer.contract import Env
+from trainer.process.contract import Env
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import trainer.storage.file_lock as file_lock
-from trainer.errors import LockHeldError, StorageError
+from trainer.base.errors import LockHeldError, StorageError
 from trainer.storage.local import LocalStore
 
 KEY = "exp/run/latest.json"

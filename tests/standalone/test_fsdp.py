@@ -30,8 +30,8 @@ from tests.rank_runs import (
     wait_for_step,
 )
 from tests.trainer_proc import ROOT, assert_bitwise_equal, write_config
-from trainer.dcp_storage import shard_file
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.ranks.dcp_storage import shard_file
 from trainer.storage import open_store
 
 EXPERIMENT, RUN = "fsdp", "tiny"

@@ -10,11 +10,12 @@ import time
 import pytest
 import torch
 
-from trainer.contract import Env
-from trainer.errors import PointerConflictError, StorageError
-from trainer.liveness import Beat, ProcessId
-from trainer.repo import HEARTBEAT, CheckpointRepo
-from trainer.session import CheckpointSession
+from trainer.api.session import CheckpointSession
+from trainer.base.errors import PointerConflictError, StorageError
+from trainer.base.process_id import ProcessId
+from trainer.checkpoints.records import Beat
+from trainer.checkpoints.repo import HEARTBEAT, CheckpointRepo
+from trainer.process.contract import Env
 from trainer.storage import open_store
 
 BEAT_S = 0.05

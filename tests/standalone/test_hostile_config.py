@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tests.trainer_proc import ROOT
+from trainer.api.session import CheckpointSession
+from trainer.base.errors import CheckpointError, ConfigError
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.config import MAX_TASK_ARGS_DEPTH, config_from_dict
 from trainer.config_file import read_config_file
-from trainer.errors import CheckpointError, ConfigError
-from trainer.repo import CheckpointRepo
-from trainer.session import CheckpointSession
 from trainer.storage import open_store
 
 
@@ -117,9 +117,9 @@ def test_a_manifest_whose_run_was_edited_but_whose_lineage_names_another_run_is_
 
 
 def test_a_sharded_task_whose_optimizer_was_built_before_sharding_is_refused_saying_how():
-    from trainer.errors import ConfigError
+    from trainer.api.task import Task
+    from trainer.base.errors import ConfigError
     from trainer.loop import optimizer_and_scheduler
-    from trainer.task import Task
 
     model = torch.nn.Linear(2, 1)
     task = Task(model=model, train_data=[], loss_fn=lambda m, b: m(b).sum(),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.session import CheckpointSession
+from trainer.api.session import CheckpointSession
 
 
 def _session(store, **kw) -> CheckpointSession:

@@ -20,9 +20,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from trainer.checkpointer import Checkpointer
-from trainer.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from trainer.repo import (
+from trainer.api.checkpointer import Checkpointer
+from trainer.base.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from trainer.checkpoints.repo import (
     MANIFEST,
     CheckpointRepo,
     Manifest,

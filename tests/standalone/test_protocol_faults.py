@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import trainer.storage.local as local_mod
-from trainer.checkpointer import STATE_FILE, Checkpointer
-from trainer.errors import CheckpointError, PointerConflictError, StorageError
-from trainer.repo import MANIFEST, POINTER, CheckpointRepo, checkpoint_name
+from trainer.api.checkpointer import STATE_FILE, Checkpointer
+from trainer.base.errors import CheckpointError, PointerConflictError, StorageError
+from trainer.checkpoints.repo import MANIFEST, POINTER, CheckpointRepo, checkpoint_name
 from trainer.storage import UnsafeObjectError, open_store
 from trainer.storage.base import combine_chunks
 

@@ -35,10 +35,10 @@ from tests.rank_runs import (
     wait_for_step,
 )
 from tests.trainer_proc import write_config
-from trainer import rank_watch
-from trainer.outcomes import Outcome
-from trainer.rank_watch import RankBeat, RankWatch, beat_file
-from trainer.repo import CheckpointRepo
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.ranks import rank_watch
+from trainer.ranks.rank_watch import RankBeat, RankWatch, beat_file
 from trainer.storage import open_store
 
 LOST = Outcome.RANK_LOST.exit_code

@@ -37,10 +37,11 @@ from tests.rank_runs import (
     wait_for_step,
 )
 from tests.trainer_proc import ROOT, assert_bitwise_equal, write_config
-from trainer.data import ResumableLoader
-from trainer.distributed import rank_file
-from trainer.outcomes import Outcome
-from trainer.ranks import attempt_exit, parse
+from trainer.api.data import ResumableLoader
+from trainer.base.outcomes import Outcome
+from trainer.ranks.distributed import rank_file
+from trainer.ranks.launch import parse
+from trainer.ranks.world import attempt_exit
 
 KILLED = 128 + signal.SIGKILL
 PREEMPTED = Outcome.PREEMPTED.exit_code
@@ -116,24 +117,29 @@ def test_a_launch_the_config_would_refuse_exits_2_with_one_line_saying_what_to_p
     assert len(lines) == 1 and says in lines[0], lines
 
 
-def test_the_launcher_names_itself_by_the_name_it_was_started_by(capsys):
+def test_the_launcher_names_itself_by_the_name_it_was_started_by(capsys, monkeypatch):
     """The orchestrator starts it as `ckpt_trainer.ranks` (a project's own trainer.py never
     shadows that name); what it says names the command the user would run again."""
-    import ckpt_trainer.ranks
+    import types
 
-    for launcher, name in ((parse, "trainer.ranks"), (ckpt_trainer.ranks.parse,
-                                                      "ckpt_trainer.ranks")):
-        with pytest.raises(SystemExit):
-            launcher(["--nproc-per-node", "2", "python", "x.py"])
-        err = capsys.readouterr().err
-        assert err.startswith(f"python -m {name}: put the command after `--`: python -m "
-                              f"{name} [...] -- COMMAND"), err
+    from trainer.ranks.launch import started_as
+
+    assert started_as() == "trainer.ranks"
+    with pytest.raises(SystemExit):
+        parse(["--nproc-per-node", "2", "python", "x.py"])
+    err = capsys.readouterr().err
+    assert err.startswith("python -m trainer.ranks: put the command after `--`: python -m "
+                          "trainer.ranks [...] -- COMMAND"), err
+    main = types.SimpleNamespace(__spec__=types.SimpleNamespace(
+        name="ckpt_trainer.ranks.__main__", parent="ckpt_trainer.ranks"))
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert started_as() == "ckpt_trainer.ranks"
 
 
 def test_a_rendezvous_endpoint_on_one_node_is_where_its_ranks_meet():
     from torch.distributed import run as torchrun
 
-    from trainer.ranks import torchrun_args
+    from trainer.ranks.launch import torchrun_args
 
     args, command = parse(["--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29411",
                            "--", "python", "x.py"])
@@ -154,7 +160,7 @@ def test_the_config_refuses_a_rendezvous_endpoint_that_is_not_host_port():
 def test_a_node_killed_after_the_grace_is_an_echo_and_the_node_that_failed_names_the_cause():
     import signal as sig
 
-    from trainer.nodes import LocalNodes
+    from trainer.ranks.nodes import LocalNodes
 
     bug = subprocess.Popen(["sh", "-c", "exit 1"])
     stuck = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60"])  # deaf to the stop
@@ -168,7 +174,7 @@ def test_a_node_killed_after_the_grace_is_an_echo_and_the_node_that_failed_names
 
 @pytest.mark.slow
 def test_after_a_node_succeeds_the_others_are_waited_for_without_a_deadline():
-    from trainer.nodes import LocalNodes
+    from trainer.ranks.nodes import LocalNodes
 
     done = subprocess.Popen(["true"])
     finishing = subprocess.Popen(["sh", "-c", "sleep 1"])  # still committing its last step
@@ -322,7 +328,7 @@ def test_a_rank_killed_inside_a_saves_barrier_never_leaves_a_checkpoint(tmp_path
 def test_a_ranks_collective_error_in_training_code_is_reported_as_a_lost_rank(monkeypatch):
     """DDP's backward raises gloo's RuntimeError when a peer dies: on one of several ranks
     that is a lost rank (resumed), not a bug; alone, a RuntimeError stays a bug."""
-    from trainer.report import Reporter, report_failure
+    from trainer.process.report import Reporter, report_failure
 
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                         "[127.0.0.1]:56205. This is typically caused by a remote worker crashing")
@@ -340,7 +346,7 @@ def test_a_commands_own_options_reach_it_past_torchruns_parser():
     `--run-path`; the launcher hands the command over after `--`."""
     from torch.distributed import run as torchrun
 
-    from trainer.ranks import torchrun_args
+    from trainer.ranks.launch import torchrun_args
 
     args, command = parse(["--nproc-per-node", "2", "--", "python", "train.py", "--run", "a"])
     parsed = torchrun.parse_args(torchrun_args(args, command))

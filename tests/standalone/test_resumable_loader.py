@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from trainer.data import ResumableLoader
+from trainer.api.data import ResumableLoader
 
 
 def loader(**kw) -> ResumableLoader:

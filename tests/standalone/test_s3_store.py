@@ -11,7 +11,7 @@ import time
 import boto3
 import pytest
 
-from trainer.errors import (
+from trainer.base.errors import (
     AlreadyExistsError,
     ConfigError,
     InvalidNameError,

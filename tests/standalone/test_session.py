@@ -9,10 +9,10 @@ import signal
 import pytest
 import torch
 
-from trainer.contract import LaunchEnv
-from trainer.outcomes import Outcome
-from trainer.repo import CheckpointRepo
-from trainer.session import CheckpointSession
+from trainer.api.session import CheckpointSession
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.process.contract import LaunchEnv
 from trainer.storage import open_store
 
 
@@ -152,7 +152,7 @@ def test_parts_the_session_cannot_save_are_refused_as_bad_input(tmp_path, parts,
 
 
 def test_unknown_or_out_of_range_triggers_are_refused_with_the_key_named(tmp_path):
-    from trainer.errors import ConfigError
+    from trainer.base.errors import ConfigError
 
     with pytest.raises(ConfigError, match="every_stepz"):
         _session(tmp_path, every_stepz=3)
@@ -201,7 +201,7 @@ def test_lineage_records_the_code_version_of_the_script_outside_any_repository(t
     m = _repo(tmp_path / "store").read_manifest(_repo(tmp_path / "store").committed()[-1])
     assert m.meta["lineage"]["user_code_version"].startswith("sha256:")
     script.write_text("print('changed')\n")
-    from trainer.code_version import code_version_of
+    from trainer.process.code_version import code_version_of
 
     code_version_of.cache_clear()
     assert code_version_of(script) != m.meta["lineage"]["user_code_version"]
@@ -294,7 +294,7 @@ def test_once_the_metrics_name_the_best_metric_it_decides_and_the_loss_no_longer
 
 def test_the_checkpoint_record_carries_each_parts_bytes_and_an_lbfgs_history_200_times_the_model_is_named_in_a_warning(
         tmp_path, caplog):
-    from trainer.records import CheckpointRecord
+    from trainer.checkpoints.records import CheckpointRecord
 
     torch.manual_seed(0)
     model = torch.nn.Linear(30, 30)
@@ -386,7 +386,7 @@ def test_epochs_and_batches_resume_a_stop_at_the_epoch_boundary_or_inside_an_epo
 
 
 def test_position_without_epochs_takes_a_checkpoint_at_an_epochs_last_batch_as_before_its_end_of_epoch_work(tmp_path):
-    from trainer.session import Position
+    from trainer.api.session import Position
 
     with _session(tmp_path, every_steps=None) as ckpt:
         ckpt.restore(model=_parts()[0])

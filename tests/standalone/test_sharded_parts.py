@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from tests.trainer_proc import assert_bitwise_equal
 from trainer import CheckpointSession
-from trainer.dcp_storage import METADATA_FILE, read_whole, shard_file
-from trainer.outcomes import Outcome
+from trainer.base.outcomes import Outcome
+from trainer.ranks.dcp_storage import METADATA_FILE, read_whole, shard_file
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-import trainer.checkpointer as checkpointer_mod
-import trainer.session as session_mod
-from trainer.contract import Progress
-from trainer.session import CheckpointSession
+import trainer.api.checkpointer as checkpointer_mod
+import trainer.api.session as session_mod
+from trainer.api.session import CheckpointSession
+from trainer.process.contract import Progress
 
 START = 1000.0  # the fake clock at restore()
 

@@ -19,13 +19,13 @@ import pytest
 
 import trainer.storage.local as local_mod
 from tests.fault_proxy import FaultProxy
-from trainer.errors import (
+from trainer.base.errors import (
     AlreadyExistsError,
     InvalidNameError,
     PointerConflictError,
     StorageError,
 )
-from trainer.repo import CheckpointRepo
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import ObjectStore, UnsafeObjectError, WrittenObject, open_store
 from trainer.storage.local import LocalStore
 

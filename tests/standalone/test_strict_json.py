@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_proc import run_trainer, write_config
-from trainer import strict_json
-from trainer.manifest import Manifest
-from trainer.pointer import Best, Pointer
-from trainer.session import LoopState
+from trainer.api.session import LoopState
+from trainer.base import strict_json
+from trainer.checkpoints.manifest import Manifest
+from trainer.checkpoints.pointer import Best, Pointer
 
 
 def strict_loads(data: bytes | str):

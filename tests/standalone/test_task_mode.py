@@ -16,8 +16,8 @@ from tests.trainer_proc import (
     training_state,
     write_config,
 )
+from trainer.base.errors import ConfigError
 from trainer.device import resolve_device
-from trainer.errors import ConfigError
 
 WIDE = {"task": "tests.user_tasks:own_optimizer", "task_args": {"n": 512},
         "amp": {"dtype": "bfloat16"}, "grad_accum_steps": 2,

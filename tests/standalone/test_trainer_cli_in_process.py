@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.api.session import CheckpointSession
+from trainer.base.outcomes import Outcome
+from trainer.checkpoints.layout import HEARTBEAT
 from trainer.cli import main
-from trainer.contract import Env
-from trainer.layout import HEARTBEAT
-from trainer.outcomes import Outcome
-from trainer.session import CheckpointSession
+from trainer.process.contract import Env
 
 RUN = "equiv"
 BAD_INPUT = Outcome.BAD_INPUT.exit_code

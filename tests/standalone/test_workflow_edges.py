@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.trainer_proc import ROOT
-from trainer.outcomes import Outcome
-from trainer.rng_identity import ADVICE
+from trainer.base.outcomes import Outcome
+from trainer.base.rng_identity import ADVICE
 
 pytestmark = pytest.mark.slow
 

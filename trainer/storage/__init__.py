@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlparse
 
-from trainer.errors import ConfigError
-from trainer.storage.base import (
+from ..base.errors import ConfigError
+from .base import (
     NAME_RULE,
     HashingWriter,
     ObjectStore,
@@ -49,7 +49,7 @@ def open_store(uri: str) -> ObjectStore:
         raise ConfigError(f"store URI {uri!r} has a query or fragment ('?', '#', ';'); "
                           f"{STORE_HELP}")
     if parsed.scheme == "s3":
-        from trainer.storage.s3 import S3Store
+        from .s3 import S3Store
 
         if not parsed.netloc:
             raise ConfigError(f"store URI {uri!r} has no bucket: {STORE_HELP}")
@@ -57,7 +57,7 @@ def open_store(uri: str) -> ObjectStore:
         if prefix:
             validate_key(prefix)
         return S3Store(parsed.netloc, prefix)
-    from trainer.storage.local import LocalStore
+    from .local import LocalStore
 
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from trainer.errors import AlreadyExistsError, CheckpointError, InvalidNameError
+from ..base.errors import AlreadyExistsError, CheckpointError, InvalidNameError
 
 NAME_RULE = (
     "lowercase letters, digits, '.', '_' and '-', starting with a letter or digit, "

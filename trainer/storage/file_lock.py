@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from trainer.errors import LockHeldError
+from ..base.errors import LockHeldError
 
 # Longer than any fsync of a few hundred bytes on a busy disk; shorter than a sensor tick's
 # time limit, so a fence that gives up still leaves the reconciler time to stop the holder.

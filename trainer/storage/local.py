@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from trainer.errors import AlreadyExistsError, ConfigError, PointerConflictError, StorageError
-from trainer.storage.base import (
+from ..base.errors import AlreadyExistsError, ConfigError, PointerConflictError, StorageError
+from .base import (
     HashingWriter,
     ObjectStore,
     UnsafeObjectError,
@@ -30,8 +30,8 @@ from trainer.storage.base import (
     digest_file,
     validate_key,
 )
-from trainer.storage.file_lock import exclusive_lock
-from trainer.storage.local_files import (
+from .file_lock import exclusive_lock
+from .local_files import (
     DISK_FULL_ERRNOS,
     NEW_FILE_FLAGS,
     STORAGE_ERRNOS,
@@ -41,7 +41,7 @@ from trainer.storage.local_files import (
     unlink_quiet,
     write_all,
 )
-from trainer.storage.local_files import temp_name as _temp_name
+from .local_files import temp_name as _temp_name
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # `_temp_name` is looked up in this module at each write, so a fault-injection harness can

@@ -31,9 +31,9 @@ from typing import BinaryIO
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from trainer.errors import AlreadyExistsError, ConfigError, PointerConflictError, StorageError
-from trainer.storage.base import HashingWriter, ObjectStore, validate_key
-from trainer.storage.s3_errors import (
+from ..base.errors import AlreadyExistsError, ConfigError, PointerConflictError, StorageError
+from .base import HashingWriter, ObjectStore, validate_key
+from .s3_errors import (
     CONFLICT_CODES,
     CONFLICT_RETRIES,
     MISSING_CODES,
@@ -45,7 +45,7 @@ from trainer.storage.s3_errors import (
     storage_error,
     was_retried,
 )
-from trainer.storage.s3_upload import DEFAULT_PART_SIZE, MIN_PART_SIZE, MiB, Upload
+from .s3_upload import DEFAULT_PART_SIZE, MIN_PART_SIZE, MiB, Upload
 
 __all__ = ["DEFAULT_PART_SIZE", "MIN_PART_SIZE", "S3Store", "default_client", "read_uri",
            "validate_bucket"]

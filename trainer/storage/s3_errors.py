@@ -22,7 +22,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from trainer.errors import StorageError
+from ..base.errors import StorageError
 
 MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
 PRECONDITION_CODES = {"412", "PreconditionFailed"}

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from trainer.errors import AlreadyExistsError, StorageError
-from trainer.storage.s3_errors import (
+from ..base.errors import AlreadyExistsError, StorageError
+from .s3_errors import (
     CONFLICT_CODES,
     CONFLICT_RETRIES,
     PRECONDITION_CODES,
@@ -29,7 +29,7 @@ from trainer.storage.s3_errors import (
 )
 
 if TYPE_CHECKING:
-    from trainer.storage.s3 import S3Store
+    from .s3 import S3Store
 
 log = logging.getLogger("trainer.storage.s3")  # the S3 store's logger: its warnings read as the store's
 

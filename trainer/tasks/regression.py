@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.task import Task, TaskArgs
+from ..api.task import Task, TaskArgs
 
 
 class NoiseCurriculum:

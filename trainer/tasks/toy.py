@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.errors import ConfigError, StorageError
-from trainer.task import Task, TaskArgs
+from ..api.task import Task, TaskArgs
+from ..base.errors import ConfigError, StorageError
 
 ALLOWED = {"data_seed", "n_train", "n_eval", "features", "classes", "hidden",
            "dropout", "step_delay", "pause_after_step", "fail_at_step", "crash_at_step", "nan_at_step"}
@@ -84,7 +84,7 @@ def load_dataset(uri: str) -> dict[str, torch.Tensor]:
 
 
 def _s3_object(uri: str) -> io.BytesIO:
-    from trainer.storage.s3 import read_uri
+    from ..storage.s3 import read_uri
 
     return io.BytesIO(read_uri(uri))
 

@@ -1,0 +1,1 @@
+"""The user API: `CheckpointSession`, its parts, `ResumableLoader`, and the task interface."""

@@ -1,0 +1,447 @@
+"""The commit protocol: checkpoints of one training run inside a store.
+
+    <experiment>/<run>/checkpoints/step-000000120-a2/   payload file(s) + MANIFEST.json
+    <experiment>/<run>/checkpoints/latest.json          pointer, moved last
+
+A checkpoint exists once its MANIFEST.json exists (written last, create-once). It is the
+run's current checkpoint once latest.json names it; latest.json only moves by a
+conditional write against the version this writer last saw, so of two attempts that
+share a run only one can advance it.
+
+Where things are is `trainer.checkpoints.layout.RunLayout`; reading and verifying them is
+`trainer.checkpoints.verification`, retention `trainer.checkpoints.retention`. The functions here write (a file of
+a pending checkpoint, its manifest, the pointer's move); `CheckpointRepo` is one writer of
+one run: it remembers the pointer version it last saw, the attempt it claimed, and the
+checkpoint its state descends from.
+
+Why this module is long: it is the commit protocol's one writer (claim, write, commit,
+the pointer's conditional moves and fencing); its readers (verification, retention, the
+run's keys) are modules of their own, and splitting the writer would put one invariant
+(only the owner of the pointer commits) in two places.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from . import retention, verification
+from ..base.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    PointerConflictError,
+)
+from .layout import HEARTBEAT, POINTER, RunLayout, committed, list_names, read_heartbeat
+from .records import Beat
+from .manifest import (
+    MANIFEST,
+    Manifest,
+    checkpoint_name,
+    file_entry,
+    parse_checkpoint_name,
+)
+from .pointer import Best, Pointer
+from ..storage import HashingWriter, ObjectStore, WrittenObject
+
+__all__ = [
+    "CLAIM_TRIES", "HEARTBEAT", "MANIFEST", "POINTER", "POINTER_HISTORY", "CheckpointRepo",
+    "Manifest", "Pending", "Pointer", "checkpoint_name", "committed_pointer",
+    "move_pointer", "parse_checkpoint_name", "write_file", "write_manifest",
+]
+
+log = logging.getLogger("trainer.checkpoint")
+
+# Names latest.json carries besides its current one. Retention removes deleted names from
+# it, so in practice it holds about keep_last names; the bound only caps a damaged pointer.
+POINTER_HISTORY = 256
+CLAIM_TRIES = 20
+
+
+@dataclass
+class Pending:
+    """A checkpoint being written: files land under a name no one else uses."""
+
+    name: str
+    step: int
+    attempt: int
+    written: dict[str, WrittenObject] = field(default_factory=dict)
+
+
+# -- writing, as functions over a layout --------------------------------------------------
+
+@contextmanager
+def write_file(layout: RunLayout, pending: Pending, filename: str) -> Iterator[HashingWriter]:
+    """A create-once stream for `filename` of the pending checkpoint."""
+    key = layout.key(pending.name, filename)
+    with layout.store.create(key) as w:
+        yield w
+    pending.written[filename] = w.result(key)
+
+
+def write_manifest(layout: RunLayout, pending: Pending, parent: str | None,
+                   meta: dict[str, Any]) -> Manifest:
+    """MANIFEST.json, create-once and last inside the checkpoint: from now on it exists."""
+    manifest = Manifest(
+        name=pending.name,
+        step=pending.step,
+        attempt=pending.attempt,
+        files={n: file_entry(w) for n, w in pending.written.items()},
+        parent=parent,
+        created_at=time.time(),
+        meta=meta,
+        experiment=layout.experiment,
+        run=layout.run,
+    )
+    layout.store.put_new(layout.key(pending.name, MANIFEST), manifest.to_json())
+    return manifest
+
+
+def committed_pointer(old: Pointer | None, pending: Pending, meta: dict[str, Any],
+                      retired: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The pointer's changes once `pending` is committed: it is current, the previous ones
+    (without `retired` names) its history, and it is the best one when `meta` says so."""
+    old = old or Pointer()
+    best = old.best
+    if meta.get("is_best"):
+        score = meta.get("best_score")
+        best = Best(pending.name, score if isinstance(score, int | float) else None)
+    history = [n for n in old.timeline if n not in retired]
+    return {"checkpoint": pending.name, "step": pending.step, "attempt": pending.attempt,
+            "history": tuple(history[:POINTER_HISTORY]), "best": best}
+
+
+def move_pointer(layout: RunLayout, old: Pointer | None, token: str | None, owner: str,
+                 **changes: Any) -> tuple[Pointer, str]:
+    """Write `old` with `changes` as the next generation, only if the pointer is still at
+    version `token`. Returns the new pointer and its token; PointerConflictError if another
+    writer moved it."""
+    old = old or Pointer()
+    new = dataclasses.replace(old, **changes, generation=old.generation + 1,
+                              owner=owner, updated_at=time.time())
+    try:
+        token = layout.store.write_if(layout.pointer_key, new.to_json(), token)
+    except PointerConflictError as e:
+        raise PointerConflictError(
+            f"another attempt took over run {layout.prefix} ({e}); this attempt stops "
+            "writing so that two attempts never advance one run"
+        ) from e
+    return new, token
+
+
+# -- the claim: which history an attempt continues ----------------------------------------
+
+def claimed_timeline(layout: RunLayout, old: Pointer | None, parent: str | None,
+                     bad: set[str]) -> tuple[list[str], Best | None]:
+    """The history an attempt continuing from `parent` claims, newest first, and the best
+    checkpoint it keeps; names in `bad` (failed verification) are left out."""
+    if old is not None:
+        timeline = [n for n in old.timeline if n not in bad]
+        if parent is None:
+            kept = timeline
+        elif parent in timeline:
+            kept = timeline[timeline.index(parent):]
+        else:
+            kept = lineage(layout, parent, bad)
+    else:
+        timeline = []
+        kept = lineage(layout, parent, bad) if parent else []
+    detached = [n for n in timeline if n not in kept]
+    if detached:
+        log.warning(
+            "checkpoints %s are newer than %s, which this attempt continues from; they "
+            "leave the run's history and retention keeps them. Delete them by hand once "
+            "they are not needed.", ", ".join(detached), parent)
+    best = old.best if old else None
+    if best and (best.checkpoint in bad or best.checkpoint in detached):
+        best = None
+    return kept[:POINTER_HISTORY + 1], best
+
+
+def lineage(layout: RunLayout, name: str, bad: set[str]) -> list[str]:
+    """`name` and its ancestors by the manifests' parent links, newest first, as far as
+    readable manifests of this run reach (names in `bad` left out)."""
+    chain: list[str] = []
+    seen: set[str] = set()
+    while name and name not in seen and len(chain) <= POINTER_HISTORY:
+        seen.add(name)
+        try:
+            m = verification.read_manifest(layout, name)
+        except verification.UNUSABLE:
+            break
+        if name not in bad:
+            chain.append(name)
+        name = m.parent
+    return chain
+
+
+def step_of(layout: RunLayout, name: str | None, old: Pointer | None) -> int | None:
+    if name is None:
+        return None
+    if old is not None and old.checkpoint == name:
+        return old.step
+    parsed = parse_checkpoint_name(name)
+    if parsed:
+        return parsed[0]
+    try:
+        return verification.read_manifest(layout, name).step
+    except (CheckpointError, CheckpointNotFoundError):
+        return None
+
+
+def highest_attempt(layout: RunLayout) -> int:
+    """The highest attempt number in any checkpoint name of the run (0 if none)."""
+    return max((p[1] for n in list_names(layout) if (p := parse_checkpoint_name(n))),
+               default=0)
+
+
+class CheckpointRepo:
+    """One writer of one training run's checkpoints (and a reader of them)."""
+
+    def __init__(self, store: ObjectStore, experiment: str, run: str):
+        self.layout = RunLayout(store, experiment, run)
+        self._pointer_token: str | None = None
+        self._pointer: Pointer | None = None
+        self.owner = uuid.uuid4().hex[:12]
+        # Checkpoints this repo's discovery found corrupt, with the reason: the claim keeps
+        # them out of the history that retention counts.
+        self._skipped: dict[str, str] = {}
+        # Names retention deleted (or found gone): dropped from the next pointer's history.
+        self._retired: set[str] = set()
+        # The checkpoint this attempt's state descends from: the next commit's parent. Not
+        # the pointer's target, which may be a newer checkpoint that failed verification.
+        self.parent: str | None = None
+
+    # -- naming -------------------------------------------------------------------------
+    @property
+    def store(self) -> ObjectStore:
+        return self.layout.store
+
+    @property
+    def experiment(self) -> str:
+        return self.layout.experiment
+
+    @property
+    def run(self) -> str:
+        return self.layout.run
+
+    @property
+    def prefix(self) -> str:
+        return self.layout.prefix
+
+    @property
+    def ckpt_prefix(self) -> str:
+        return self.layout.versions_prefix
+
+    @property
+    def pointer_key(self) -> str:
+        return self.layout.pointer_key
+
+    def key(self, name: str, filename: str | None = None) -> str:
+        return self.layout.key(name, filename)
+
+    def uri(self, name: str) -> str:
+        return self.layout.uri(name)
+
+    # -- pointer ------------------------------------------------------------------------
+    def read_pointer(self) -> Pointer | None:
+        """The pointer, or None if there is none. An unreadable pointer raises CheckpointError.
+
+        Its version token is kept even then: the next move is conditional on it."""
+        data, token = self.store.read_versioned(self.pointer_key)
+        self._pointer_token = token
+        self._pointer = None
+        if data is None:
+            return None
+        self._pointer = Pointer.from_json(data, self.layout.pointer_uri)
+        return self._pointer
+
+    def _move_pointer(self, **changes: Any) -> Pointer:
+        self._pointer, self._pointer_token = move_pointer(
+            self.layout, self._pointer, self._pointer_token, self.owner, **changes)
+        return self._pointer
+
+    def claim(self, parent: str | None, at_least: int = 1, launched: bool = False) -> int:
+        """Take the run for a new attempt and return its number; older attempts' next
+        commit will fail.
+
+        The number is claimed, not guessed: it is above the pointer's attempt, above every
+        attempt in a checkpoint name, and at least `at_least` (what the orchestrator
+        asked for), and it is taken by a conditional pointer write. Of two attempts that
+        claim at once the loser re-reads and takes the next number, so no two attempts
+        share one (nor one checkpoint name).
+
+        `parent` is the checkpoint this attempt loaded (None when it starts fresh). The
+        claim rewrites the pointer's history to the line this attempt continues: names
+        that failed verification are dropped from it, and when the pointer was missing or
+        unreadable the history is rebuilt from `parent`'s chain of manifests, so that
+        retention can count and delete only checkpoints it knows are part of the run.
+
+        `launched`: `at_least` is the attempt the orchestrator launched this process as; an
+        attempt it has since declared failed (`fence`) is refused (PointerConflictError,
+        exit 6) instead of taking the run back from the attempt that resumed it.
+        """
+        if parent is not None and not isinstance(parent, str):
+            raise TypeError(f"claim(parent, at_least=...) takes a checkpoint name or None as "
+                            f"parent, got {parent!r}; the attempt number is returned")
+        self.parent = parent
+        for _ in range(CLAIM_TRIES):
+            try:
+                old = self.read_pointer()
+            except CheckpointError as e:
+                # Replaced by this claim: its version token (kept by read_pointer) still
+                # fences the write against another writer.
+                log.error("CHECKPOINT POINTER: %s; rebuilding it from the checkpoints", e)
+                old = None
+            if launched and old is not None and at_least <= old.fenced_through:
+                raise PointerConflictError(
+                    f"attempt {at_least} of run {self.prefix} was declared failed by the "
+                    f"orchestrator (the run's pointer refuses attempts up to "
+                    f"{old.fenced_through}); a newer attempt resumes the run, so this process "
+                    "stops without writing")
+            attempt = max(at_least, (old.attempt if old else 0) + 1,
+                          highest_attempt(self.layout) + 1)
+            timeline, best = claimed_timeline(self.layout, old, parent, set(self._skipped))
+            current = timeline[0] if timeline else None
+            try:
+                self._move_pointer(
+                    attempt=attempt, checkpoint=current, history=tuple(timeline[1:]),
+                    step=step_of(self.layout, current, old), best=best)
+            except PointerConflictError:
+                continue  # another attempt claimed first: read again, take a higher number
+            return attempt
+        raise PointerConflictError(
+            f"could not claim run {self.prefix}: {CLAIM_TRIES} conditional writes of "
+            f"{self.layout.pointer_uri} lost to other writers. Make sure only "
+            "one attempt of this run is started at a time, then start it again."
+        )
+
+    def next_attempt(self) -> int:
+        """A read-only estimate of the next attempt number; `claim` decides the real one."""
+        try:
+            ptr = self.read_pointer()
+        except CheckpointError:
+            ptr = None
+        return max(ptr.attempt if ptr else 0, highest_attempt(self.layout)) + 1
+
+    # -- writing ------------------------------------------------------------------------
+    def begin(self, step: int, attempt: int) -> Pending:
+        return Pending(checkpoint_name(step, attempt), step, attempt)
+
+    def write_file(self, pending: Pending,
+                   filename: str) -> AbstractContextManager[HashingWriter]:
+        """A create-once stream for `filename` of the pending checkpoint (context manager)."""
+        return write_file(self.layout, pending, filename)
+
+    @contextmanager
+    def write_path(self, pending: Pending, filename: str) -> Iterator[str]:
+        """Yield a file path to write `filename` of the pending checkpoint to (create-once).
+        For stores with `native_files` it is written in place; others copy it."""
+        key = self.key(pending.name, filename)
+        with self.store.create_from_path(key) as (path, result):
+            yield path
+        pending.written[filename] = result[0]
+
+    def commit(self, pending: Pending, meta: dict[str, Any]) -> Manifest:
+        """Manifest last inside the checkpoint, then the pointer (conditional)."""
+        manifest = write_manifest(self.layout, pending, self.parent, meta)
+        self._move_pointer(**committed_pointer(self._pointer, pending, meta, self._retired))
+        self.parent = pending.name
+        return manifest
+
+    # -- discovery and verification -------------------------------------------------------
+    def list_names(self) -> list[str]:
+        """Names of checkpoint directories (committed or not), oldest first."""
+        return list_names(self.layout)
+
+    def committed(self) -> list[str]:
+        """Checkpoints that have a manifest, oldest first."""
+        return committed(self.layout)
+
+    def read_manifest(self, name: str) -> Manifest:
+        return verification.read_manifest(self.layout, name)
+
+    def verify_file(self, manifest: Manifest, filename: str, f: BinaryIO) -> None:
+        """Check size and SHA-256 of an open file against the manifest (CheckpointError)."""
+        verification.verify_file(self.layout, manifest, filename, f)
+
+    def verify(self, name: str) -> Manifest:
+        """Read the manifest and check every file's size and SHA-256; raise CheckpointError."""
+        return verification.verify(self.layout, name)
+
+    def candidates(self) -> list[str]:
+        """Checkpoints to try, newest first (`trainer.checkpoints.verification.candidates`)."""
+        return verification.candidates(self.layout, lambda _layout: self.read_pointer())
+
+    def find_latest_valid(self) -> tuple[Manifest | None, list[tuple[str, str]]]:
+        """Newest checkpoint that verifies, and the (name, reason) of each one skipped.
+        The skipped ones stay out of the history this repo's next claim keeps."""
+        manifest, skipped = verification.find_latest_valid(
+            self.layout, lambda _layout: self.read_pointer())
+        self._skipped.update(skipped)
+        return manifest, skipped
+
+    # -- retention ----------------------------------------------------------------------
+    def apply_retention(self, keep_last: int, keep_best: bool, current_attempt: int) -> list[str]:
+        """Delete committed checkpoints beyond the newest `keep_last` (and the best one) and
+        partial ones left by older, dead attempts (`trainer.checkpoints.retention`). Never the one the
+        pointer names, nor the one this attempt descends from."""
+        return retention.apply_retention(
+            self.layout, self._pointer or Pointer(), self.parent, keep_last, keep_best,
+            current_attempt, self._retired)
+
+    # -- heartbeat ----------------------------------------------------------------------
+    def heartbeat(self, payload: dict[str, Any]) -> None:
+        body = json.dumps({**payload, "owner": self.owner, "time": time.time()}).encode()
+        self.store.write_overwrite(self.layout.heartbeat_key, body)
+
+    def read_heartbeat(self) -> dict[str, Any] | None:
+        return read_heartbeat(self.layout)
+
+    def read_beat(self) -> Beat | None:
+        """The heartbeat as its record (`trainer.checkpoints.records.Beat`); None if there is none or
+        it is unreadable."""
+        try:
+            return Beat.from_dict(self.read_heartbeat())
+        except ValueError:
+            return None
+
+    # -- fencing ------------------------------------------------------------------------
+    def owns_run(self) -> bool:
+        """Does the pointer still name this repo's claim as its owner? False once a newer
+        attempt claimed the run or the orchestrator fenced it. Reads without touching the
+        version this writer's next commit is conditional on. A missing pointer is not a
+        takeover (the next commit finds out); an unreadable one raises CheckpointError."""
+        data, _ = self.store.read_versioned(self.pointer_key)
+        if data is None:
+            return True
+        return Pointer.from_json(data, self.store.uri_for(self.pointer_key)).owner == self.owner
+
+    def fence(self, through_attempt: int) -> Pointer:
+        """Supersede attempts up to `through_attempt` (the orchestrator declared them
+        failed): the pointer is rewritten by this repo, its content kept, so an older
+        attempt's next commit fails (exit 6), and their claims are refused from now on.
+
+        Only a readable pointer is fenced: a missing one with checkpoints beside it (or an
+        unreadable one) is left for the next claim to rebuild from the manifests, and
+        CheckpointError says so."""
+        for _ in range(CLAIM_TRIES):
+            old = self.read_pointer()
+            if old is None and self.committed():
+                raise CheckpointError(
+                    f"{self.store.uri_for(self.pointer_key)} is missing although checkpoints "
+                    "exist; not fenced (the next claim rebuilds the pointer)")
+            try:
+                return self._move_pointer(fenced_through=max(
+                    through_attempt, old.fenced_through if old else 0))
+            except PointerConflictError:
+                continue  # the attempt committed meanwhile: fence what it wrote, too
+        raise PointerConflictError(
+            f"could not fence run {self.prefix}: {CLAIM_TRIES} conditional writes of "
+            f"{self.store.uri_for(self.pointer_key)} lost to other writers")
