@@ -56,7 +56,8 @@ from ckpt_assets.runs.settings import Setting  # noqa: E402
 from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
 from tests.daemon_harness import PROJECT_WORKSPACE, Daemon, training_config  # noqa: E402
 from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
-from trainer.checkpoints.repo import CheckpointRepo, parse_checkpoint_name  # noqa: E402
+from trainer.checkpoints.manifest import parse_checkpoint_name  # noqa: E402
+from trainer.checkpoints.repo import CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 
 RUN = "bench-resume"

@@ -27,16 +27,16 @@ from typing import Any
 
 from trainer.base.errors import AlreadyExistsError, CheckpointError, CheckpointNotFoundError
 from trainer.checkpoints import verification
-from trainer.checkpoints.layout import RunLayout, committed, read_pointer, read_pointer_versioned
-from trainer.checkpoints.manifest import MANIFEST, Manifest
-from trainer.checkpoints.pointer import Pointer
-from trainer.checkpoints.repo import (
+from trainer.checkpoints.commit import (
     Pending,
     committed_pointer,
     move_pointer,
     write_file,
     write_manifest,
 )
+from trainer.checkpoints.layout import RunLayout, committed, read_pointer, read_pointer_versioned
+from trainer.checkpoints.manifest import MANIFEST, Manifest
+from trainer.checkpoints.pointer import Pointer
 from trainer.storage import ObjectStore
 
 _VERSION_RE = re.compile(r"^v-(\d{6,})$")

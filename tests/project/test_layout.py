@@ -37,34 +37,56 @@ def test_the_architecture_pages_module_table_lists_every_module_of_ckpt_assets_a
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    top = path.parent
+    while (top.parent / "__init__.py").is_file():
+        top = top.parent
+    parts = path.relative_to(top.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _runtime_imports(path: Path) -> set[str]:
-    """The modules `path` imports when it runs: top-level and lazy (inside functions) alike;
-    only `if TYPE_CHECKING:` blocks, never executed, are left out."""
+    """The modules `path` imports when it runs: top-level and lazy (inside functions) alike,
+    relative imports resolved; only `if TYPE_CHECKING:` blocks, never executed, are left out."""
     tree = ast.parse(path.read_text())
     skip = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    package = _module_name(path).split(".") if path.name == "__init__.py" \
+        else _module_name(path).split(".")[:-1]
     found = set()
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
     return found
 
 
-def _import_graph() -> dict[str, set[str]]:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in package.rglob("*.py")}
     return {name: {m for m in _runtime_imports(path) if m in modules and m != name
-                   and m != "ckpt_assets"}
+                   and m != package.name}
             for name, path in modules.items()}
+
+
+def _package_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Which packages of `package` import which (a module at its top is its own node)."""
+    def of(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for name, deps in _import_graph(package).items():
+        graph.setdefault(of(name), set()).update(of(d) for d in deps if of(d) != of(name))
+    for deps in list(graph.values()):
+        for d in deps:
+            graph.setdefault(d, set())
+    return graph
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -103,8 +125,31 @@ def test_no_module_of_ckpt_assets_imports_another_in_a_cycle_lazy_imports_includ
     assert _cycles(_import_graph()) == []
 
 
+@pytest.mark.xfail(strict=True, reason="attempt, lifecycle, records and runs still share a base")
+def test_no_package_of_ckpt_assets_imports_another_in_a_cycle_lazy_imports_included():
+    # The packages are layers (docs/architecture.md): each looks only down, at the ones it
+    # stands on, never back up at one that stands on it.
+    assert _cycles(_package_graph()) == []
+
+
+def test_no_module_of_the_trainer_imports_another_in_a_cycle_lazy_imports_included():
+    assert _cycles(_import_graph(ROOT / "trainer")) == []
+
+
 def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_layout_checks_see_a_relative_lazy_import_and_a_cycle_between_packages(tmp_path):
+    pkg = tmp_path / "pkg"
+    for sub, text in (("a", "def f():\n    from ..b import m  # lazy\n"),
+                      ("b", "from ..a import m\n")):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+        (pkg / sub / "m.py").write_text(text)
+    (pkg / "__init__.py").write_text("")
+    assert _cycles(_import_graph(pkg)) == [["pkg.a.m", "pkg.b.m"]]
+    assert _cycles(_package_graph(pkg)) == [["pkg.a", "pkg.b"]]
 
 
 DEFS_USERS = ("ckpt_assets.defs", "ckpt_assets.definitions", "ckpt_assets.cli")
@@ -152,21 +197,10 @@ def test_no_function_is_longer_than_reads_in_one_sitting():
     assert long == []
 
 
-def test_no_module_of_ckpt_assets_is_over_400_lines():
-    long = [f"{p.relative_to(ROOT)} ({n})" for p in sorted(PACKAGE.rglob("*.py"))
+def test_no_module_is_over_400_lines():
+    long = [f"{p.relative_to(ROOT)} ({n})" for p in _python_files()
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
     assert long == []
-
-
-def test_a_trainer_module_over_400_lines_says_at_its_top_why():
-    unexplained = []
-    for path in sorted((ROOT / "trainer").rglob("*.py")):
-        text = path.read_text()
-        if len(text.splitlines()) > MAX_MODULE_LINES:
-            doc = ast.get_docstring(ast.parse(text)) or ""
-            if "Why this module is long" not in doc:
-                unexplained.append(str(path.relative_to(ROOT)))
-    assert unexplained == []
 
 
 def test_the_trainer_never_imports_dagster():

@@ -22,14 +22,14 @@ from hypothesis import strategies as st
 
 from trainer.api.checkpointer import Checkpointer
 from trainer.base.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from trainer.checkpoints.repo import (
+from trainer.checkpoints.manifest import (
     MANIFEST,
-    CheckpointRepo,
     Manifest,
-    Pointer,
     checkpoint_name,
     parse_checkpoint_name,
 )
+from trainer.checkpoints.pointer import Pointer
+from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store, split_uri, validate_key, validate_name
 from trainer.storage.local import LocalStore
 from trainer.storage.s3 import S3Store

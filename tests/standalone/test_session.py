@@ -386,7 +386,7 @@ def test_epochs_and_batches_resume_a_stop_at_the_epoch_boundary_or_inside_an_epo
 
 
 def test_position_without_epochs_takes_a_checkpoint_at_an_epochs_last_batch_as_before_its_end_of_epoch_work(tmp_path):
-    from trainer.api.session import Position
+    from trainer.api.epochs import Position
 
     with _session(tmp_path, every_steps=None) as ckpt:
         ckpt.restore(model=_parts()[0])

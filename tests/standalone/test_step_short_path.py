@@ -16,6 +16,7 @@ import torch
 
 import trainer.api.checkpointer as checkpointer_mod
 import trainer.api.session as session_mod
+import trainer.api.session_open as session_open
 from trainer.api.session import CheckpointSession
 from trainer.process.contract import Progress
 
@@ -38,7 +39,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(session_mod, "time", fake)
+    for module in (session_mod, session_open):  # every module of the session reading time
+        monkeypatch.setattr(module, "time", fake)
     return fake
 
 

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from ..base.errors import CheckpointError
+from ..checkpoints.commit import Pending
 from ..checkpoints.manifest import Manifest
-from ..checkpoints.repo import CheckpointRepo, Pending
+from ..checkpoints.repo import CheckpointRepo
 from ..process.signals import on_a_helper_thread
 from ..ranks.distributed import RNG_PART, Ranks, rank_file, rederive_rngs
 from ..ranks.sharded import SHARDED_META, ShardedParts, Shards

@@ -166,3 +166,20 @@ class Measured:
 
     def load_state_dict(self, state: Any) -> Any:
         return self.part.load_state_dict(state)
+
+
+def optimizer_warning(part_kinds: dict[str, str], sizes: dict[str, int]) -> str | None:
+    """The warning for an optimizer part many times the size of the model (a commit's sizes
+    by part), or None: every checkpoint carries that state, so it sets the save's cost."""
+    models = [n for n, kind in part_kinds.items() if kind == "model"]
+    model_bytes = sum(sizes.get(n, 0) for n in models)
+    for name, kind in part_kinds.items():
+        size = sizes.get(name, 0)
+        if kind == "optimizer" and model_bytes and size > OPTIMIZER_SIZE_WARNING * model_bytes:
+            return (f"checkpoint part {name!r} is {size / model_bytes:.0f}x the model "
+                    f"({human_bytes(size)} against {human_bytes(model_bytes)} in "
+                    f"{', '.join(models)}), and every checkpoint carries it: that is the "
+                    "optimizer's own state (LBFGS keeps 2 x history_size copies of the "
+                    "parameters). A smaller history or an optimizer with less state makes "
+                    "checkpoints smaller and faster.")
+    return None

@@ -52,8 +52,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..base.errors import CheckpointError
+from ..checkpoints.commit import Pending
 from ..checkpoints.manifest import Manifest
-from ..checkpoints.repo import CheckpointRepo, Pending
+from ..checkpoints.repo import CheckpointRepo
 
 METADATA_FILE = "sharded-metadata.pt"
 NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ..base.errors import CheckpointError, ConfigError
+from ..checkpoints.commit import Pending
 from ..checkpoints.manifest import Manifest
-from ..checkpoints.repo import CheckpointRepo, Pending
+from ..checkpoints.repo import CheckpointRepo
 from .distributed import CollectiveError, Ranks
 from .world import lost_a_peer
 

@@ -1,0 +1,73 @@
+"""Where a hand-rolled batch loop continues (`position`, `epochs`, `batches`) and the
+plain values a script keeps by name (`keep`).
+
+One concern of the session's (`trainer.api.session`), on the session's own state: a mixin
+of `CheckpointSession`, never used on its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from ..base.errors import (
+    ConfigError,
+)
+from .epochs import EpochWalk, Position, position_of, walk_batches, walk_epochs
+from .kept import Kept
+
+log = logging.getLogger("trainer")
+
+
+class Walking:
+    """The position helpers of a loop without a DataLoader, and kept values."""
+
+    def position(self, batches_per_epoch: int) -> Position:
+        """The epoch and batch to continue from after `restore`, with `batches_per_epoch`
+        batches per epoch (`trainer.api.epochs.position_of`)."""
+        if self._ck is None:
+            raise ConfigError("call restore() before position(): the position is the "
+                              "restored checkpoint's")
+        return position_of(self.loop, batches_per_epoch)
+
+    def epochs(self, epochs: int, batches_per_epoch: int, *, start: int = 0) -> Iterator[int]:
+        """The epochs still to train, from the restored one, as `range(start, epochs)`
+        numbers them (`start=1`: a loop over `range(1, n + 1)` becomes
+        `ckpt.epochs(n + 1, batches_per_epoch, start=1)`); iterate `batches()` in each
+        (`trainer.api.epochs.walk_epochs` says how a resume inside an epoch continues)."""
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= epochs:
+            raise ConfigError(f"epochs(): start is {start!r}; pass the first epoch's number, "
+                              f"from 0 to epochs ({epochs})")
+        pos = self.position(batches_per_epoch)
+        self._walk = EpochWalk(batches_per_epoch)
+        self._calm_until = 0  # every batch's step is checked against the walk
+        walk = walk_epochs(self.loop, self._walk, pos, epochs - start)
+        return walk if not start else (epoch + start for epoch in walk)
+
+    def batches(self, items: Iterable[Any] | None = None) -> Iterator[Any]:
+        """The batch indices of the current epoch of `epochs()` still to train; or, given
+        the epoch's `items` (`enumerate(range(0, n, bptt))`, a list of batches), those
+        items from the one the epoch continues with."""
+        if self._walk is None:
+            raise ConfigError("batches() goes inside `for epoch in ckpt.epochs(epochs, "
+                              "batches_per_epoch)`, which knows where the epoch continues")
+        if self._kept is not None:
+            self._kept.after_prologue(resumed_inside=self._walk.first > 0)
+        indices = walk_batches(self._walk)
+        if items is None:
+            return indices
+        # The indices first: zip asks them for each next item, so they see the epoch's end.
+        return (item for _, item in zip(indices, itertools.islice(items, self._walk.first, None),
+                                        strict=False))
+
+    def keep(self, where: Any, *names: str) -> None:
+        """Checkpoint the plain values `names` where they live, a dict (a script's
+        `globals()`) or an object's attributes; before `restore`, which sets them back
+        (`trainer.api.kept`)."""
+        if self._ck is not None:
+            raise ConfigError("keep() goes before restore(), which sets the kept values back")
+        if self._kept is None:
+            self._kept = Kept()
+        self._kept.add(where, names)
