@@ -10,8 +10,6 @@ to the public API):
 * a `train_job` run created and submitted in-process as `dagster job launch -w
   workspace.yaml` creates it (`ckpt_assets.runs.submit`): the workspace's code location,
   the job's snapshots and execution plan, the run's origins.
-* a run worker's body run in a process forked from a warm one, as `dagster api
-  execute_run` runs it (`ckpt_assets.runs.fork_server`);
 * the schema migrations of Dagster's storages read once per process, not once per instance
   (`read_schema_migrations_once`).
 """
@@ -162,108 +160,6 @@ def _execution_plan(instance: dg.DagsterInstance, location: CodeLocation, repo_n
             run_config={}, step_keys_to_execute=None,
             job_snapshot_id=job.identifying_job_snapshot_id,
             instance_ref=instance.get_ref() if instance.is_persistent else None))
-
-
-# -- The run pool (ckpt_assets.runs.pool_launcher, ckpt_assets.runs.fork_server): a run
-# worker forked from a warm server runs its run as `dagster api execute_run` runs it.
-
-@dataclass(frozen=True)
-class RunCode:
-    """Where a run's code is loaded from (its job's Python origin), as a run worker loads it."""
-
-    module: str
-    attribute: str
-    working_directory: str | None
-    executable: str
-
-
-def run_code(run: dg.DagsterRun) -> RunCode | None:
-    """The run's code location as a module and attribute, or None where it is loaded another
-    way (a Python file, an autodiscovered repository): the pool serves module locations."""
-    origin = run.job_code_origin
-    if origin is None:
-        return None
-    pointer = origin.repository_origin.code_pointer
-    attribute = getattr(pointer, "fn_name", None) or getattr(pointer, "attribute", None)
-    module = getattr(pointer, "module", None)
-    if not module or not attribute:
-        return None
-    # A run launched from the CLI records its working directory as given ("."), one a
-    # sensor submits through the code server as that server's: the same code, so compared
-    # resolved (from the launcher's directory, where a run worker it starts cold runs too).
-    directory = getattr(pointer, "working_directory", None)
-    return RunCode(module, attribute, str(Path(directory).resolve()) if directory else None,
-                   origin.repository_origin.executable_path)
-
-
-def load_run_code(code: RunCode) -> None:
-    """Import the code location and build its repository as a run worker will (the module
-    and the cached repository are then inherited by every process forked from this one),
-    and the run worker's own machinery."""
-    import dagster._cli.api  # noqa: F401 - what execute_run_here runs
-    from dagster._core.definitions.reconstruct import ReconstructableRepository
-
-    ReconstructableRepository.for_module(code.module, code.attribute,
-                                         code.working_directory).get_definition()
-
-
-def execute_run_args(run: dg.DagsterRun, instance: dg.DagsterInstance) -> str:
-    """The serialized argument of `dagster api execute_run` for `run` (what a launcher that
-    starts run workers as processes of their own passes them)."""
-    from dagster._grpc.types import ExecuteRunArgs
-    from dagster._serdes import serialize_value
-
-    return serialize_value(ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id,
-                                          instance_ref=instance.get_ref()))
-
-
-def execute_run_here(serialized_args: str) -> int:
-    """Run the run in this process exactly as `dagster api execute_run ARGS` does
-    (dagster._cli.api.execute_run_command): interrupts captured, the instance from the
-    args' ref (and a local .env), the job reconstructed from the run's origin. Its exit
-    status."""
-    from dagster._cli.api import _execute_run_command_body
-    from dagster._cli.utils import get_instance_for_cli
-    from dagster._grpc.types import ExecuteRunArgs
-    from dagster._serdes import deserialize_value, serialize_value
-
-    with capture_interrupts():
-        args = deserialize_value(serialized_args, ExecuteRunArgs)
-        with get_instance_for_cli(instance_ref=args.instance_ref) as instance:
-            buffer: list[str] = []  # as execute_run_command: events kept, never sent
-            return _execute_run_command_body(
-                args.run_id, instance, lambda event: buffer.append(serialize_value(event)),
-                set_exit_code_on_failure=args.set_exit_code_on_failure or False)
-
-
-def fail_unfinished_run(serialized_args: str, exit_code: int) -> bool:
-    """What Dagster's code server does when a run worker it started has exited
-    (`DagsterApiServer._check_for_orphaned_runs`): a run the worker left unfinished is failed,
-    with an engine event that says how the worker ended. Whether it failed the run."""
-    from dagster._grpc.types import ExecuteRunArgs
-    from dagster._serdes import deserialize_value
-    from dagster._utils import get_run_crash_explanation
-
-    args = deserialize_value(serialized_args, ExecuteRunArgs)
-    with dg.DagsterInstance.from_ref(args.instance_ref) as instance:
-        run = instance.get_run_by_id(args.run_id)
-        if run is None or run.is_finished:
-            return False
-        message = get_run_crash_explanation(prefix=f"Run execution process for {run.run_id}",
-                                            exit_code=exit_code)
-        instance.report_engine_event(message, run)
-        instance.report_run_failed(run)
-        return True
-
-
-def remember_launched_run(launcher: dg.DefaultRunLauncher, run_id: str) -> None:
-    """Count a run started outside the code server among `launcher`'s own, as its
-    `launch_run` does (`DefaultRunLauncher.join` waits for them)."""
-    launcher._run_ids.add(run_id)  # noqa: SLF001
-
-
-__all__ += ["remember_launched_run", "RunCode", "run_code", "load_run_code", "execute_run_args",
-            "execute_run_here", "fail_unfinished_run"]
 
 
 _MIGRATIONS: dict[tuple[type, str | None, str | None], Any] = {}
