@@ -10,8 +10,6 @@ to the public API):
 * a `train_job` run created and submitted in-process as `dagster job launch -w
   workspace.yaml` creates it (`ckpt_assets.runs.submit`): the workspace's code location,
   the job's snapshots and execution plan, the run's origins.
-* the schema migrations of Dagster's storages read once per process, not once per instance
-  (`read_schema_migrations_once`).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["DagsterRunAlreadyExists", "capture_interrupts", "check_captured_interrupt",
            "pop_captured_interrupt", "report_engine_event",
            "daemon_types", "TrainingLocation", "open_training_location", "create_training_run",
-           "SubmitError", "read_schema_migrations_once"]
+           "SubmitError"]
 
 
 class SubmitError(Exception):
@@ -161,33 +159,3 @@ def _execution_plan(instance: dg.DagsterInstance, location: CodeLocation, repo_n
             job_snapshot_id=job.identifying_job_snapshot_id,
             instance_ref=instance.get_ref() if instance.is_persistent else None))
 
-
-_MIGRATIONS: dict[tuple[type, str | None, str | None], Any] = {}
-
-
-def read_schema_migrations_once() -> None:
-    """Have each process read the migration scripts of Dagster's storages once.
-
-    A code server builds a new instance for every sensor evaluation
-    (`SensorEvaluationContext.instance`), and each storage it opens compares its schema with
-    the newest migration (`dagster._core.storage.sql.check_alembic_revision`) through a new
-    alembic `ScriptDirectory`, which reads and compiles every migration script again: 48 ms
-    of CPU an instance, 7 ms with the scripts read once. With four sensors evaluated every
-    loop, that was most of an idle code server's CPU. The scripts are files of the installed
-    Dagster, which do not change while a process runs."""
-    from alembic.script import ScriptDirectory
-
-    if getattr(ScriptDirectory.from_config, "reads_once", False):
-        return
-    read = ScriptDirectory.from_config.__func__
-
-    def from_config(cls, config, *args, **kwargs):
-        if args or kwargs:
-            return read(cls, config, *args, **kwargs)
-        key = (cls, config.config_file_name, config.get_main_option("script_location"))
-        if key not in _MIGRATIONS:
-            _MIGRATIONS[key] = read(cls, config)
-        return _MIGRATIONS[key]
-
-    from_config.reads_once = True
-    ScriptDirectory.from_config = classmethod(from_config)
