@@ -11,11 +11,6 @@ from ckpt_assets.defs.io_managers import CheckpointIOManager
 from ckpt_assets.defs.jobs import JOBS
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource
 from ckpt_assets.defs.sensors import SENSORS
-from ckpt_assets.runs.dagster_private import read_schema_migrations_once
-
-# The processes that load this module evaluate the sensors (a code server, every few seconds)
-# or run runs: each opens Dagster's storages many times.
-read_schema_migrations_once()
 
 
 def make_resources(store_uri: str | None = None, *, tracking_uri: str | None = None,

@@ -103,18 +103,11 @@ def base_env(trainer: TrainerSettings, aws_env: dict[str, str]) -> dict[str, str
     (`worker_environ`: the same for every attempt, so a standby fits each) without the
     contract's variables (a stale one must never reach the trainer), plus the store's
     credentials as they are now."""
-    return attempt_env(trainer.worker_environ, aws_env, trainer.extra_env, trainer.pythonpath)
-
-
-def attempt_env(worker_environ: dict[str, str], aws_env: dict[str, str] | None = None,
-                extra_env: dict[str, str] | None = None,
-                pythonpath: list[str] | None = None) -> dict[str, str]:
-    """`base_env` of a trainer resource with these settings (none: its defaults)."""
-    env = {**LaunchEnv.scrubbed(worker_environ), **(aws_env or {}), **(extra_env or {}),
+    env = {**LaunchEnv.scrubbed(trainer.worker_environ), **aws_env, **trainer.extra_env,
            "PYTHONUNBUFFERED": "1"}
     # The user's modules first (TrainerSettings.pythonpath), then ckpt-assets itself, so
     # both the trainer and a task module outside this repository import.
-    paths = [*(pythonpath or ()), str(REPO_ROOT), env.get("PYTHONPATH")]
+    paths = [*trainer.pythonpath, str(REPO_ROOT), env.get("PYTHONPATH")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 

@@ -6,8 +6,6 @@ standby process (`trainer.process.standby`) per Dagster run, with the attempt's 
 directory and environment less the per-attempt names:
 - for the run's first attempt, started by the run's first step (`training_dataset`), so that
   it imports torch while the run worker loads the dataset record and prepares the attempt;
-  or, in a run worker of the run pool, before the run was known (`keep_pool_standby`,
-  `ckpt_assets.runs.pool_worker`), taken if it fits the run's launch;
 - for a relaunch in the same run (`ckpt_assets.lifecycle.in_run`), started once the attempt it stands
   beside has sent its first message (so it never competes with that attempt's own start-up).
 When the attempt is launched, the standby is handed it and becomes it; a new standby is
@@ -87,24 +85,17 @@ class WarmTrainer:
 
     def warm_up(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
         """Start the standby the run's first attempt, launched as `argv` in `env` and `cwd`
-        (`ckpt_assets.attempt.command.standing_launch`), is to become. A standby the run
-        pool started with this process is taken if it fits, and stopped otherwise: an idle
-        one would hold its memory for the whole run."""
-        pooled = _take_pool_standby()
+        (`ckpt_assets.attempt.command.standing_launch`), is to become."""
         if self.enabled:
-            self._start(argv, env, cwd, pooled)
-        if pooled is not None and pooled is not self._standby:
-            _end(pooled.proc)
+            self._start(argv, env, cwd)
 
     def refill(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
         """Start a standby for a relaunch of the attempt launched as `argv`, once it runs."""
         if self.refills:
             self._start(argv, env, cwd)
 
-    def _start(self, argv: list[str], env: dict[str, str], cwd: str,
-               pooled: _Standby | None = None) -> None:
-        """Start a standby (or take `pooled`, if it fits) unless there is one or it could
-        not run `argv`. Called from the
+    def _start(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        """Start a standby unless there is one or it could not run `argv`. Called from the
         run's own thread (a step's): PR_SET_PDEATHSIG follows the thread that started a
         process, so a helper thread's exit would stop it."""
         if self._standby is not None or entry(argv) is None:
@@ -114,15 +105,6 @@ class WarmTrainer:
             self.log.info(f"no standby trainer: the attempt imports {theirs} as `trainer`, "
                           "which a standby's own `trainer` would hide; attempts start cold")
             return
-        if pooled is not None:
-            unfit = pooled.unfit(Handoff(argv, env, cwd, ""))
-            if unfit is None:
-                self._standby = pooled
-                self.log.info(f"{STANDBY_STARTED} (pid {self._standby.proc.pid}) before the "
-                              "run, by the run pool, for its first attempt")
-                return
-            self.log.info(f"the run pool's standby trainer cannot take this run ({unfit}); "
-                          "starting another")
         with stops_held() as held:
             try:  # recorded before a held stop is delivered: `close` ends it
                 self._standby = start_standby(argv[0], env, cwd)
@@ -149,25 +131,6 @@ def start_standby(python: str, env: dict[str, str], cwd: str) -> _Standby:
         preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         start_new_session=True)
     return _Standby(proc, python, standing_env(env))
-
-
-# The standby a run worker forked by the run pool was given before its run was known
-# (`keep_pool_standby`): the first `WarmTrainer` of the process takes it if it fits.
-_pool_standby: _Standby | None = None
-
-
-def keep_pool_standby(python: str, env: dict[str, str], cwd: str) -> int:
-    """Start this process's standby ahead of its run (the run pool's spare worker); its pid.
-    Raises OSError."""
-    global _pool_standby
-    _pool_standby = start_standby(python, env, cwd)
-    return _pool_standby.proc.pid
-
-
-def _take_pool_standby() -> _Standby | None:
-    global _pool_standby
-    standby, _pool_standby = _pool_standby, None
-    return standby
 
 
 def _end(proc: subprocess.Popen) -> None:

@@ -151,6 +151,9 @@ def _ended_unsuccessfully(view: RunView, now: float, made,
 # A daemon beats every 30 s (dagster's DEFAULT_HEARTBEAT_INTERVAL_SECONDS); missing three
 # beats in a row means none is running (dagster's own tolerance, 30 min, is for alerting).
 DAEMON_SILENT_AFTER_S = 90.0
+# The type names the sensor daemon and the run queue's record their heartbeats under: data in
+# the instance's storage, and what Dagster's GraphQL API (`daemonHealth`) takes.
+SENSOR_DAEMON, QUEUE_DAEMON = "SENSOR", "QUEUED_RUN_COORDINATOR"
 RERUN_HINT = "python -m ckpt_assets run {run}"  # ckpt_assets.cli.run_here: resumes, in-process
 
 
@@ -164,33 +167,26 @@ def daemon_running(instance: dg.DagsterInstance, daemon_type: str,
 
 def sensors_running(instance: dg.DagsterInstance) -> bool:
     """Whether a dagster-daemon runs the sensors (the resume sensors act on a failure)."""
-    from ckpt_assets.runs.dagster_private import daemon_types
-
-    return daemon_running(instance, daemon_types().sensors)
+    return daemon_running(instance, SENSOR_DAEMON)
 
 
 def queue_running(instance: dg.DagsterInstance) -> bool:
     """Whether a dagster-daemon dequeues queued runs."""
-    from ckpt_assets.runs.dagster_private import daemon_types
-
-    return daemon_running(instance, daemon_types().queue)
+    return daemon_running(instance, QUEUE_DAEMON)
 
 
 def without_daemon(instance: dg.DagsterInstance, state: RunState,
                    now: float | None = None) -> RunState:
     """`state`, its detail rewritten when what comes next needs a daemon that is not running."""
-    from ckpt_assets.runs.dagster_private import daemon_types
-
-    sensor_daemon, queue_daemon = daemon_types()
     failed = state.ended and state.state in (State.DECIDING, State.WAITING, State.RESUMING)
-    if failed and not daemon_running(instance, sensor_daemon, now):
+    if failed and not daemon_running(instance, SENSOR_DAEMON, now):
         rerun = RERUN_HINT.format(run=state.training_run)
         how = f" {state.outcome}" if state.outcome else ""
         return replace(state, detail=(
             f"attempt {state.attempt} ended{how}, which is resumed, but no daemon is running: "
             f"run `dagster-daemon run` (or `dagster dev`), or resume it here with `{rerun}`"))
     if state.state in (State.QUEUED, State.RESUMING) and not state.ended \
-            and not daemon_running(instance, queue_daemon, now):
+            and not daemon_running(instance, QUEUE_DAEMON, now):
         return replace(state, detail=(
             f"{state.detail}; no daemon is running: it stays queued until `dagster-daemon run` "
             "(or `dagster dev`) dequeues it"))

@@ -1,19 +1,14 @@
 """Everything of Dagster's private API that ckpt-assets uses, in one module.
 
-Dagster 1.13 has no public export for these; keeping them here means a Dagster upgrade
-that moves one changes this file only (tests/project/test_layout.py holds every other module
-to the public API):
+Only what Dagster 1.13 offers no public API for (each import says why); keeping them here
+means a Dagster upgrade that moves one changes this file only (tests/project/test_layout.py
+holds every other module to the public API):
 
 * engine events whose metadata (a run link) the UI renders (`EngineEventData`);
-* the daemons' type names, to tell whether a dagster-daemon runs the sensors and the queue;
 * interrupts captured as `dagster asset materialize` captures them (`capture_interrupts`);
 * a `train_job` run created and submitted in-process as `dagster job launch -w
   workspace.yaml` creates it (`ckpt_assets.runs.submit`): the workspace's code location,
   the job's snapshots and execution plan, the run's origins.
-* a run worker's body run in a process forked from a warm one, as `dagster api
-  execute_run` runs it (`ckpt_assets.runs.fork_server`);
-* the schema migrations of Dagster's storages read once per process, not once per instance
-  (`read_schema_migrations_once`).
 """
 
 from __future__ import annotations
@@ -22,11 +17,16 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
-from dagster._core.errors import DagsterRunAlreadyExists
+
+# Metadata on an event in a run's log from outside its steps (a decision, a resume's link):
+# the public instance method takes it only as this record.
 from dagster._core.events import EngineEventData
+
+# A stop noted rather than raised, as Dagster's own run worker and CLI note it: the flag is
+# Dagster's (its step boundaries raise it), so a handler of our own would not be seen there.
 from dagster._utils.interrupts import (
     capture_interrupts,
     check_captured_interrupt,
@@ -35,15 +35,14 @@ from dagster._utils.interrupts import (
 
 from ckpt_assets.runs.names import TRAIN_JOB, WORKSPACE_FILE
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what open_training_location yields (below: why it is private)
     from dagster._core.remote_origin import CodeLocationOrigin
     from dagster._core.remote_representation.code_location import CodeLocation
     from dagster._core.workspace.context import BaseWorkspaceRequestContext
 
-__all__ = ["DagsterRunAlreadyExists", "capture_interrupts", "check_captured_interrupt",
-           "pop_captured_interrupt", "report_engine_event",
-           "daemon_types", "TrainingLocation", "open_training_location", "create_training_run",
-           "SubmitError", "read_schema_migrations_once"]
+__all__ = ["capture_interrupts", "check_captured_interrupt", "pop_captured_interrupt",
+           "report_engine_event", "TrainingLocation", "open_training_location",
+           "create_training_run", "SubmitError"]
 
 
 class SubmitError(Exception):
@@ -56,26 +55,12 @@ def report_engine_event(instance: dg.DagsterInstance, run: dg.DagsterRun, words:
                                  engine_event_data=EngineEventData(metadata=metadata))
 
 
-class DaemonTypes(NamedTuple):
-    sensors: str  # the sensor daemon's type name in the instance's daemon heartbeats
-    queue: str  # the run queue's
-
-
-def daemon_types() -> DaemonTypes:
-    """The daemons' type names in the instance's daemon heartbeats."""
-    from dagster._daemon.daemon import SensorDaemon
-    from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import (
-        QueuedRunCoordinatorDaemon,
-    )
-
-    return DaemonTypes(SensorDaemon.daemon_type(), QueuedRunCoordinatorDaemon.daemon_type())
-
-
 @dataclass(frozen=True)
 class TrainingLocation:
     workspace: BaseWorkspaceRequestContext
     location: CodeLocation
     origin: CodeLocationOrigin  # workspace.yaml's entry: what the run records
+    in_process: bool  # loaded in this process (the run queue's case), not by a code server
 
 
 @contextmanager
@@ -83,6 +68,8 @@ def open_training_location(instance: dg.DagsterInstance,
                            workspace_file: Path = WORKSPACE_FILE) -> Iterator[TrainingLocation]:
     """workspace.yaml's (only) code location, loaded in-process when the instance queues
     runs (the queue needs no code server), else served as `dagster job launch` serves it."""
+    # Public paths queue a run only from another process (`dagster job launch`, about 3 s)
+    # or through a running webserver (GraphQL); no public Python API loads a workspace.
     from dagster._core.remote_origin import InProcessCodeLocationOrigin
     from dagster._core.workspace.context import WorkspaceProcessContext
     from dagster._core.workspace.load import location_origins_from_yaml_paths
@@ -96,7 +83,8 @@ def open_training_location(instance: dg.DagsterInstance,
         raise SubmitError(f"{workspace_file} must name exactly one code location, not "
                           f"{len(origins)}")
     origin = origins[0]
-    if isinstance(instance.run_coordinator, dg.QueuedRunCoordinator):
+    in_process = isinstance(instance.run_coordinator, dg.QueuedRunCoordinator)
+    if in_process:
         target = InProcessWorkspaceLoadTarget(InProcessCodeLocationOrigin(
             origin.loadable_target_origin, location_name=origin.location_name))
     else:
@@ -108,17 +96,17 @@ def open_training_location(instance: dg.DagsterInstance,
         except dg.DagsterError as e:
             raise SubmitError(f"cannot load the code location {origin.location_name!r} of "
                               f"{workspace_file}: {e}") from e
-        yield TrainingLocation(workspace, location, origin)
+        yield TrainingLocation(workspace, location, origin, in_process)
 
 
 def create_training_run(instance: dg.DagsterInstance, loc: TrainingLocation, run_id: str,
                         tags: Mapping[str, str]) -> dg.DagsterRun:
     """The run `dagster job launch -w workspace.yaml -j train_job --tags ... --run-id ...`
     creates (dagster._cli.job._create_run): the same snapshots, plan, tags and origins.
-    Raises DagsterRunAlreadyExists if `run_id` exists."""
-    from dagster._core.definitions.selector import JobSubsetSelector
+    Raises a DagsterError if `run_id` exists."""
+    # The origin the run records is workspace.yaml's, not the in-process location's: the
+    # public launch paths (the CLI, GraphQL) build it inside Dagster, with no Python API.
     from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
-    from dagster._utils.tags import normalize_tags
 
     location = loc.location
     repos = list(location.get_repositories().values())
@@ -126,15 +114,13 @@ def create_training_run(instance: dg.DagsterInstance, loc: TrainingLocation, run
         raise SubmitError(f"code location {location.name!r} holds {len(repos)} repositories; "
                           "expected the one of ckpt_assets.definitions:defs")
     repo = repos[0]
-    job = location.get_job(JobSubsetSelector(location_name=location.name,
-                                             repository_name=repo.name,
-                                             job_name=TRAIN_JOB, op_selection=None))
-    plan = _execution_plan(instance, location, repo.name, job)
+    job = repo.get_full_job(TRAIN_JOB)
+    plan = _execution_plan(instance, loc, repo.name, job)
     return instance.create_run(
         job_name=job.name, run_id=run_id, run_config={},
         resolved_op_selection=job.resolved_op_selection,
         step_keys_to_execute=plan.step_keys_to_execute, op_selection=None, status=None,
-        root_run_id=None, parent_run_id=None, tags=normalize_tags({**job.tags, **tags}),
+        root_run_id=None, parent_run_id=None, tags={**job.tags, **tags},
         job_snapshot=job.job_snapshot, execution_plan_snapshot=plan,
         parent_job_snapshot=job.parent_job_snapshot,
         remote_job_origin=RemoteJobOrigin(RemoteRepositoryOrigin(loc.origin, repo.name),
@@ -143,15 +129,15 @@ def create_training_run(instance: dg.DagsterInstance, loc: TrainingLocation, run
         asset_check_selection=None, asset_graph=repo.asset_graph)
 
 
-def _execution_plan(instance: dg.DagsterInstance, location: CodeLocation, repo_name: str, job):
-    from dagster._core.remote_representation.code_location import InProcessCodeLocation
-
-    if not isinstance(location, InProcessCodeLocation):
+def _execution_plan(instance: dg.DagsterInstance, loc: TrainingLocation, repo_name: str, job):
+    location = loc.location
+    if not loc.in_process:
         return location.get_execution_plan(job, {}, step_keys_to_execute=None,
                                            known_state=None, instance=instance
                                            ).execution_plan_snapshot
     # What a code server computes (an in-process location's own plan leaves out the
     # repository's load data, which the run worker reads back): the same plan, the same id.
+    # Only a code server's gRPC handler computes it: no public API does.
     from dagster._grpc.impl import get_external_execution_plan_snapshot
     from dagster._grpc.types import ExecutionPlanSnapshotArgs
 
@@ -163,135 +149,3 @@ def _execution_plan(instance: dg.DagsterInstance, location: CodeLocation, repo_n
             job_snapshot_id=job.identifying_job_snapshot_id,
             instance_ref=instance.get_ref() if instance.is_persistent else None))
 
-
-# -- The run pool (ckpt_assets.runs.pool_launcher, ckpt_assets.runs.fork_server): a run
-# worker forked from a warm server runs its run as `dagster api execute_run` runs it.
-
-@dataclass(frozen=True)
-class RunCode:
-    """Where a run's code is loaded from (its job's Python origin), as a run worker loads it."""
-
-    module: str
-    attribute: str
-    working_directory: str | None
-    executable: str
-
-
-def run_code(run: dg.DagsterRun) -> RunCode | None:
-    """The run's code location as a module and attribute, or None where it is loaded another
-    way (a Python file, an autodiscovered repository): the pool serves module locations."""
-    origin = run.job_code_origin
-    if origin is None:
-        return None
-    pointer = origin.repository_origin.code_pointer
-    attribute = getattr(pointer, "fn_name", None) or getattr(pointer, "attribute", None)
-    module = getattr(pointer, "module", None)
-    if not module or not attribute:
-        return None
-    # A run launched from the CLI records its working directory as given ("."), one a
-    # sensor submits through the code server as that server's: the same code, so compared
-    # resolved (from the launcher's directory, where a run worker it starts cold runs too).
-    directory = getattr(pointer, "working_directory", None)
-    return RunCode(module, attribute, str(Path(directory).resolve()) if directory else None,
-                   origin.repository_origin.executable_path)
-
-
-def load_run_code(code: RunCode) -> None:
-    """Import the code location and build its repository as a run worker will (the module
-    and the cached repository are then inherited by every process forked from this one),
-    and the run worker's own machinery."""
-    import dagster._cli.api  # noqa: F401 - what execute_run_here runs
-    from dagster._core.definitions.reconstruct import ReconstructableRepository
-
-    ReconstructableRepository.for_module(code.module, code.attribute,
-                                         code.working_directory).get_definition()
-
-
-def execute_run_args(run: dg.DagsterRun, instance: dg.DagsterInstance) -> str:
-    """The serialized argument of `dagster api execute_run` for `run` (what a launcher that
-    starts run workers as processes of their own passes them)."""
-    from dagster._grpc.types import ExecuteRunArgs
-    from dagster._serdes import serialize_value
-
-    return serialize_value(ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id,
-                                          instance_ref=instance.get_ref()))
-
-
-def execute_run_here(serialized_args: str) -> int:
-    """Run the run in this process exactly as `dagster api execute_run ARGS` does
-    (dagster._cli.api.execute_run_command): interrupts captured, the instance from the
-    args' ref (and a local .env), the job reconstructed from the run's origin. Its exit
-    status."""
-    from dagster._cli.api import _execute_run_command_body
-    from dagster._cli.utils import get_instance_for_cli
-    from dagster._grpc.types import ExecuteRunArgs
-    from dagster._serdes import deserialize_value, serialize_value
-
-    with capture_interrupts():
-        args = deserialize_value(serialized_args, ExecuteRunArgs)
-        with get_instance_for_cli(instance_ref=args.instance_ref) as instance:
-            buffer: list[str] = []  # as execute_run_command: events kept, never sent
-            return _execute_run_command_body(
-                args.run_id, instance, lambda event: buffer.append(serialize_value(event)),
-                set_exit_code_on_failure=args.set_exit_code_on_failure or False)
-
-
-def fail_unfinished_run(serialized_args: str, exit_code: int) -> bool:
-    """What Dagster's code server does when a run worker it started has exited
-    (`DagsterApiServer._check_for_orphaned_runs`): a run the worker left unfinished is failed,
-    with an engine event that says how the worker ended. Whether it failed the run."""
-    from dagster._grpc.types import ExecuteRunArgs
-    from dagster._serdes import deserialize_value
-    from dagster._utils import get_run_crash_explanation
-
-    args = deserialize_value(serialized_args, ExecuteRunArgs)
-    with dg.DagsterInstance.from_ref(args.instance_ref) as instance:
-        run = instance.get_run_by_id(args.run_id)
-        if run is None or run.is_finished:
-            return False
-        message = get_run_crash_explanation(prefix=f"Run execution process for {run.run_id}",
-                                            exit_code=exit_code)
-        instance.report_engine_event(message, run)
-        instance.report_run_failed(run)
-        return True
-
-
-def remember_launched_run(launcher: dg.DefaultRunLauncher, run_id: str) -> None:
-    """Count a run started outside the code server among `launcher`'s own, as its
-    `launch_run` does (`DefaultRunLauncher.join` waits for them)."""
-    launcher._run_ids.add(run_id)  # noqa: SLF001
-
-
-__all__ += ["remember_launched_run", "RunCode", "run_code", "load_run_code", "execute_run_args",
-            "execute_run_here", "fail_unfinished_run"]
-
-
-_MIGRATIONS: dict[tuple[type, str | None, str | None], Any] = {}
-
-
-def read_schema_migrations_once() -> None:
-    """Have each process read the migration scripts of Dagster's storages once.
-
-    A code server builds a new instance for every sensor evaluation
-    (`SensorEvaluationContext.instance`), and each storage it opens compares its schema with
-    the newest migration (`dagster._core.storage.sql.check_alembic_revision`) through a new
-    alembic `ScriptDirectory`, which reads and compiles every migration script again: 48 ms
-    of CPU an instance, 7 ms with the scripts read once. With four sensors evaluated every
-    loop, that was most of an idle code server's CPU. The scripts are files of the installed
-    Dagster, which do not change while a process runs."""
-    from alembic.script import ScriptDirectory
-
-    if getattr(ScriptDirectory.from_config, "reads_once", False):
-        return
-    read = ScriptDirectory.from_config.__func__
-
-    def from_config(cls, config, *args, **kwargs):
-        if args or kwargs:
-            return read(cls, config, *args, **kwargs)
-        key = (cls, config.config_file_name, config.get_main_option("script_location"))
-        if key not in _MIGRATIONS:
-            _MIGRATIONS[key] = read(cls, config)
-        return _MIGRATIONS[key]
-
-    from_config.reads_once = True
-    ScriptDirectory.from_config = classmethod(from_config)

@@ -8,7 +8,6 @@ assets and the in-run relaunch read them without importing the job and the senso
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -101,22 +100,14 @@ SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                 "0": False, "false": False, "no": False, "off": False}
 
 
-def switch(setting: Setting, default: bool, environ: Mapping[str, str] = os.environ) -> bool:
-    """An on/off setting from `environ`; unset or empty is `default`."""
-    raw = environ.get(setting, "").strip().lower()
+def switch(setting: Setting, default: bool) -> bool:
+    """An on/off setting from the environment; unset or empty is `default`."""
+    raw = os.environ.get(setting, "").strip().lower()
     if not raw:
         return default
     if raw not in SWITCH_WORDS:
-        raise ValueError(f"{setting.value}={environ[setting]!r} is neither on nor off: set "
+        raise ValueError(f"{setting.value}={os.environ[setting]!r} is neither on nor off: set "
                          f"it to one of {', '.join(SWITCH_WORDS)} (or unset it for "
                          f"{'on' if default else 'off'})")
     return SWITCH_WORDS[raw]
 
-
-def warm_trainer_on(environ: Mapping[str, str]) -> bool:
-    """Whether a run worker started in `environ` keeps a standby trainer (a value that is
-    neither on nor off: no, and the run itself reports it)."""
-    try:
-        return switch(Setting.WARM_TRAINER, ResumeSettings.warm_trainer, environ)
-    except ValueError:
-        return False

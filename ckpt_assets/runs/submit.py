@@ -16,7 +16,7 @@ Once: concurrent launches of one training run create one Dagster run. A launch r
 partition's newest training run and derives the id of the run it creates from it
 (`launch_run_id`): every launcher that read the same state derives the same id, and the
 run storage's unique run id (SQLite and PostgreSQL alike) lets exactly one of them add it;
-the others get DagsterRunAlreadyExists and report the run that won (the pattern Dagster
+the others fail to add it and report the run that won (the pattern Dagster
 itself uses for runs several processes may register, `register_managed_run`). A launcher
 that reads after the winner's run exists finds it active and creates nothing; one whose
 reads straddle its creation derived its id before it and finds it active after. Chaining on
@@ -33,7 +33,6 @@ from pathlib import Path
 import dagster as dg
 
 from ckpt_assets.runs.dagster_private import (
-    DagsterRunAlreadyExists,
     SubmitError,
     TrainingLocation,
     create_training_run,
@@ -103,11 +102,11 @@ def submit(instance: dg.DagsterInstance, loc: TrainingLocation, plan: LaunchPlan
     try:
         run = create_training_run(instance, loc, plan.run_id,
                                   {**(tags or {}), PARTITION_TAG: plan.partition})
-    except DagsterRunAlreadyExists:
+    except dg.DagsterError as e:  # the run storage's DagsterRunAlreadyExists, not exported
         winner = instance.get_run_by_id(plan.run_id)
-        if winner is None:  # deleted in between: nothing sensible to report but the failure
-            raise SubmitError(f"run {plan.run_id} was created by another launch and deleted "
-                              "at once; launch again") from None
+        if winner is None:  # another failure, or the winner deleted in between
+            raise SubmitError(f"run {plan.run_id} could not be created ({e}); launch "
+                              "again") from e
         return Submission(winner, created=False)
     try:
         return Submission(instance.submit_run(run.run_id, loc.workspace), created=True)

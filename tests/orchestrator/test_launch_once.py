@@ -132,17 +132,19 @@ def test_a_queued_launch_says_whether_a_daemon_will_dequeue_it(queue_instance, c
     import time
     from types import SimpleNamespace
 
+    from dagster._daemon.run_coordinator.queued_run_coordinator_daemon import (
+        QueuedRunCoordinatorDaemon,
+    )
     from dagster._daemon.types import DaemonHeartbeat
 
     from ckpt_assets.cli.main import _print_launch
-    from ckpt_assets.runs.dagster_private import daemon_types
 
     reg = SimpleNamespace(run="same", experiment="default")
     launch = launch_training_run(queue_instance, "same")
     _print_launch(reg, launch, queue_instance)
     assert "no dagster-daemon runs the queue here" in capsys.readouterr().out
-    queue_instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), daemon_types().queue,
-                                                        "d", errors=[]))
+    queue = QueuedRunCoordinatorDaemon.daemon_type()  # the name the product reads, checked
+    queue_instance.add_daemon_heartbeat(DaemonHeartbeat(time.time(), queue, "d", errors=[]))
     _print_launch(reg, launch, queue_instance)
     said = capsys.readouterr().out
     assert "a dagster-daemon runs the queue" in said and "no dagster-daemon" not in said

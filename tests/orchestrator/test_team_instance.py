@@ -20,16 +20,13 @@ def _load(path):
     return yaml.safe_load(path.read_text())
 
 
-def test_the_team_instance_differs_from_the_embedded_default_in_its_storage_and_launcher_only():
+def test_the_team_instance_differs_from_the_embedded_default_in_its_storage_only():
     team, embedded = _load(POSTGRES_INSTANCE_YAML), _load(EMBEDDED_INSTANCE_YAML)
     assert "storage" not in embedded  # SQLite under DAGSTER_HOME: nothing to install
     assert list(team["storage"]) == ["postgres"]
-    # The embedded default forks run workers from its warm pool; a team keeps Dagster's own.
-    assert embedded["run_launcher"]["class"] == "PoolRunLauncher"
-    assert team["run_launcher"]["class"] == "DefaultRunLauncher"
-    differ = ("storage", "run_launcher")
-    assert ({k: v for k, v in team.items() if k not in differ}
-            == {k: v for k, v in embedded.items() if k not in differ})
+    # Both start runs with Dagster's own launcher.
+    assert embedded["run_launcher"]["class"] == "DefaultRunLauncher"
+    assert {k: v for k, v in team.items() if k != "storage"} == embedded
 
 
 def test_every_connection_setting_of_the_team_instance_comes_from_the_environment():

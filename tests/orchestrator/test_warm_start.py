@@ -26,7 +26,7 @@ from ckpt_assets.attempt.command import (
     task_launch,
 )
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
-from ckpt_assets.attempt.warm_start import WarmTrainer, keep_pool_standby
+from ckpt_assets.attempt.warm_start import WarmTrainer
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import TrainerResource
 from ckpt_assets.runs.datasets import DatasetRecord
@@ -209,36 +209,6 @@ def test_a_changed_environment_is_not_handed_to_the_standby_which_is_stopped(tmp
         assert standby.poll() is not None  # stopped, not left idle
     finally:
         warm.close()
-
-
-@pytest.mark.slow
-def test_the_run_pools_standby_is_the_runs_once_if_it_fits_and_else_is_replaced(tmp_path):
-    argv = [PY, "-m", "trainer"]
-    ahead = keep_pool_standby(PY, {**BASE_ENV, "LATE": "set after"}, str(tmp_path))
-    warm, other = WarmTrainer(ResumeSettings(), LOG), WarmTrainer(ResumeSettings(), LOG)
-    try:
-        warm.warm_up(argv, BASE_ENV, str(tmp_path))  # a variable read later does not matter
-        assert warm._standby.proc.pid == ahead
-        other.warm_up(argv, BASE_ENV, str(tmp_path))  # taken once: the next starts its own
-        assert other._standby.proc.pid != ahead and pid_alive(ahead)
-    finally:
-        warm.close()
-        other.close()
-    assert not pid_alive(ahead)
-    # One started in an environment torch reads differently is not what `python` would be.
-    ahead = keep_pool_standby(PY, {**BASE_ENV, "OMP_NUM_THREADS": "1"}, str(tmp_path))
-    warm = WarmTrainer(ResumeSettings(), LOG)
-    try:
-        warm.warm_up(argv, BASE_ENV, str(tmp_path))
-        assert not pid_alive(ahead) and warm._standby.proc.pid != ahead
-    finally:
-        warm.close()
-    # A run that cannot use one (several ranks, a command that is not Python) stops it at
-    # once rather than hold an idle interpreter for the whole run.
-    ahead = keep_pool_standby(PY, BASE_ENV, str(tmp_path))
-    warm = WarmTrainer(ResumeSettings(), LOG)
-    warm.warm_up(["bash", "train.sh"], BASE_ENV, str(tmp_path))
-    assert not pid_alive(ahead) and warm._standby is None
 
 
 @pytest.mark.slow
