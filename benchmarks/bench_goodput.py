@@ -49,8 +49,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt_assets.runs.events import CHECKPOINT, partition_events  # noqa: E402
-from ckpt_assets.runs.settings import Setting  # noqa: E402
+from ckpt_assets.base.events import CHECKPOINT, partition_events  # noqa: E402
+from ckpt_assets.lifecycle.settings import Setting  # noqa: E402
 from tests.daemon_harness import (  # noqa: E402
     PROJECT_WORKSPACE,
     ROOT,

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import dagster as dg  # noqa: E402
 
-from ckpt_assets.runs.tags import PARTITION_TAG  # noqa: E402
+from ckpt_assets.base.tags import PARTITION_TAG  # noqa: E402
 from tests.daemon_harness import fresh_instance, training_config  # noqa: E402
 
 POLL_S = 0.02

@@ -9,7 +9,7 @@ run worker instead (the process that runs the step; its trainer commits and exit
 the run's code server fails the run): always the sensor path.
 Then, on a second daemon with CKPT_IN_RUN_RELAUNCH=1 (the default), it kills the trainer of another run
 (its run worker alive) `--in-run-kills` times: the step relaunches it in the same Dagster
-run (`ckpt_assets.lifecycle.in_run`), and the two paths' kill -> first resumed step are printed side
+run (`ckpt_assets.attempt.in_run`), and the two paths' kill -> first resumed step are printed side
 by side.
 For each kill it splits kill -> first resumed step into
 
@@ -48,12 +48,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED  # noqa: E402
-from ckpt_assets.attempt.process_group import AttemptProcesses  # noqa: E402
+from ckpt_assets.base.clock import parse_time  # noqa: E402
+from ckpt_assets.base.events import STATE, partition_events  # noqa: E402
+from ckpt_assets.base.process_group import AttemptProcesses  # noqa: E402
+from ckpt_assets.base.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
 from ckpt_assets.defs.sensors import DAEMON_LOOP_S, RECONCILE_EVERY_S  # noqa: E402
-from ckpt_assets.runs.clock import parse_time  # noqa: E402
-from ckpt_assets.runs.events import STATE, partition_events  # noqa: E402
-from ckpt_assets.runs.settings import Setting  # noqa: E402
-from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
+from ckpt_assets.lifecycle.settings import Setting  # noqa: E402
 from tests.daemon_harness import PROJECT_WORKSPACE, Daemon, training_config  # noqa: E402
 from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
 from trainer.checkpoints.manifest import parse_checkpoint_name  # noqa: E402

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ckpt_assets.lifecycle.liveness import judge  # noqa: E402
-from ckpt_assets.runs.settings import ResumeSettings  # noqa: E402
+from ckpt_assets.lifecycle.settings import ResumeSettings  # noqa: E402
 from tests.polling import WaitTimeout, wait_for  # noqa: E402
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
 from trainer.api.checkpointer import load_verified_state  # noqa: E402
@@ -199,8 +199,8 @@ def env_override(work: Path, store: str, env: dict) -> str:
     (written past the registration check, which refuses it), launched as `model_checkpoint`
     launches a command: it must train its own run and leave this one untouched."""
     from ckpt_assets.attempt.command import AttemptIds, base_env, command_launch, contract
+    from ckpt_assets.base.registration import Registration
     from ckpt_assets.defs.resources import TrainerResource
-    from ckpt_assets.runs.registration import Registration
     from trainer.config import config_from_dict
 
     victim = CheckpointRepo(open_store(store), EXPERIMENT, RUN)
@@ -225,7 +225,7 @@ def env_override(work: Path, store: str, env: dict) -> str:
 
 
 def _no_dataset():
-    from ckpt_assets.runs.datasets import DatasetRecord
+    from ckpt_assets.base.datasets import DatasetRecord
 
     return DatasetRecord(kind="generated", version="soak")
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from dagster import DagsterInstance  # noqa: E402
 
-from ckpt_assets.runs.queries import training_runs_of  # noqa: E402
+from ckpt_assets.base.queries import training_runs_of  # noqa: E402
 from trainer.checkpoints.repo import CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_assets.runs.settings import Setting
+from ckpt_assets.lifecycle.settings import Setting
 from tests.polling import wait_for
 from tests.ports import free_port
 
@@ -40,7 +40,7 @@ os.environ.setdefault(Setting.WARM_TRAINER.value, "0")
 # fast test asks for it, so asking is refused too, not only starting one.
 PROCESS_FIXTURES = frozenset({"moto_server", "s3_env", "postgres_server"})
 # The one program a fast test may run: `git`, the code-version probe of the trainer's
-# lineage (trainer/code_version.py), which reads the repository and exits at once (cached
+# lineage (trainer/process/code_version.py), which reads the repository and exits at once (cached
 # per directory). Everything else is a process under test, and so a slow test.
 FAST_TOOLS = frozenset({"git"})
 _POPEN = subprocess.Popen  # the class itself, whatever a test puts in its module's place

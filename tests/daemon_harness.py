@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt_assets.runs.settings import Setting
+from ckpt_assets.lifecycle.settings import Setting
 from tests.dagster_fixtures import MLFLOW_DB, stop_process_group, with_migrated_mlflow_db
 from tests.polling import wait_for
 from tests.ports import free_port
@@ -188,7 +188,7 @@ class Daemon:
     # -- observation ----------------------------------------------------------------------
     def runs(self, partition: str) -> list:
         """The partition's training runs, oldest first (its check runs left out)."""
-        from ckpt_assets.runs.queries import training_runs_of
+        from ckpt_assets.base.queries import training_runs_of
 
         return list(reversed(training_runs_of(self.instance, partition)))
 

@@ -17,8 +17,8 @@ from dagster._core.remote_origin import (
 )
 from dagster._core.test_utils import create_run_for_test
 
-from ckpt_assets.runs.names import PARTITIONS_NAME
-from ckpt_assets.runs.tags import PARTITION_TAG
+from ckpt_assets.base.names import PARTITIONS_NAME
+from ckpt_assets.base.tags import PARTITION_TAG
 
 
 def started_run(instance: dg.DagsterInstance, partition: str, started_ago: float = 0.0,
@@ -55,8 +55,8 @@ def canceled_run(instance: dg.DagsterInstance, partition: str,
 def store_with_a_checkpoint(root, partition: str, max_steps: int, meta: dict | None = None):
     """A CheckpointStore under `root` with `partition` registered and step 20 committed by
     attempt 1 (`meta`: the manifest's extra fields, such as the loss)."""
+    from ckpt_assets.base.registration import register_training_run
     from ckpt_assets.defs.resources import CheckpointStore
-    from ckpt_assets.runs.registration import register_training_run
     from trainer.checkpoints.repo import CheckpointRepo
 
     cs = CheckpointStore(uri=str(root / "store"))

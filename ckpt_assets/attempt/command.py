@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ckpt_assets.base.datasets import DatasetRecord
+from ckpt_assets.base.names import REPO_ROOT
+from ckpt_assets.base.registration import Registration
 from ckpt_assets.lifecycle.failure_history import experiment_mtbf
-from ckpt_assets.runs.datasets import DatasetRecord
-from ckpt_assets.runs.names import REPO_ROOT
-from ckpt_assets.runs.registration import Registration
 from trainer.base import strict_json
 from trainer.base.interval import AUTO, Mtbf
 from trainer.checkpoints.repo import CheckpointRepo

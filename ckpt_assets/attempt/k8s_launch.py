@@ -53,9 +53,9 @@ from ckpt_assets.attempt.k8s_pod import (
 )
 from ckpt_assets.attempt.output_log import log_output
 from ckpt_assets.attempt.process import PROCESS_STARTED, ProcessOutcome, TrackingOpener
-from ckpt_assets.attempt.process_group import KILL_WAIT_S
 from ckpt_assets.attempt.transport import PipesChannels
-from ckpt_assets.runs.registration import Registration
+from ckpt_assets.base.process_group import KILL_WAIT_S
+from ckpt_assets.base.registration import Registration
 from trainer.base.outcomes import Outcome
 from trainer.process.contract import Stopped, parse_message
 

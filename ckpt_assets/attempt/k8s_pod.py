@@ -39,12 +39,12 @@ import dagster as dg
 from pydantic import Field
 
 from ckpt_assets.attempt.errors import TrainerStartError
-from ckpt_assets.runs.events import CHECKPOINT, partition_events
+from ckpt_assets.base.events import CHECKPOINT, partition_events
 from trainer.process.contract import CONTRACT_NAMES, Env, PipesTransport
 
 if TYPE_CHECKING:
     from ckpt_assets.attempt.command import TrainerCommand
-    from ckpt_assets.runs.registration import Registration
+    from ckpt_assets.base.registration import Registration
 
 # The AWS variables that are credentials: a pod gets them from `K8sTrainerConfig.aws_secret`.
 AWS_CREDENTIALS = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})

@@ -2,8 +2,8 @@
 training process turned into Dagster events, and how the attempt ended.
 
 * each committed checkpoint -> an ASSET_OBSERVATION `checkpoint` of model_checkpoint for the
-  partition, with the lineage metadata (`ckpt_assets.records.metadata.CHECKPOINT_METADATA_KEYS`);
-  only a finished run materializes the partition (`ckpt_assets.runs.events` says why);
+  partition, with the lineage metadata (`ckpt_assets.base.metadata.CHECKPOINT_METADATA_KEYS`);
+  only a finished run materializes the partition (`ckpt_assets.base.events` says why);
 * the end of the attempt -> an ASSET_OBSERVATION `attempt_ended` (also on success and on
   cancellation) with the fields of `AttemptEnd`;
 * a non-zero exit -> `dagster.Failure` carrying a `AttemptEnd` (and the user's
@@ -23,20 +23,18 @@ from typing import Any
 
 import dagster as dg
 
-from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.process import ProcessOutcome
-from ckpt_assets.lifecycle.decision_record import mirror_tags, read_decision
-from ckpt_assets.mlflow.tracking import MlflowTracker
-from ckpt_assets.records.metadata import checkpoint_metadata, to_metadata
-from ckpt_assets.runs.dagster_private import report_engine_event
-from ckpt_assets.runs.events import (
+from ckpt_assets.base.dagster_private import report_engine_event
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.events import (
     ATTEMPT_ENDED,
     CHECKPOINT,
     MODEL_CHECKPOINT_KEY,
     partition_events,
     recorded_checkpoint_names,
 )
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.metadata import checkpoint_metadata, to_metadata
+from ckpt_assets.base.tags import (
     PARTITION_TAG,
     TAG_ATTEMPT,
     TAG_DECISION,
@@ -44,6 +42,8 @@ from ckpt_assets.runs.tags import (
     TAG_PARENT_RUN_ID,
     TAG_RESUMED_BY,
 )
+from ckpt_assets.lifecycle.decision_record import mirror_tags, read_decision
+from ckpt_assets.mlflow.tracking import MlflowTracker
 from trainer.base.errors import CheckpointError, StorageError, TrainerError
 from trainer.base.outcomes import Outcome, signal_name
 from trainer.checkpoints.records import CheckpointRecord

@@ -39,7 +39,8 @@ import dagster as dg
 from ckpt_assets.attempt.errors import TrainerStartError
 from ckpt_assets.attempt.file_tail import whole_lines
 from ckpt_assets.attempt.output_log import log_output
-from ckpt_assets.attempt.process_group import (
+from ckpt_assets.attempt.transport import PipesChannels
+from ckpt_assets.base.process_group import (
     POLL_S,
     AttemptProcesses,
     ProcessRef,
@@ -49,8 +50,7 @@ from ckpt_assets.attempt.process_group import (
     stops_held,
     this_machine,
 )
-from ckpt_assets.attempt.transport import PipesChannels
-from ckpt_assets.runs.tags import TAG_PROCESSES
+from ckpt_assets.base.tags import TAG_PROCESSES
 
 if TYPE_CHECKING:  # the standby that may become the attempt's process
     from ckpt_assets.attempt.warm_start import WarmTrainer
@@ -261,7 +261,7 @@ def stop_leftovers(context, grace_s: float) -> None:
     the way out (and a forking command's children); this waits for them, then stops
     whatever is left (SIGTERM, grace, SIGKILL), and removes the output file the dead
     worker could not."""
-    from ckpt_assets.runs.queries import training_runs_of
+    from ckpt_assets.base.queries import training_runs_of
 
     if not context.has_partition_key:
         return

@@ -6,7 +6,7 @@ standby process (`trainer.process.standby`) per Dagster run, with the attempt's 
 directory and environment less the per-attempt names:
 - for the run's first attempt, started by the run's first step (`training_dataset`), so that
   it imports torch while the run worker loads the dataset record and prepares the attempt;
-- for a relaunch in the same run (`ckpt_assets.lifecycle.in_run`), started once the attempt it stands
+- for a relaunch in the same run (`ckpt_assets.attempt.in_run`), started once the attempt it stands
   beside has sent its first message (so it never competes with that attempt's own start-up).
 When the attempt is launched, the standby is handed it and becomes it; a new standby is
 started beside the new attempt in turn.
@@ -31,8 +31,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from ckpt_assets.attempt.process_group import die_with_parent, stops_held
-from ckpt_assets.runs.settings import ResumeSettings
+from ckpt_assets.base.process_group import die_with_parent, stops_held
+from ckpt_assets.lifecycle.settings import ResumeSettings
 from trainer.process.standby import MODULE, Handoff, entry, own_trainer, standing_env
 
 STANDBY_STARTED = "standby trainer started"  # the run's log line

@@ -39,8 +39,8 @@ import os
 import sys
 from pathlib import Path
 
+from ckpt_assets.base.names import REPO_ROOT
 from ckpt_assets.cli.parser import parser
-from ckpt_assets.runs.names import REPO_ROOT
 from trainer.base import strict_json
 from trainer.base.outcomes import Outcome
 
@@ -98,7 +98,7 @@ def _registered_from() -> Path:
 
 
 def cmd_register(args) -> int:
-    from ckpt_assets.runs.registration import (
+    from ckpt_assets.base.registration import (
         normalize_training_config,
         register_training_run,
         validate_partition_key,
@@ -128,7 +128,7 @@ def _print_registered(reg) -> None:
 
 def _asked_world(args) -> dict[str, str]:
     """The world size `--nproc-per-node`/`--nnodes` ask for, by `distributed` key."""
-    from ckpt_assets.runs.tags import WORLD_TAGS
+    from ckpt_assets.base.tags import WORLD_TAGS
 
     return {key: str(v) for key in WORLD_TAGS if (v := getattr(args, key, None)) is not None}
 
@@ -137,7 +137,7 @@ def _world_tags(args, reg, chain: dict[str, str]) -> dict[str, str]:
     """The tags that ask for the attempt's world size: what the chain carries, with what
     the flags change, once the run's config at that size is valid (a batch that does not
     split over the ranks is refused here, before anything is queued)."""
-    from ckpt_assets.runs.tags import world_of, world_tags
+    from ckpt_assets.base.tags import world_of, world_tags
     from ckpt_assets.runs.world import at_world
 
     world = {**world_of(chain), **_asked_world(args)}
@@ -146,7 +146,7 @@ def _world_tags(args, reg, chain: dict[str, str]) -> dict[str, str]:
 
 
 def _launch_tags(args) -> dict[str, str]:
-    from ckpt_assets.runs.tags import PARTITION_TAG, WORLD_TAGS
+    from ckpt_assets.base.tags import PARTITION_TAG, WORLD_TAGS
 
     tags = {}
     for t in args.tag:
@@ -191,8 +191,8 @@ def cmd_launch(args) -> int:
 def _print_launch(reg, launch, instance) -> None:
     from dagster import DagsterRunStatus
 
+    from ckpt_assets.base.queries import ACTIVE_STATUSES
     from ckpt_assets.lifecycle.state import queue_running
-    from ckpt_assets.runs.queries import ACTIVE_STATUSES
 
     run_id, status = launch.run.run_id, launch.run.status
     if launch.created:
@@ -216,7 +216,7 @@ def _print_launch(reg, launch, instance) -> None:
 def _validated(args):
     """(instance, store) once the name and the config (if given) are valid: bad input
     creates nothing anywhere, not even the instance."""
-    from ckpt_assets.runs.registration import normalize_training_config, validate_partition_key
+    from ckpt_assets.base.registration import normalize_training_config, validate_partition_key
     from ckpt_assets.runs.world import world_config
 
     validate_partition_key(args.name)
@@ -230,7 +230,7 @@ def _validated(args):
 
 def _registered(args, instance, store):
     """`launch` and `run`: register the config if one is given, else read the registration."""
-    from ckpt_assets.runs.registration import (
+    from ckpt_assets.base.registration import (
         add_partition,
         read_registration,
         register_training_run,
@@ -254,10 +254,10 @@ def _registered(args, instance, store):
 def cmd_run(args) -> int:
     """Train the run here, through the assets, and exit with its attempt's code
     (`ckpt_assets.cli.run_here`): the daemon-less path for CI."""
+    from ckpt_assets.base.tags import TAG_ATTEMPT
     from ckpt_assets.cli.run_here import run_in_process, summary
     from ckpt_assets.lifecycle.rerun import already_finished, rerun_tags
     from ckpt_assets.lifecycle.state import sensors_running
-    from ckpt_assets.runs.tags import TAG_ATTEMPT
 
     instance, store = _validated(args)
     reg = _registered(args, instance, store)
@@ -276,13 +276,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_list(args) -> int:
+    from ckpt_assets.base.names import PARTITIONS_NAME
     from ckpt_assets.records.listing import (
         DEFAULT_EXPERIMENT,
         run_summary,
         standalone_runs,
         standalone_summary,
     )
-    from ckpt_assets.runs.names import PARTITIONS_NAME
     from trainer.storage import validate_name
 
     for e in args.experiment:
@@ -315,9 +315,9 @@ def cmd_list(args) -> int:
 
 
 def cmd_lineage(args) -> int:
+    from ckpt_assets.base.registration import validate_partition_key
     from ckpt_assets.records.lineage import format_lineage, lineage_report, standalone_report
     from ckpt_assets.records.listing import DEFAULT_EXPERIMENT
-    from ckpt_assets.runs.registration import validate_partition_key
 
     validate_partition_key(args.name)
     store = _store(args.store)

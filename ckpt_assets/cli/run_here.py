@@ -18,7 +18,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from ckpt_assets.runs.events import ATTEMPT_ENDED, partition_events
+from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
 from trainer.base.outcomes import Outcome
 
 # What the command exits with when the attempt recorded no exit of its own.
@@ -30,9 +30,9 @@ def run_in_process(instance: dg.DagsterInstance, name: str, tags: dict[str, str]
                    log_path: Path | None = None) -> int:
     """Run `train_job` for partition `name` here; return the attempt's exit code.
     `log_path`: where Dagster's own log goes (None: this terminal)."""
+    from ckpt_assets.base.dagster_private import capture_interrupts
     from ckpt_assets.definitions import defs
     from ckpt_assets.defs.jobs import train_job
-    from ckpt_assets.runs.dagster_private import capture_interrupts
 
     job = defs.resolve_job_def(train_job.name)
     interrupted = False
@@ -88,7 +88,7 @@ def attempt_exit_code(instance: dg.DagsterInstance, name: str, run_id: str | Non
                       interrupted: bool) -> int:
     """The exit code the run's attempt recorded (its `attempt_ended` observation); the
     newest training run's when `run_id` is unknown (the interrupt cut the call short)."""
-    from ckpt_assets.runs.queries import newest_training_run
+    from ckpt_assets.base.queries import newest_training_run
 
     if run_id is None:
         newest = newest_training_run(instance, name)

@@ -1,7 +1,7 @@
 """The three assets of a training run: training_dataset -> model_checkpoint -> final_model.
 
 All are partitioned by `training_runs` (partition key = run name). The training config of
-a run is registered once (`ckpt_assets.runs.registration`); every asset of every attempt reads the
+a run is registered once (`ckpt_assets.base.registration`); every asset of every attempt reads the
 registered config. A run's first launch may carry it in the run config:
 
     ops:
@@ -32,13 +32,8 @@ from ckpt_assets.attempt.command import (
     standing_launch,
     task_launch,
 )
-from ckpt_assets.attempt.end import (
-    AttemptEnd,
-    bad_input,
-    checkpoint_unloadable,
-    storage_unavailable,
-)
 from ckpt_assets.attempt.errors import TrainerStartError
+from ckpt_assets.attempt.in_run import consider_relaunch, record_relaunch, serve_backoff
 from ckpt_assets.attempt.k8s_pod import attempt_trainer
 from ckpt_assets.attempt.messages import (
     AttemptReport,
@@ -53,20 +48,25 @@ from ckpt_assets.attempt.prefetch import prefetch_end_of_run_imports
 from ckpt_assets.attempt.process import Attempt, run_under_pipes
 from ckpt_assets.attempt.transport import pipes_channels
 from ckpt_assets.attempt.warm_start import WarmTrainer
+from ckpt_assets.base.datasets import DatasetRecord, describe_dataset, refuse_changed_data
+from ckpt_assets.base.end import (
+    AttemptEnd,
+    bad_input,
+    checkpoint_unloadable,
+    storage_unavailable,
+)
+from ckpt_assets.base.events import MODEL_CHECKPOINT_KEY
+from ckpt_assets.base.metadata import checkpoint_metadata, links, to_metadata
+from ckpt_assets.base.registration import Registration
+from ckpt_assets.base.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, LoadedCheckpoint
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
-from ckpt_assets.lifecycle.in_run import consider_relaunch, record_relaunch, serve_backoff
+from ckpt_assets.lifecycle.settings import ResumeSettings
 from ckpt_assets.lifecycle.state import RunState, State, run_state, state_observation
 from ckpt_assets.lifecycle.stop import named_if_stopped
 from ckpt_assets.mlflow.tracking import MlflowTracker
 from ckpt_assets.records.history import history_metadata, loss_history
-from ckpt_assets.records.metadata import checkpoint_metadata, links, to_metadata
-from ckpt_assets.runs.datasets import DatasetRecord, describe_dataset, refuse_changed_data
-from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY
-from ckpt_assets.runs.registration import Registration
-from ckpt_assets.runs.settings import ResumeSettings
-from ckpt_assets.runs.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.runs.training_run import TrainingRunConfig, attempt_number, resolve_registration
 from trainer.base.errors import ConfigError, StorageError
 from trainer.checkpoints.records import CheckpointRecord
@@ -155,7 +155,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
             if relaunch is None:
                 break
             # The trainer died, its worker (this step) lives, and the policy resumes it:
-            # the next attempt starts here, in this run (`ckpt_assets.lifecycle.in_run`).
+            # the next attempt starts here, in this run (`ckpt_assets.attempt.in_run`).
             record_relaunch(context, ended, relaunch)
             serve_backoff(relaunch)
             ids = replace(ids, attempt=_next_attempt(repo, ended.attempt))

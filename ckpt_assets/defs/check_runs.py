@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dagster as dg
 
+from ckpt_assets.base.queries import is_training_run, newest_training_run
+from ckpt_assets.base.tags import PARTITION_TAG, TAG_CHECKED_RUN
 from ckpt_assets.defs.checks import TRAINING_CHECKS
 from ckpt_assets.defs.jobs import check_training_run
 from ckpt_assets.defs.sensors import TICK_S
-from ckpt_assets.runs.queries import is_training_run, newest_training_run
-from ckpt_assets.runs.tags import PARTITION_TAG, TAG_CHECKED_RUN
 
 CHECKS_KEY_PREFIX = "checks-"
 

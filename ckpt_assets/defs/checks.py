@@ -22,12 +22,12 @@ import warnings
 import dagster as dg
 from pydantic import Field
 
+from ckpt_assets.base.registration import read_registration, validate_partition_key
 from ckpt_assets.defs.assets import final_model, model_checkpoint
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.state import STATE_CHECK, run_state, state_check_result
 from ckpt_assets.records.asset_versions import StoredObjectError, VersionedRepo
-from ckpt_assets.runs.registration import read_registration, validate_partition_key
 from trainer.base.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from trainer.checkpoints.repo import CheckpointRepo
 

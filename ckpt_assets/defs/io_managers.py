@@ -25,9 +25,9 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.base.registration import read_registration, validate_partition_key
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.records.asset_versions import StoredObjectError, VersionedRepo
-from ckpt_assets.runs.registration import read_registration, validate_partition_key
 from trainer.checkpoints.records import CheckpointRecord
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.process.contract import Skipped

@@ -41,12 +41,7 @@ import warnings
 import dagster as dg
 from pydantic import Field, ValidationError
 
-from ckpt_assets.defs.assets import TRAINING_ASSETS
-from ckpt_assets.defs.checks import TRAINING_CHECKS
-from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.stop import is_known, stop_training_run
-from ckpt_assets.runs.launch_form import TrainingForm, training_from_form
-from ckpt_assets.runs.names import (
+from ckpt_assets.base.names import (
     CHECK_JOB,
     NEW_RUN_JOB,
     REPO_ROOT,
@@ -54,8 +49,13 @@ from ckpt_assets.runs.names import (
     TRAIN_DEMO_JOB,
     TRAIN_JOB,
 )
-from ckpt_assets.runs.registration import register_training_run
-from ckpt_assets.runs.tags import TAG_NEW_RUN_TARGET, TAG_STOP_TARGET
+from ckpt_assets.base.registration import register_training_run
+from ckpt_assets.base.tags import TAG_NEW_RUN_TARGET, TAG_STOP_TARGET
+from ckpt_assets.defs.assets import TRAINING_ASSETS
+from ckpt_assets.defs.checks import TRAINING_CHECKS
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.lifecycle.stop import is_known, stop_training_run
+from ckpt_assets.runs.launch_form import TrainingForm, training_from_form
 from trainer.base.errors import ConfigError, StorageError
 from trainer.config_file import read_config_file
 

@@ -18,8 +18,8 @@ from pydantic import Field, PrivateAttr
 
 from ckpt_assets.attempt.k8s_pod import POD_WORKDIR, K8sTrainerConfig, Launcher
 from ckpt_assets.attempt.warm_start import WarmTrainer
-from ckpt_assets.runs.names import REPO_ROOT
-from ckpt_assets.runs.settings import ResumeSettings
+from ckpt_assets.base.names import REPO_ROOT
+from ckpt_assets.lifecycle.settings import ResumeSettings
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.process.contract import Env, PipesTransport
 from trainer.storage import ObjectStore, open_store

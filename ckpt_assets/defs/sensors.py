@@ -17,22 +17,22 @@ import time
 
 import dagster as dg
 
-from ckpt_assets.defs.jobs import train_job
-from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.lifecycle.liveness import judge, read_beat, retire
-from ckpt_assets.lifecycle.lost_worker import end_lost_attempt, lost_worker
-from ckpt_assets.runs.clock import iso, parse_time
-from ckpt_assets.runs.queries import is_training_run
-from ckpt_assets.runs.settings import ResumeSettings
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.clock import iso, parse_time
+from ckpt_assets.base.queries import is_training_run
+from ckpt_assets.base.tags import (
     PARTITION_TAG,
     TAG_DECISION,
     TAG_DECISION_REASON,
     TAG_RESUME_AT,
     TAG_RESUMED_BY,
 )
-from ckpt_assets.runs.view import RunView
+from ckpt_assets.base.view import RunView
+from ckpt_assets.defs.jobs import train_job
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.liveness import judge, read_beat, retire
+from ckpt_assets.lifecycle.lost_worker import end_lost_attempt, lost_worker
+from ckpt_assets.lifecycle.settings import ResumeSettings
 
 LOOKBACK_RUNS = 200
 

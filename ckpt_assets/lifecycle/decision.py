@@ -22,7 +22,19 @@ from dataclasses import asdict
 
 import dagster as dg
 
-from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.base.dagster_private import report_engine_event
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.metadata import to_metadata
+from ckpt_assets.base.names import TRAIN_JOB
+from ckpt_assets.base.queries import is_training_run, newest_training_run
+from ckpt_assets.base.store import StoreSource
+from ckpt_assets.base.tags import (
+    PARTITION_TAG,
+    TAG_BUDGET,
+    TAG_DECISION,
+    TAG_RESUME_FROM,
+)
+from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.decision_record import (
     DecisionRecord,
     create_once,
@@ -31,21 +43,9 @@ from ckpt_assets.lifecycle.decision_record import (
 )
 from ckpt_assets.lifecycle.ended import failure_of, run_repo
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
+from ckpt_assets.lifecycle.settings import ResumeSettings
 from ckpt_assets.lifecycle.state import report_state
 from ckpt_assets.lifecycle.stop import stop_reason_text
-from ckpt_assets.records.metadata import to_metadata
-from ckpt_assets.runs.dagster_private import report_engine_event
-from ckpt_assets.runs.names import TRAIN_JOB
-from ckpt_assets.runs.queries import is_training_run, newest_training_run
-from ckpt_assets.runs.settings import ResumeSettings
-from ckpt_assets.runs.store import StoreSource
-from ckpt_assets.runs.tags import (
-    PARTITION_TAG,
-    TAG_BUDGET,
-    TAG_DECISION,
-    TAG_RESUME_FROM,
-)
-from ckpt_assets.runs.view import RunView
 from trainer.base.outcomes import Kind
 
 RESUME_KEY_PREFIX = "resume-"

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 
-from ckpt_assets.runs.clock import iso
-from ckpt_assets.runs.registration import validate_partition_key
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.clock import iso
+from ckpt_assets.base.registration import validate_partition_key
+from ckpt_assets.base.tags import (
     TAG_DECIDED_AT,
     TAG_DECISION,
     TAG_DECISION_REASON,

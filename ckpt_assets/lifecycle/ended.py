@@ -12,11 +12,11 @@ from dataclasses import replace
 
 import dagster as dg
 
-from ckpt_assets.attempt.end import AttemptEnd
-from ckpt_assets.runs.registration import read_registration
-from ckpt_assets.runs.store import StoreSource
-from ckpt_assets.runs.tags import TAG_HEARTBEAT_LOST, TAG_STALLED
-from ckpt_assets.runs.view import RunView
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.registration import read_registration
+from ckpt_assets.base.store import StoreSource
+from ckpt_assets.base.tags import TAG_HEARTBEAT_LOST, TAG_STALLED
+from ckpt_assets.base.view import RunView
 from trainer.base.outcomes import Outcome
 from trainer.checkpoints.repo import CheckpointRepo
 

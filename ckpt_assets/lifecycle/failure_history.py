@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from ckpt_assets.runs.queries import is_training_run
-from ckpt_assets.runs.registration import REGISTRY_PREFIX
-from ckpt_assets.runs.tags import PARTITION_TAG, TAG_FAILURE_KIND
+from ckpt_assets.base.queries import is_training_run
+from ckpt_assets.base.registration import REGISTRY_PREFIX
+from ckpt_assets.base.tags import PARTITION_TAG, TAG_FAILURE_KIND
 from trainer.base.interval import Mtbf, MtbfSource
 from trainer.base.outcomes import Kind
 from trainer.storage import ObjectStore
@@ -73,8 +73,8 @@ def interruption(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
     # Not decided yet (no daemon, or its tick is still to come): read it as they would.
     # Imported here: the resume decision imports the jobs, which import the assets, which
     # import this module through the launch.
+    from ckpt_assets.base.tags import TAG_NO_RESUME
     from ckpt_assets.lifecycle.ended import failure_of
-    from ckpt_assets.runs.tags import TAG_NO_RESUME
 
     if run.tags.get(TAG_NO_RESUME) == "true":
         return False

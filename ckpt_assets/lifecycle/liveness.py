@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from ckpt_assets.attempt.process_group import KILL_WAIT_S, POLL_S, group_members
+from ckpt_assets.base.dagster_private import report_engine_event
+from ckpt_assets.base.process_group import KILL_WAIT_S, POLL_S, group_members
+from ckpt_assets.base.store import StoreSource
+from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.ended import LIVENESS_TAGS, run_repo
-from ckpt_assets.runs.dagster_private import report_engine_event
-from ckpt_assets.runs.settings import ResumeSettings
-from ckpt_assets.runs.store import StoreSource
-from ckpt_assets.runs.view import RunView
+from ckpt_assets.lifecycle.settings import ResumeSettings
 from trainer.base.outcomes import Outcome
 from trainer.base.process_id import ProcessId
 from trainer.checkpoints.records import Beat

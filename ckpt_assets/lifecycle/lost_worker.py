@@ -14,8 +14,8 @@ import logging
 
 import dagster as dg
 
-from ckpt_assets.attempt.process_group import AttemptProcesses
-from ckpt_assets.runs.tags import TAG_WORKER_LOST
+from ckpt_assets.base.process_group import AttemptProcesses
+from ckpt_assets.base.tags import TAG_WORKER_LOST
 
 
 def lost_worker(run: dg.DagsterRun) -> AttemptProcesses | None:

@@ -76,7 +76,7 @@ TABLE: tuple[Transition, ...] = (
                "the run's processes (ckpt/processes); the attempt claimed in the store"),
     Transition(S.TRAINING, E.CHECKPOINT_COMMITTED, S.TRAINING, "attempt.messages",
                "a checkpoint observation on the partition, MLflow's metrics"),
-    Transition(S.TRAINING, E.RELAUNCHED_IN_RUN, S.TRAINING, "lifecycle.in_run",
+    Transition(S.TRAINING, E.RELAUNCHED_IN_RUN, S.TRAINING, "attempt.in_run",
                "the next attempt's number, start and budget on the run; a state observation "
                "(a killed trainer at once; a preempted one once its run worker heard no stop "
                "of its own within the settle)"),

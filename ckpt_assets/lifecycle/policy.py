@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.base.end import AttemptEnd
 from trainer.base.outcomes import Kind, Resume
 
 

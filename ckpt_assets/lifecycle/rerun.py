@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dagster as dg
 
+from ckpt_assets.base.queries import ENDED_UNSUCCESSFULLY, newest_training_run, training_runs_of
+from ckpt_assets.base.registration import Registration
+from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.ended import recorded_end
 from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
 from ckpt_assets.lifecycle.model import Event, State, allows
 from ckpt_assets.lifecycle.state import run_state
-from ckpt_assets.runs.queries import ENDED_UNSUCCESSFULLY, newest_training_run, training_runs_of
-from ckpt_assets.runs.registration import Registration
-from ckpt_assets.runs.view import RunView
 
 
 def rerun_tags(instance: dg.DagsterInstance, name: str) -> dict[str, str]:

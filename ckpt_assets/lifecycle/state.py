@@ -34,13 +34,13 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.base.clock import iso
+from ckpt_assets.base.events import MODEL_CHECKPOINT_KEY, STATE
+from ckpt_assets.base.queries import newest_training_run
+from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.ended import failure_of
 from ckpt_assets.lifecycle.lost_worker import lost_words, lost_worker
 from ckpt_assets.lifecycle.model import State
-from ckpt_assets.runs.clock import iso
-from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY, STATE
-from ckpt_assets.runs.queries import newest_training_run
-from ckpt_assets.runs.view import RunView
 from trainer.base.outcomes import Outcome
 
 ENDED = frozenset({State.NOT_LAUNCHED, State.FINISHED, State.STOPPED_BY_POLICY,

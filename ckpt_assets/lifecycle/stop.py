@@ -19,22 +19,22 @@ from dataclasses import dataclass, replace
 
 import dagster as dg
 
-from ckpt_assets.attempt.end import AttemptEnd
-from ckpt_assets.lifecycle.state import report_state
-from ckpt_assets.runs.names import PARTITIONS_NAME
-from ckpt_assets.runs.queries import (
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.names import PARTITIONS_NAME
+from ckpt_assets.base.queries import (
     ENDED_UNSUCCESSFULLY,
     active_runs,
     newest_training_run,
 )
-from ckpt_assets.runs.registration import validate_partition_key
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.registration import validate_partition_key
+from ckpt_assets.base.tags import (
     PARTITION_TAG,
     TAG_DECISION,
     TAG_DECISION_REASON,
     TAG_NO_RESUME,
     TAG_STOP_REASON,
 )
+from ckpt_assets.lifecycle.state import report_state
 from trainer.base.outcomes import Outcome
 
 # What happened to one run (StopAction.action):

@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ckpt_assets.attempt.end import checkpoint_unloadable
+from ckpt_assets.base.datasets import describe_dataset
+from ckpt_assets.base.end import checkpoint_unloadable
+from ckpt_assets.base.registration import Registration
 from ckpt_assets.mlflow.tracking import MlflowTracker
-from ckpt_assets.runs.datasets import describe_dataset
-from ckpt_assets.runs.registration import Registration
 from trainer.base import strict_json
 from trainer.base.errors import ConfigError
 from trainer.checkpoints.records import CheckpointRecord

@@ -25,7 +25,7 @@ from typing import Any
 
 import dagster as dg
 
-from ckpt_assets.runs.events import CHECKPOINT, partition_events
+from ckpt_assets.base.events import CHECKPOINT, partition_events
 from trainer.checkpoints.records import CheckpointRecord
 
 MAX_ROWS = 1000

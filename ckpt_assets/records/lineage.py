@@ -10,19 +10,19 @@ from typing import Any
 
 import dagster as dg
 
-from ckpt_assets.lifecycle.lost_worker import lost_worker
-from ckpt_assets.lifecycle.stop import stop_reason_text
-from ckpt_assets.records.asset_versions import VersionedRepo
-from ckpt_assets.runs.events import ATTEMPT_ENDED, CHECKPOINT, decisions, partition_events
-from ckpt_assets.runs.queries import training_runs_of
-from ckpt_assets.runs.registration import read_registration
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.events import ATTEMPT_ENDED, CHECKPOINT, decisions, partition_events
+from ckpt_assets.base.queries import training_runs_of
+from ckpt_assets.base.registration import read_registration
+from ckpt_assets.base.tags import (
     TAG_ATTEMPT,
     TAG_NO_RESUME,
     TAG_PARENT_RUN_ID,
     TAG_ROOT_RUN_ID,
     TAG_STOP_REASON,
 )
+from ckpt_assets.lifecycle.lost_worker import lost_worker
+from ckpt_assets.lifecycle.stop import stop_reason_text
+from ckpt_assets.records.asset_versions import VersionedRepo
 from trainer.base.errors import CheckpointError
 from trainer.base.outcomes import Outcome
 from trainer.checkpoints.repo import CheckpointRepo
@@ -62,7 +62,7 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
     attempts = _attempt_rows(instance, run_key)
     # What each attempt did and why it was (not) resumed: observations on the partition.
     # One Dagster run holds several attempts when its trainer was relaunched in it
-    # (`ckpt_assets.lifecycle.in_run`): one row per attempt_ended, in order.
+    # (`ckpt_assets.attempt.in_run`): one row per attempt_ended, in order.
     ends: dict[str, list[dict[str, Any]]] = {}
     for md, rec in partition_events(instance, run_key, ATTEMPT_ENDED):
         ends.setdefault(rec.run_id, []).append(md)

@@ -14,8 +14,8 @@ from typing import Any
 
 import dagster as dg
 
+from ckpt_assets.base.registration import read_registration
 from ckpt_assets.lifecycle.state import run_state, without_daemon
-from ckpt_assets.runs.registration import read_registration
 from trainer.base.errors import CheckpointError
 from trainer.checkpoints.layout import CHECKPOINTS, POINTER
 from trainer.checkpoints.records import CheckpointRecord

@@ -32,15 +32,15 @@ from pathlib import Path
 
 import dagster as dg
 
-from ckpt_assets.runs.dagster_private import (
+from ckpt_assets.base.dagster_private import (
     SubmitError,
     TrainingLocation,
     create_training_run,
     open_training_location,
 )
-from ckpt_assets.runs.names import WORKSPACE_FILE
-from ckpt_assets.runs.queries import active_runs, newest_training_run
-from ckpt_assets.runs.tags import PARTITION_TAG
+from ckpt_assets.base.names import WORKSPACE_FILE
+from ckpt_assets.base.queries import active_runs, newest_training_run
+from ckpt_assets.base.tags import PARTITION_TAG
 
 # The uuid5 namespace of launch run ids. Never change it: launchers of two versions would
 # derive different ids for the same run and both create one.

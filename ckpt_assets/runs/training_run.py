@@ -5,17 +5,17 @@ from __future__ import annotations
 import dagster as dg
 from pydantic import Field
 
-from ckpt_assets.attempt.end import bad_input, storage_unavailable
-from ckpt_assets.runs.launch_form import TrainingForm, training_from_form
-from ckpt_assets.runs.queries import training_runs_of
-from ckpt_assets.runs.registration import (
+from ckpt_assets.base.end import bad_input, storage_unavailable
+from ckpt_assets.base.queries import training_runs_of
+from ckpt_assets.base.registration import (
     Registration,
     read_registration,
     register_training_run,
     validate_partition_key,
 )
-from ckpt_assets.runs.store import StoreSource
-from ckpt_assets.runs.view import RunView
+from ckpt_assets.base.store import StoreSource
+from ckpt_assets.base.view import RunView
+from ckpt_assets.runs.launch_form import TrainingForm, training_from_form
 from ckpt_assets.runs.world import at_world
 from trainer.base.errors import ConfigError, StorageError
 from trainer.checkpoints.repo import CheckpointRepo

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ckpt_assets.runs.registration import Registration
+from ckpt_assets.base.registration import Registration
 from trainer.base.errors import ConfigError
 from trainer.config import TrainConfig, config_from_dict
 

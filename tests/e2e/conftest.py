@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_assets.runs.settings import Setting
+from ckpt_assets.lifecycle.settings import Setting
 from tests.daemon_harness import Daemon
 
 SHARED = "sensors_daemon"

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_assets.attempt.process_group import AttemptProcesses
-from ckpt_assets.runs.settings import Setting
+from ckpt_assets.base.process_group import AttemptProcesses
+from ckpt_assets.lifecycle.settings import Setting
 from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
 from tests.postgres_server import team_instance
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
@@ -141,7 +141,7 @@ def _check_one_mlflow_run(daemon, name, final, attempts: int):
 
 
 def _checkpoint_events(daemon, name) -> list[dict]:
-    from ckpt_assets.runs.events import CHECKPOINT, partition_events
+    from ckpt_assets.base.events import CHECKPOINT, partition_events
 
     return [md for md, _ in partition_events(daemon.instance, name, CHECKPOINT)]
 

@@ -12,7 +12,7 @@ import uuid
 import boto3
 import pytest
 
-from ckpt_assets.runs.settings import Setting
+from ckpt_assets.lifecycle.settings import Setting
 from tests.daemon_harness import Daemon, held, kill, training_config
 from tests.s3_state import final_state_s3
 

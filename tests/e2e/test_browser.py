@@ -26,8 +26,8 @@ import dagster as dg
 import pytest
 
 from ckpt_assets.defs.resources import MLFLOW_UI_URL_ENV
+from ckpt_assets.lifecycle.settings import Setting
 from ckpt_assets.records.history import BARS, RESUME_MARK
-from ckpt_assets.runs.settings import Setting
 from tests.browser_harness import (
     ARTIFACTS,
     CHROMIUM,

@@ -15,10 +15,10 @@ import dagster as dg
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.decision import consider
 from ckpt_assets.lifecycle.stop import stop_training_run
 from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
-from ckpt_assets.runs.view import RunView
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     DAGSTER,
@@ -213,10 +213,10 @@ def test_a_trainer_relaunched_in_its_run_is_not_declared_dead_before_its_first_b
         tmp_path, dagster_home, store_uri, mlflow_uri, monkeypatch):
     """The relaunched trainer's start-up (its task's build, before its first beat) lasts
     several heartbeat timeouts, as on a loaded machine; the reconciler sweeps meanwhile."""
+    from ckpt_assets.base.tags import TAG_HEARTBEAT_LOST
     from ckpt_assets.defs.resources import CheckpointStore
     from ckpt_assets.defs.sensors import reconcile_training_runs
-    from ckpt_assets.runs.settings import Setting
-    from ckpt_assets.runs.tags import TAG_HEARTBEAT_LOST
+    from ckpt_assets.lifecycle.settings import Setting
 
     timeout_s = 3.0
     monkeypatch.setenv(Setting.HEARTBEAT_TIMEOUT_S.value, str(timeout_s))

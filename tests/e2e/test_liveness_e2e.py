@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_assets.runs.settings import Setting
-from ckpt_assets.runs.tags import TAG_FAILURE_KIND, TAG_HEARTBEAT_LOST, TAG_STALLED
+from ckpt_assets.base.tags import TAG_FAILURE_KIND, TAG_HEARTBEAT_LOST, TAG_STALLED
+from ckpt_assets.lifecycle.settings import Setting
 from tests.daemon_harness import Daemon, kill, training_config
 from tests.polling import pid_alive
 from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state

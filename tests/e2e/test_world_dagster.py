@@ -16,8 +16,8 @@ import dagster as dg
 import pytest
 import torch
 
-from ckpt_assets.runs.queries import training_runs_of
-from ckpt_assets.runs.view import RunView
+from ckpt_assets.base.queries import training_runs_of
+from ckpt_assets.base.view import RunView
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import PYTHON, ROOT, pointer_step, training_config
 from tests.polling import wait_for

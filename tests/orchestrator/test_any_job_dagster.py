@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.lifecycle.policy import decide
 from tests.dagster_fixtures import *  # noqa: F403

@@ -10,12 +10,12 @@ import dagster as dg
 import pytest
 import torch
 
-from ckpt_assets.attempt.end import FAILURE_METADATA_KEYS
+from ckpt_assets.base.end import FAILURE_METADATA_KEYS
+from ckpt_assets.base.metadata import CHECKPOINT_METADATA_KEYS
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.io_managers import VersionedRepo
 from ckpt_assets.defs.resources import CheckpointStore, git_commit
-from ckpt_assets.records.metadata import CHECKPOINT_METADATA_KEYS
-from ckpt_assets.runs.settings import Setting
+from ckpt_assets.lifecycle.settings import Setting
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     check_results,

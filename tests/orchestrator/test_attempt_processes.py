@@ -28,7 +28,6 @@ import dagster as dg
 import pytest
 import torch
 
-from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.messages import AttemptReport, exit_outcome
 from ckpt_assets.attempt.process import (
     Attempt,
@@ -37,7 +36,8 @@ from ckpt_assets.attempt.process import (
     output_prefix,
     start_process,
 )
-from ckpt_assets.attempt.process_group import (
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.process_group import (
     AttemptProcesses,
     ProcessRef,
     group_members,
@@ -46,11 +46,11 @@ from ckpt_assets.attempt.process_group import (
     stops_held,
     this_machine,
 )
+from ckpt_assets.base.tags import TAG_PROCESSES, TAG_WORKER_LOST
 from ckpt_assets.lifecycle.ended import failure_of
 from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
 from ckpt_assets.lifecycle.policy import decide
 from ckpt_assets.lifecycle.state import State, run_state
-from ckpt_assets.runs.tags import TAG_PROCESSES, TAG_WORKER_LOST
 from tests import dagster_runs
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ckpt_assets.attempt.command import attempt_mtbf
+from ckpt_assets.base.registration import register_training_run
+from ckpt_assets.base.tags import TAG_FAILURE_KIND, TAG_NO_RESUME
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.failure_history import experiment_mtbf, failure_history
-from ckpt_assets.runs.registration import register_training_run
-from ckpt_assets.runs.tags import TAG_FAILURE_KIND, TAG_NO_RESUME
 from tests.dagster_runs import lost_worker_run, started_run
 from trainer import CheckpointSession
 from trainer.base.errors import ConfigError
@@ -191,10 +191,10 @@ def test_an_attempt_is_told_the_mtbf_only_when_its_interval_may_set_itself(store
 
 @pytest.mark.parametrize("every", ["auto", 300, 2.5, None])
 def test_the_launch_form_takes_seconds_or_auto_and_registers_them_as_a_file_would(every):
+    from ckpt_assets.base.registration import normalize_training_config
     from ckpt_assets.definitions import defs
     from ckpt_assets.defs.jobs import JOBS
     from ckpt_assets.runs.launch_form import training_from_form
-    from ckpt_assets.runs.registration import normalize_training_config
     from ckpt_assets.runs.training_run import TrainingRunConfig
 
     job = dg.Definitions(assets=defs.assets, resources=defs.resources,
@@ -209,7 +209,7 @@ def test_the_launch_form_takes_seconds_or_auto_and_registers_them_as_a_file_woul
 
 
 def test_a_word_other_than_auto_passes_the_form_and_is_refused_at_registration_by_key():
-    from ckpt_assets.runs.registration import normalize_training_config
+    from ckpt_assets.base.registration import normalize_training_config
 
     with pytest.raises(ConfigError, match="checkpoint.every_seconds' must be a number"):
         normalize_training_config({"checkpoint": {"every_seconds": "hourly"}}, "form-run")

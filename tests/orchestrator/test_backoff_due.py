@@ -9,9 +9,9 @@ import time
 
 import dagster as dg
 
+from ckpt_assets.base.clock import iso
+from ckpt_assets.base.tags import TAG_BUDGET, TAG_DECISION
 from ckpt_assets.defs.sensors import RECONCILE_EVERY_S, reconcile_training_runs
-from ckpt_assets.runs.clock import iso
-from ckpt_assets.runs.tags import TAG_BUDGET, TAG_DECISION
 from tests.orchestrator import test_sensors
 from tests.orchestrator.test_sensors import (
     backdate_decision,

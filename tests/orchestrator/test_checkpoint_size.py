@@ -8,12 +8,12 @@ import dagster as dg
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ckpt_assets.base.metadata import checkpoint_metadata
+from ckpt_assets.base.registration import register_training_run
 from ckpt_assets.defs.resources import MLflowResource
 from ckpt_assets.mlflow.metrics import CHECKPOINT_BYTES
 from ckpt_assets.mlflow.tracking import MlflowTracker
 from ckpt_assets.records.listing import run_summary
-from ckpt_assets.records.metadata import checkpoint_metadata
-from ckpt_assets.runs.registration import register_training_run
 from tests.dagster_fixtures import made_mlflow_db
 from trainer.checkpoints.records import CheckpointRecord
 from trainer.checkpoints.repo import CheckpointRepo

@@ -18,14 +18,14 @@ import pytest
 from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.test_utils import create_run_for_test
 
+from ckpt_assets.base.names import PARTITIONS_NAME
+from ckpt_assets.base.tags import PARTITION_TAG, TAG_CHECKED_RUN
 from ckpt_assets.definitions import defs, make_resources
 from ckpt_assets.defs.check_runs import check_succeeded_training
 from ckpt_assets.defs.checks import TRAINING_CHECKS
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.runs.names import PARTITIONS_NAME
-from ckpt_assets.runs.settings import Setting
-from ckpt_assets.runs.tags import PARTITION_TAG, TAG_CHECKED_RUN
+from ckpt_assets.lifecycle.settings import Setting
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import TrainerKiller, step_failure_metadata, training_config
 from tests.dagster_runs import store_with_a_checkpoint

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_assets.runs.datasets import describe_dataset
-from ckpt_assets.runs.registration import Registration
+from ckpt_assets.base.datasets import describe_dataset
+from ckpt_assets.base.registration import Registration
 from tests.trainer_proc import ROOT, run_trainer, write_config
 from trainer.base.errors import ConfigError
 from trainer.checkpoints.dataset import dataset_manifest

@@ -1,5 +1,5 @@
 """A trainer that dies while its run worker lives is relaunched in the same Dagster run, by
-the one failure policy and budget the sensors use (`ckpt_assets.lifecycle.in_run`). On by default: the
+the one failure policy and budget the sensors use (`ckpt_assets.attempt.in_run`). On by default: the
 end-to-end tests here set nothing."""
 
 from __future__ import annotations
@@ -11,29 +11,29 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ckpt_assets.attempt.end import AttemptEnd
-from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
-from ckpt_assets.attempt.process_group import AttemptProcesses
-from ckpt_assets.attempt.warm_start import STANDBY_STARTED
-from ckpt_assets.definitions import make_resources
-from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.lifecycle.in_run import (
+from ckpt_assets.attempt.in_run import (
     relaunch_decision,
     serve_backoff,
     settle_after_preemption,
 )
-from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
-from ckpt_assets.records.lineage import format_lineage, lineage_report
-from ckpt_assets.runs.events import ATTEMPT_ENDED, partition_events
-from ckpt_assets.runs.settings import ResumeSettings, Setting
-from ckpt_assets.runs.tags import (
+from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
+from ckpt_assets.attempt.warm_start import STANDBY_STARTED
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
+from ckpt_assets.base.process_group import AttemptProcesses
+from ckpt_assets.base.tags import (
     TAG_ATTEMPT,
     TAG_BUDGET,
     TAG_DECISION,
     TAG_DECISION_REASON,
     TAG_PARENT_RUN_ID,
 )
+from ckpt_assets.definitions import make_resources
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
+from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
+from ckpt_assets.records.lineage import format_lineage, lineage_report
 from tests.daemon_harness import Daemon, kill
 from tests.daemon_harness import training_config as training_config_e2e
 from tests.dagster_fixtures import *  # noqa: F403

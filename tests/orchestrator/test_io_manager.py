@@ -14,11 +14,11 @@ import dagster as dg
 import pytest
 import torch
 
+from ckpt_assets.base.registration import register_training_run
 from ckpt_assets.defs.io_managers import CheckpointIOManager
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.records.asset_versions import StoredObjectError, VersionedRepo
-from ckpt_assets.runs.registration import register_training_run
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import ROOT, training_config
 from trainer.base.errors import InvalidNameError

@@ -38,10 +38,10 @@ from ckpt_assets.attempt.k8s_pod import (
     pod_plan,
     termination_grace,
 )
+from ckpt_assets.base.datasets import DatasetRecord
+from ckpt_assets.base.events import CHECKPOINT, MODEL_CHECKPOINT_KEY
+from ckpt_assets.base.registration import Registration
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
-from ckpt_assets.runs.datasets import DatasetRecord
-from ckpt_assets.runs.events import CHECKPOINT, MODEL_CHECKPOINT_KEY
-from ckpt_assets.runs.registration import Registration
 from trainer.base.outcomes import Outcome
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.config import config_from_dict

@@ -15,11 +15,11 @@ import subprocess
 import dagster as dg
 import pytest
 
+from ckpt_assets.base.datasets import describe_dataset
+from ckpt_assets.base.names import PARTITIONS_NAME
+from ckpt_assets.base.registration import register_training_run
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.records.lineage import format_lineage, lineage_report
-from ckpt_assets.runs.datasets import describe_dataset
-from ckpt_assets.runs.names import PARTITIONS_NAME
-from ckpt_assets.runs.registration import register_training_run
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import PYTHON, ROOT, checkpoints, materialize_run
 from tests.dagster_runs import lost_worker_run

@@ -19,10 +19,10 @@ import dagster as dg
 import pytest
 
 from ckpt_assets.attempt import process as trainer_process
-from ckpt_assets.attempt.end import AttemptEnd, bad_input
 from ckpt_assets.attempt.errors import TrainerStartError
 from ckpt_assets.attempt.messages import AttemptReport, failure_description
 from ckpt_assets.attempt.process import ProcessOutcome, start_process
+from ckpt_assets.base.end import AttemptEnd, bad_input
 from ckpt_assets.cli.main import main as cli_main
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.lifecycle.policy import decide

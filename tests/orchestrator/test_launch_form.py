@@ -11,6 +11,7 @@ import dagster as dg
 import pytest
 from pydantic import BaseModel
 
+from ckpt_assets.base.registration import normalize_training_config
 from ckpt_assets.defs.jobs import DEMO_CONFIG, JOBS
 from ckpt_assets.runs.launch_form import (
     LAUNCH_DECIDES,
@@ -18,7 +19,6 @@ from ckpt_assets.runs.launch_form import (
     form_class,
     training_from_form,
 )
-from ckpt_assets.runs.registration import normalize_training_config
 from ckpt_assets.runs.training_run import TrainingRunConfig
 from trainer.config import TrainConfig
 

@@ -17,8 +17,9 @@ import dagster as dg
 import pytest
 from dagster._core.instance.ref import InstanceRef
 
-from ckpt_assets.runs.names import PARTITIONS_NAME
-from ckpt_assets.runs.registration import add_partition
+from ckpt_assets.base.names import PARTITIONS_NAME
+from ckpt_assets.base.registration import add_partition
+from ckpt_assets.base.tags import PARTITION_TAG
 from ckpt_assets.runs.submit import (
     launch_run_id,
     launch_training_run,
@@ -26,7 +27,6 @@ from ckpt_assets.runs.submit import (
     plan_launch,
     submit,
 )
-from ckpt_assets.runs.tags import PARTITION_TAG
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import DAGSTER, PYTHON, ROOT, cli, training_config
 

@@ -11,16 +11,8 @@ import time
 import dagster as dg
 import pytest
 
-from ckpt_assets.attempt.process_group import AttemptProcesses, ProcessRef, this_machine
-from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.lifecycle.decision_record import DecisionRecord, create_once, read_decision
-from ckpt_assets.lifecycle.ended import failure_of
-from ckpt_assets.lifecycle.liveness import judge
-from ckpt_assets.lifecycle.rerun import rerun_tags
-from ckpt_assets.lifecycle.state import State, run_state, state_of, without_daemon
-from ckpt_assets.lifecycle.stop import stop_training_run
-from ckpt_assets.runs.settings import ResumeSettings
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.process_group import AttemptProcesses, ProcessRef, this_machine
+from ckpt_assets.base.tags import (
     TAG_ATTEMPT,
     TAG_DECISION,
     TAG_FAILURE_CLASS,
@@ -28,7 +20,15 @@ from ckpt_assets.runs.tags import (
     TAG_PROCESSES,
     TAG_ROOT_RUN_ID,
 )
-from ckpt_assets.runs.view import RunView
+from ckpt_assets.base.view import RunView
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision_record import DecisionRecord, create_once, read_decision
+from ckpt_assets.lifecycle.ended import failure_of
+from ckpt_assets.lifecycle.liveness import judge
+from ckpt_assets.lifecycle.rerun import rerun_tags
+from ckpt_assets.lifecycle.settings import ResumeSettings
+from ckpt_assets.lifecycle.state import State, run_state, state_of, without_daemon
+from ckpt_assets.lifecycle.stop import stop_training_run
 from tests import dagster_runs
 from trainer.base.outcomes import Outcome
 from trainer.checkpoints.records import Beat
@@ -145,7 +145,7 @@ class _Store:
 
 @pytest.fixture
 def store(tmp_path):
-    from ckpt_assets.runs.registration import register_training_run
+    from ckpt_assets.base.registration import register_training_run
     from trainer.storage import open_store
 
     s = open_store(str(tmp_path / "store"))

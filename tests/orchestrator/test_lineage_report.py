@@ -7,9 +7,9 @@ import dagster as dg
 import pytest
 from dagster._core.test_utils import create_run_for_test
 
+from ckpt_assets.base.registration import register_training_run
+from ckpt_assets.base.tags import PARTITION_TAG
 from ckpt_assets.records.lineage import format_lineage, lineage_report
-from ckpt_assets.runs.registration import register_training_run
-from ckpt_assets.runs.tags import PARTITION_TAG
 from tests.dagster_fixtures import *  # noqa: F403 (dagster_home, store_uri)
 from tests.dagster_runs import lost_worker_run, started_run
 from trainer.storage import open_store
@@ -131,9 +131,9 @@ def test_lineage_of_a_standalone_run_lists_its_checkpoints_and_attempts(
 
 def test_a_cli_launch_after_a_failure_is_the_next_attempt_linked_to_the_failed_run(
         instance, store):
+    from ckpt_assets.base.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
     from ckpt_assets.lifecycle.rerun import rerun_tags
     from ckpt_assets.records.listing import run_summary
-    from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 
     assert rerun_tags(instance, KEY) == {}  # nothing to continue
     failed = lost_worker_run(instance, KEY)

@@ -22,9 +22,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 import ckpt_assets.attempt.process as attempt_process
+from ckpt_assets.base.events import CHECKPOINT, partition_events
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
-from ckpt_assets.runs.events import CHECKPOINT, partition_events
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import instance_in, made_mlflow_db, materialize_run, training_config
 from tests.polling import wait_for

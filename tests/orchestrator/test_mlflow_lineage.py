@@ -11,12 +11,12 @@ import dagster as dg
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ckpt_assets.base.events import CHECKPOINT, partition_events
 from ckpt_assets.cli.main import main as cli_main
 from ckpt_assets.definitions import make_resources
+from ckpt_assets.lifecycle.settings import Setting
 from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
 from ckpt_assets.records.history import RESUME_MARK
-from ckpt_assets.runs.events import CHECKPOINT, partition_events
-from ckpt_assets.runs.settings import Setting
 from tests.dagster_fixtures import (
     ROOT,
     TrainerKiller,

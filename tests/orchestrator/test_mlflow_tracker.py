@@ -196,8 +196,8 @@ def test_an_attempt_stopped_for_good_is_stopped_by_user_with_its_reason_not_pree
 
     import dagster as dg
 
-    from ckpt_assets.attempt.end import AttemptEnd
     from ckpt_assets.attempt.messages import AttemptReport
+    from ckpt_assets.base.end import AttemptEnd
     from ckpt_assets.defs.assets import _record_end
     from ckpt_assets.lifecycle.stop import named_if_stopped, stop_training_run
     from tests.dagster_runs import started_run

@@ -8,15 +8,15 @@ import json
 import dagster as dg
 import pytest
 
-from ckpt_assets.cli.main import main as cli_main
-from ckpt_assets.defs.partitions import training_runs
-from ckpt_assets.runs.names import PARTITIONS_NAME
-from ckpt_assets.runs.registration import (
+from ckpt_assets.base.names import PARTITIONS_NAME
+from ckpt_assets.base.registration import (
     RegistrationConflict,
     read_registration,
     register_training_run,
     validate_partition_key,
 )
+from ckpt_assets.cli.main import main as cli_main
+from ckpt_assets.defs.partitions import training_runs
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import training_config
 from trainer.base.errors import ConfigError, InvalidNameError

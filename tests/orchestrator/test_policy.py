@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_assets.attempt.end import AttemptEnd
+from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
 from trainer.base.outcomes import Outcome
 

@@ -13,7 +13,6 @@ import dagster as dg
 import pytest
 from dagster._core.test_utils import create_run_for_test
 
-from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.messages import (
     AttemptReport,
     attempt_failure,
@@ -21,6 +20,9 @@ from ckpt_assets.attempt.messages import (
     link_resume,
 )
 from ckpt_assets.attempt.output_log import log_output
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.metadata import checkpoint_metadata
+from ckpt_assets.base.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from ckpt_assets.lifecycle.decision import record as record_decision
 from ckpt_assets.lifecycle.policy import Budget, Decision
 from ckpt_assets.records.history import (
@@ -31,8 +33,6 @@ from ckpt_assets.records.history import (
     history_frame,
     history_metadata,
 )
-from ckpt_assets.records.metadata import checkpoint_metadata
-from ckpt_assets.runs.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from tests import dagster_runs
 from trainer.base.outcomes import Kind, Outcome
 from trainer.checkpoints.records import CheckpointRecord, Lineage
@@ -92,7 +92,7 @@ def test_a_checkpoints_uri_stays_a_string_and_is_also_a_path_link_for_a_local_st
 
 
 def test_typed_values_such_as_links_pass_through_plain_values_to_metadata():
-    from ckpt_assets.records.metadata import links, to_metadata
+    from ckpt_assets.base.metadata import links, to_metadata
 
     md = to_metadata({"n": None, **links({"checkpoint_uri": "/tmp/x", "mlflow_run": None})})
     assert md == {"n": dg.MetadataValue.null(),

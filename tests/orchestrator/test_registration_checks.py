@@ -13,14 +13,14 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from ckpt_assets.cli.main import main as cli_main
-from ckpt_assets.runs.names import PARTITIONS_NAME
-from ckpt_assets.runs.registration import (
+from ckpt_assets.base.names import PARTITIONS_NAME
+from ckpt_assets.base.registration import (
     RegistrationConflict,
     normalize_training_config,
     read_registration,
     register_training_run,
 )
+from ckpt_assets.cli.main import main as cli_main
 from tests.dagster_fixtures import *  # noqa: F403
 from trainer.base.errors import ConfigError
 from trainer.checkpoints.repo import CheckpointRepo

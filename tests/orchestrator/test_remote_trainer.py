@@ -24,10 +24,10 @@ from dagster_pipes import (
 
 import ckpt_assets.attempt.process as trainer_process
 from ckpt_assets.attempt.warm_start import WarmTrainer
+from ckpt_assets.base.events import CHECKPOINT
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import CheckpointStore, TrainerResource
-from ckpt_assets.runs.events import CHECKPOINT
-from ckpt_assets.runs.settings import Setting
+from ckpt_assets.lifecycle.settings import Setting
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import checkpoints, materializations, materialize_run, training_config
 from tests.polling import WaitTimeout, wait_for

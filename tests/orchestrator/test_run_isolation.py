@@ -13,13 +13,13 @@ import json
 
 import pytest
 
-from ckpt_assets.definitions import make_resources
-from ckpt_assets.runs.registration import (
+from ckpt_assets.base.registration import (
     canonical_json,
     config_key,
     normalize_training_config,
     registry_key,
 )
+from ckpt_assets.definitions import make_resources
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     ROOT,

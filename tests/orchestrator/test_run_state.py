@@ -9,15 +9,10 @@ import time
 import dagster as dg
 import pytest
 
-from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.lifecycle.state import State, run_state
-from ckpt_assets.lifecycle.stop import stop_training_run
-from ckpt_assets.records.listing import run_summary
-from ckpt_assets.runs.clock import iso
-from ckpt_assets.runs.events import STATE, partition_events
-from ckpt_assets.runs.registration import register_training_run
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.clock import iso
+from ckpt_assets.base.events import STATE, partition_events
+from ckpt_assets.base.registration import register_training_run
+from ckpt_assets.base.tags import (
     TAG_ATTEMPT,
     TAG_DECIDED_AT,
     TAG_DECISION,
@@ -27,6 +22,11 @@ from ckpt_assets.runs.tags import (
     TAG_RESUME_AT,
     TAG_STOP_REASON,
 )
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.state import State, run_state
+from ckpt_assets.lifecycle.stop import stop_training_run
+from ckpt_assets.records.listing import run_summary
 from tests import dagster_runs
 
 KEY = "glance"
@@ -141,8 +141,8 @@ def test_ckpt_assets_list_rows_carry_the_state_the_detail_and_the_latest_step(in
 
 
 def test_the_training_job_names_the_state_knows_are_the_code_locations_training_jobs():
+    from ckpt_assets.base.names import TRAINING_JOB_NAMES
     from ckpt_assets.defs.jobs import JOBS, train_demo, train_job
-    from ckpt_assets.runs.names import TRAINING_JOB_NAMES
 
     assert TRAINING_JOB_NAMES == {train_job.name, train_demo.name}
     assert {j.name for j in JOBS} - TRAINING_JOB_NAMES == {"check_training_run",

@@ -29,21 +29,10 @@ from dagster._core.events import DagsterEvent, DagsterEventType
 from dagster._core.events.log import EventLogEntry
 from dagster._core.test_utils import create_run_for_test
 
-from ckpt_assets.attempt.end import AttemptEnd
-from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.defs.sensors import (
-    reconcile_training_runs,
-    resume_failed_training,
-    resume_terminated_training,
-)
-from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.lifecycle.decision_record import decision_key, read_decision
-from ckpt_assets.lifecycle.policy import Budget
-from ckpt_assets.runs import events
-from ckpt_assets.runs.clock import iso, parse_time
-from ckpt_assets.runs.queries import is_training_run
-from ckpt_assets.runs.settings import ResumeSettings, Setting
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.clock import iso, parse_time
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.queries import is_training_run
+from ckpt_assets.base.tags import (
     PARTITION_TAG,
     TAG_ATTEMPT,
     TAG_ATTEMPT_STARTED_AT,
@@ -60,6 +49,17 @@ from ckpt_assets.runs.tags import (
     TAG_ROOT_RUN_ID,
     TAG_STALLED,
 )
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.defs.sensors import (
+    reconcile_training_runs,
+    resume_failed_training,
+    resume_terminated_training,
+)
+from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision_record import decision_key, read_decision
+from ckpt_assets.lifecycle.policy import Budget
+from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
+from ckpt_assets.base import events
 from tests import dagster_runs
 from trainer.base.errors import PointerConflictError, StorageError
 from trainer.base.outcomes import Kind, Outcome

@@ -11,10 +11,8 @@ import dagster as dg
 import pytest
 import yaml as yamllib
 
-from ckpt_assets.defs.jobs import stop_training_run_job
-from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.runs.clock import iso
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.clock import iso
+from ckpt_assets.base.tags import (
     PARTITION_TAG,
     TAG_DECIDED_AT,
     TAG_DECISION,
@@ -22,6 +20,8 @@ from ckpt_assets.runs.tags import (
     TAG_RESUME_AT,
     TAG_STOP_REASON,
 )
+from ckpt_assets.defs.jobs import stop_training_run_job
+from ckpt_assets.lifecycle.decision import consider
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import NO_COMPUTE_LOGS, instance_in
 from tests.dagster_runs import run_in_status
@@ -105,7 +105,7 @@ def test_stopping_a_training_run_that_does_not_exist_fails_with_its_name(instanc
 
 
 def test_a_check_run_of_the_partition_is_neither_stopped_nor_in_the_way(instance):
-    from ckpt_assets.runs.queries import active_runs
+    from ckpt_assets.base.queries import active_runs
 
     check = run_in_status(instance, "checked", S.QUEUED, job="check_training_run")
     assert active_runs(instance, "checked") == []
@@ -118,7 +118,7 @@ def test_a_stop_from_the_ui_is_never_queued_behind_training_runs_of_which_four_r
     # The queue's own counter (what the daemon's dequeue asks), on the instance file's limits.
     from dagster._utils.tags import TagConcurrencyLimitsCounter
 
-    from ckpt_assets.runs.names import STOP_JOB, TRAIN_JOB
+    from ckpt_assets.base.names import STOP_JOB, TRAIN_JOB
     from tests.daemon_harness import ROOT
 
     queue = yamllib.safe_load((ROOT / yaml).read_text())["run_coordinator"]["config"]

@@ -12,8 +12,18 @@ import dagster as dg
 import pytest
 from dagster._core.storage.event_log.base import PartitionKeyFilter
 
-from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.messages import attempt_failure, failure_description
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.events import MODEL_CHECKPOINT_KEY, STATE, partition_events
+from ckpt_assets.base.queries import newest_training_run
+from ckpt_assets.base.registration import read_registration, register_training_run
+from ckpt_assets.base.tags import (
+    PARTITION_TAG,
+    TAG_ATTEMPT,
+    TAG_NEW_RUN_TARGET,
+    TAG_PARENT_RUN_ID,
+    TAG_RESUME_FROM,
+)
 from ckpt_assets.defs.jobs import new_training_run_job
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.decision import consider
@@ -21,16 +31,6 @@ from ckpt_assets.lifecycle.state import STATE_CHECK, State, run_state
 from ckpt_assets.lifecycle.stop import stop_request, stop_training_run
 from ckpt_assets.records.history import history_frame, loss_history
 from ckpt_assets.records.lineage import format_lineage, lineage_report
-from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY, STATE, partition_events
-from ckpt_assets.runs.queries import newest_training_run
-from ckpt_assets.runs.registration import read_registration, register_training_run
-from ckpt_assets.runs.tags import (
-    PARTITION_TAG,
-    TAG_ATTEMPT,
-    TAG_NEW_RUN_TARGET,
-    TAG_PARENT_RUN_ID,
-    TAG_RESUME_FROM,
-)
 from tests import dagster_runs
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import NO_COMPUTE_LOGS, instance_in
@@ -84,7 +84,7 @@ def test_a_run_stopped_for_good_fails_its_state_check_with_the_reason_and_a_new_
 
 
 def test_a_run_the_policy_stopped_fails_its_state_check_as_an_error(instance, tmp_path):
-    from ckpt_assets.runs.tags import TAG_DECISION, TAG_DECISION_REASON
+    from ckpt_assets.base.tags import TAG_DECISION, TAG_DECISION_REASON
 
     dagster_runs.run_in_status(instance, KEY, S.FAILURE, {
         TAG_DECISION: "stop", TAG_DECISION_REASON: "not resumed: a bug in user code"})

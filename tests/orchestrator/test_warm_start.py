@@ -27,11 +27,11 @@ from ckpt_assets.attempt.command import (
 )
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
 from ckpt_assets.attempt.warm_start import WarmTrainer
+from ckpt_assets.base.datasets import DatasetRecord
+from ckpt_assets.base.registration import Registration
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import TrainerResource
-from ckpt_assets.runs.datasets import DatasetRecord
-from ckpt_assets.runs.registration import Registration
-from ckpt_assets.runs.settings import ResumeSettings
+from ckpt_assets.lifecycle.settings import ResumeSettings
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, training_config
 from tests.polling import pid_alive

@@ -10,12 +10,12 @@ import time
 import dagster as dg
 import pytest
 
+from ckpt_assets.base.registration import read_registration, register_training_run
+from ckpt_assets.base.tags import TAG_NNODES, TAG_NPROC_PER_NODE
+from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.decision import resume_request
 from ckpt_assets.lifecycle.decision_record import DecisionRecord
 from ckpt_assets.lifecycle.rerun import rerun_tags
-from ckpt_assets.runs.registration import read_registration, register_training_run
-from ckpt_assets.runs.tags import TAG_NNODES, TAG_NPROC_PER_NODE
-from ckpt_assets.runs.view import RunView
 from ckpt_assets.runs.world import at_world
 from tests import dagster_runs
 from tests.dagster_fixtures import *  # noqa: F403

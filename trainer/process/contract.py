@@ -47,7 +47,7 @@ class Env(StrEnum):
 
 CONTRACT_NAMES = frozenset(e.value for e in Env)
 # What the orchestrator runs an attempt's ranks under (`python -m RANKS_LAUNCHER`): the
-# launcher as `ckpt_trainer` (trainer/ranks.py under a name no project shadows), since it
+# launcher as `ckpt_trainer` (trainer/ranks/launch.py under a name no project shadows), since it
 # starts in the run's working directory, which `python -m` puts first on sys.path, and a
 # project there may have a `trainer.py` of its own.
 RANKS_LAUNCHER = "ckpt_trainer.ranks"

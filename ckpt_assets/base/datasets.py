@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckpt_assets.runs.registration import Registration
+from ckpt_assets.base.registration import Registration
 from trainer.base import strict_json
 from trainer.base.errors import CheckpointError
 from trainer.checkpoints.dataset import check_same_data, dataset_manifest

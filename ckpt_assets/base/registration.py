@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt_assets.runs.names import PARTITIONS_NAME
+from ckpt_assets.base.names import PARTITIONS_NAME
 from trainer.base import strict_json
 from trainer.base.errors import AlreadyExistsError, ConfigError
 from trainer.config import TrainConfig, config_from_dict
@@ -301,7 +301,7 @@ def _check_correctable(store: ObjectStore, existing: Registration, config: Train
     if not may_correct or CheckpointRepo(store, existing.experiment, existing.run).committed():
         _compare(existing, config)
     if instance is not None:
-        from ckpt_assets.runs.queries import active_runs
+        from ckpt_assets.base.queries import active_runs
 
         active = active_runs(instance, existing.run)
         if active:

@@ -6,7 +6,7 @@ whose last attempt failed reads as failed, and one still training as in progress
 many checkpoints it committed on the way. Each observation's metadata names its kind under
 `event`:
 
-* `checkpoint`: a committed checkpoint and its lineage (`ckpt_assets.records.metadata`);
+* `checkpoint`: a committed checkpoint and its lineage (`ckpt_assets.base.metadata`);
 * `attempt_ended`: how an attempt's training process ended (`AttemptEnd`'s fields);
 * `state`: the training run's state when it changed (`ckpt_assets.lifecycle.state`); the one
   the resume sensors record when they decide also carries the decision (`failed_run_id`,

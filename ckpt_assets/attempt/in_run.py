@@ -49,20 +49,20 @@ import time
 
 from dagster import DagsterExecutionInterruptedError, DagsterRunStatus
 
-from ckpt_assets.attempt.end import AttemptEnd
 from ckpt_assets.attempt.process import ProcessOutcome
-from ckpt_assets.lifecycle.ended import liveness_outcome
-from ckpt_assets.lifecycle.policy import Budget, Decision, decide
-from ckpt_assets.lifecycle.state import RunState, State, state_observation
-from ckpt_assets.runs.clock import iso
-from ckpt_assets.runs.dagster_private import (
+from ckpt_assets.base.clock import iso
+from ckpt_assets.base.dagster_private import (
     capture_interrupts,
     check_captured_interrupt,
     pop_captured_interrupt,
 )
-from ckpt_assets.runs.settings import ResumeSettings
-from ckpt_assets.runs.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
-from ckpt_assets.runs.view import RunView
+from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
+from ckpt_assets.base.view import RunView
+from ckpt_assets.lifecycle.ended import liveness_outcome
+from ckpt_assets.lifecycle.policy import Budget, Decision, decide
+from ckpt_assets.lifecycle.settings import ResumeSettings
+from ckpt_assets.lifecycle.state import RunState, State, state_observation
 from trainer.base.outcomes import Outcome
 
 # The trainer ended and nothing says its run worker is about to: a relaunch here is safe.

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from ckpt_assets.runs.events import MODEL_CHECKPOINT_KEY
-from ckpt_assets.runs.names import TRAINING_JOB_NAMES
-from ckpt_assets.runs.tags import PARTITION_TAG
+from ckpt_assets.base.events import MODEL_CHECKPOINT_KEY
+from ckpt_assets.base.names import TRAINING_JOB_NAMES
+from ckpt_assets.base.tags import PARTITION_TAG
 
 
 def is_training_run(run: dg.DagsterRun) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import dagster as dg
 
-from ckpt_assets.runs.tags import TAG_PROCESSES
+from ckpt_assets.base.tags import TAG_PROCESSES
 from trainer.base.outcomes import STOP_SIGNALS
 
 KILL_WAIT_S = 30.0  # after SIGKILL: only a process stuck in the kernel takes longer

@@ -4,7 +4,7 @@ every layer below `defs/` reads them without importing the definitions themselve
 
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # ckpt_assets/runs/names.py
+REPO_ROOT = Path(__file__).resolve().parents[2]  # ckpt_assets/base/names.py
 WORKSPACE_FILE = REPO_ROOT / "workspace.yaml"
 
 PARTITIONS_NAME = "training_runs"

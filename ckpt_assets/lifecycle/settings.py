@@ -58,7 +58,7 @@ class ResumeSettings:
     # A trainer declared dead or stalled gets this long after SIGTERM before SIGKILL.
     stop_grace_s: float = 10.0
     # A trainer that died while its run worker lives is relaunched in the same run
-    # (`ckpt_assets.lifecycle.in_run`), serving back-offs up to this long by sleeping in the step.
+    # (`ckpt_assets.attempt.in_run`), serving back-offs up to this long by sleeping in the step.
     # On by default: a new run costs a failed-run detection, a sensor tick, the queue and a
     # new run worker (seconds to tens of seconds) for nothing the policy would decide
     # differently. Off (`CKPT_IN_RUN_RELAUNCH=0`), every failure goes through the sensors.
@@ -66,7 +66,7 @@ class ResumeSettings:
     in_run_max_delay_s: float = 60.0
     # A trainer stopped by SIGTERM is relaunched in its run only if its run worker has not
     # been interrupted within this long of its end: a notice to the whole pod or node
-    # reaches the worker too, within moments (`ckpt_assets.lifecycle.in_run`). The price of
+    # reaches the worker too, within moments (`ckpt_assets.attempt.in_run`). The price of
     # telling the two apart, paid only by a preempted trainer's relaunch.
     in_run_preempt_settle_s: float = 2.0
     # ... by a standby process that imported torch while the attempt before it trained

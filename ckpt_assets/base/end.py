@@ -16,7 +16,7 @@ from typing import Any
 
 import dagster as dg
 
-from ckpt_assets.records.metadata import to_metadata
+from ckpt_assets.base.metadata import to_metadata
 from trainer.base.outcomes import Kind, Outcome
 from trainer.checkpoints.records import CheckpointRecord, from_known_fields
 

@@ -33,7 +33,7 @@ from dagster._utils.interrupts import (
     pop_captured_interrupt,
 )
 
-from ckpt_assets.runs.names import TRAIN_JOB, WORKSPACE_FILE
+from ckpt_assets.base.names import TRAIN_JOB, WORKSPACE_FILE
 
 if TYPE_CHECKING:  # what open_training_location yields (below: why it is private)
     from dagster._core.remote_origin import CodeLocationOrigin

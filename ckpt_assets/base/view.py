@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from ckpt_assets.runs.clock import parse_time
-from ckpt_assets.runs.tags import (
+from ckpt_assets.base.clock import parse_time
+from ckpt_assets.base.tags import (
     PARTITION_TAG,
     TAG_ATTEMPT,
     TAG_ATTEMPT_STARTED_AT,
