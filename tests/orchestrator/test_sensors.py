@@ -29,6 +29,7 @@ from dagster._core.events import DagsterEvent, DagsterEventType
 from dagster._core.events.log import EventLogEntry
 from dagster._core.test_utils import create_run_for_test
 
+from ckpt_assets.base import events
 from ckpt_assets.base.clock import iso, parse_time
 from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.base.queries import is_training_run
@@ -59,7 +60,6 @@ from ckpt_assets.lifecycle.decision import consider
 from ckpt_assets.lifecycle.decision_record import decision_key, read_decision
 from ckpt_assets.lifecycle.policy import Budget
 from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
-from ckpt_assets.base import events
 from tests import dagster_runs
 from trainer.base.errors import PointerConflictError, StorageError
 from trainer.base.outcomes import Kind, Outcome
