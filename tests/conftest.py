@@ -13,6 +13,7 @@ whichever test ran last.)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -199,3 +200,20 @@ def s3_env(moto_server, aws_env, monkeypatch):
     bucket = f"test-{uuid.uuid4().hex[:16]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
     yield {"endpoint": moto_server, "bucket": bucket, "uri": f"s3://{bucket}/ckpts"}
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """`uninterrupted(cfg)`: the final training state of `cfg` trained without a fault
+    (`tests.trainer_proc.uninterrupted_state`), trained once per config and test process."""
+    from tests.trainer_proc import uninterrupted_state
+
+    done: dict[str, dict] = {}
+
+    def get(cfg: dict) -> dict:
+        key = json.dumps(cfg, sort_keys=True)
+        if key not in done:
+            done[key] = uninterrupted_state(tmp_path_factory.mktemp("uninterrupted"), cfg)
+        return done[key]
+
+    return get

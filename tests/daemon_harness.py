@@ -41,6 +41,14 @@ def training_config(run: str, **overrides) -> dict:
     return cfg
 
 
+def baseline_config() -> dict:
+    """`training_config("base")` without its step delay: what the resumed runs of the
+    end-to-end tests must end equal to (the `uninterrupted` fixture)."""
+    cfg = training_config("base")
+    cfg["task_args"].pop("step_delay")
+    return cfg
+
+
 def fresh_instance(workdir: Path, store: str, extra_env: dict | None = None,
                    instance_yaml: Path = EMBEDDED_INSTANCE_YAML):
     """(home, env, instance): a new DAGSTER_HOME under `workdir` with `instance_yaml` (the

@@ -26,7 +26,8 @@ class Result:
     committed: list[int] = field(default_factory=list)
 
 
-def write_config(path: Path, **overrides) -> Path:
+def config_dict(**overrides) -> dict:
+    """The standalone tests' training config, with `overrides` merged in (a dict one level)."""
     cfg = {"run": "equiv", "max_steps": 110, "eval_every": 40, "batch_size": 32,
            "checkpoint": {"every_steps": 20, "keep_last": 2},
            "task_args": {"n_train": 1024, "hidden": 48}}
@@ -35,8 +36,21 @@ def write_config(path: Path, **overrides) -> Path:
             cfg[k] = {**cfg[k], **v}
         else:
             cfg[k] = v
-    path.write_text(json.dumps(cfg))
+    return cfg
+
+
+def write_config(path: Path, **overrides) -> Path:
+    path.write_text(json.dumps(config_dict(**overrides)))
     return path
+
+
+def uninterrupted_state(workdir: Path, cfg: dict) -> dict:
+    """The training state a run of `cfg` ends with, trained by the plain trainer CLI without
+    a fault: what every resumed run of the same config must equal bit for bit."""
+    (workdir / "cfg.json").write_text(json.dumps(cfg))
+    res = run_trainer(workdir / "cfg.json", str(workdir / "store"))
+    assert res.returncode == 0, res.log
+    return training_state(final_state(workdir / "store", run=cfg["run"]))
 
 
 def run_trainer(config: Path, store: str, *args: str, interrupt_at: int | None = None,

@@ -25,7 +25,7 @@ environment, no credentials), merged by dagster-k8s's `build_pod_body`, with:
   disruption (a preemption is a pod's deletion). The Job controller then deletes the other
   pods: their ranks get SIGTERM and commit the step they agree on, or find a peer gone.
 
-The attempt's exit status is the worst node's (`nodes_exit`): `trainer.ranks.attempt_exit`
+The attempt's exit status is the worst node's (`nodes_exit`): `trainer.ranks.world.attempt_exit`
 over the nodes' container statuses, as `trainer.ranks.nodes` does over nodes on one machine (a
 container's 128+N read as the signal N, as a process's -N is: a node killed wins). A
 node whose end was never seen (its pod deleted before its status was read) counts as one
@@ -238,7 +238,7 @@ class NodeEnds:
 
 def nodes_exit(codes: Mapping[int, int], nodes: int, stopping: bool) -> int:
     """The attempt's exit status from its nodes' (node -> container exit status; a node
-    missing was never seen to end): the worst node's, by `trainer.ranks.attempt_exit`."""
+    missing was never seen to end): the worst node's, by `trainer.ranks.world.attempt_exit`."""
     failed = {i: c for i, c in codes.items() if c != 0}
     if not any(Outcome.of_exit(c) not in ECHOES for c in failed.values()):
         # Nothing seen names a cause: a node gone unseen is read as one pod gone is.

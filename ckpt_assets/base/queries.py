@@ -1,5 +1,4 @@
-"""Which Dagster runs are training runs, the newest one of a partition, and run tags that
-stick when another process writes the run's tags at the same moment.
+"""Which Dagster runs are training runs, and a partition's newest and active ones.
 
 A partition's runs are its training runs (attempts, each a chain link) and its check runs;
 everything that counts attempts or reads a run's state asks here.

@@ -18,7 +18,6 @@ tests/standalone/test_examples_standalone.py.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -30,9 +29,16 @@ import pytest
 
 from ckpt_assets.base.process_group import AttemptProcesses
 from ckpt_assets.lifecycle.settings import Setting
-from tests.daemon_harness import ROOT, Daemon, kill, trainer_parent, training_config
+from tests.daemon_harness import (
+    ROOT,
+    Daemon,
+    baseline_config,
+    kill,
+    trainer_parent,
+    training_config,
+)
 from tests.postgres_server import team_instance
-from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
+from tests.trainer_proc import assert_bitwise_equal, final_state, training_state
 
 pytestmark = pytest.mark.slow
 
@@ -75,18 +81,6 @@ def held(run: str, after_step: int = 15) -> dict:
     return cfg
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """Final training state of the same config, trained by the plain CLI without faults."""
-    work = tmp_path_factory.mktemp("baseline")
-    cfg = training_config("base")
-    cfg["task_args"].pop("step_delay")
-    (work / "cfg.json").write_text(json.dumps(cfg))
-    res = run_trainer(work / "cfg.json", str(work / "store"))
-    assert res.returncode == 0, res.log
-    return training_state(final_state(work / "store", run="base"))
-
-
 def _resumes_of(daemon: Daemon, run_id: str) -> list:
     return [r for r in daemon.instance.get_runs() if r.tags.get("ckpt/parent_run_id") == run_id]
 
@@ -108,7 +102,7 @@ def _check_resumed_once_and_identical(daemon, name, uninterrupted, failed_runs: 
     assert final.tags["ckpt/attempt"] == str(len(runs))
     assert daemon.max_active[name] == 1
     got = training_state(final_state(Path(daemon.store), run=name))
-    assert_bitwise_equal(uninterrupted, got)
+    assert_bitwise_equal(uninterrupted(baseline_config()), got)
     # Nothing committed is missing from Dagster's lineage: every parent link resolves,
     # across the seam between the attempts too.
     recorded = _checkpoint_events(daemon, name)

@@ -11,7 +11,6 @@ orchestrator launched them) and the run's heartbeat.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -22,9 +21,9 @@ import pytest
 
 from ckpt_assets.base.tags import TAG_FAILURE_KIND, TAG_HEARTBEAT_LOST, TAG_STALLED
 from ckpt_assets.lifecycle.settings import Setting
-from tests.daemon_harness import Daemon, kill, training_config
+from tests.daemon_harness import Daemon, baseline_config, kill, training_config
 from tests.polling import pid_alive
-from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
+from tests.trainer_proc import assert_bitwise_equal, final_state, training_state
 from trainer.checkpoints.records import Beat
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.process.contract import Env
@@ -134,18 +133,6 @@ def test_a_healthy_step_three_times_the_heartbeat_timeout_is_never_declared_dead
     assert daemon.max_active[name] == 1
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """Final training state of the same config, trained by the plain CLI without faults."""
-    work = tmp_path_factory.mktemp("baseline")
-    cfg = training_config("base")
-    cfg["task_args"].pop("step_delay")
-    (work / "cfg.json").write_text(json.dumps(cfg))
-    res = run_trainer(work / "cfg.json", str(work / "store"))
-    assert res.returncode == 0, res.log
-    return training_state(final_state(work / "store", run="base"))
-
-
 def test_a_frozen_trainer_declared_dead_is_gone_before_its_resume_starts(
         daemon, tmp_path, uninterrupted):
     name = "frozen"
@@ -177,4 +164,4 @@ def test_a_frozen_trainer_declared_dead_is_gone_before_its_resume_starts(
     after = repo.read_pointer().timeline
     assert {n for n in after if n.endswith("-a1")} <= before
     assert daemon.max_active[name] == 1
-    assert_bitwise_equal(uninterrupted, training_state(final_state(Path(daemon.store), run=name)))
+    assert_bitwise_equal(uninterrupted(baseline_config()), training_state(final_state(Path(daemon.store), run=name)))

@@ -1,7 +1,7 @@
 """An attempt on several nodes under `launcher: k8s`, at the spec level: the indexed Job of a
 pod per node and the headless Service they meet through, as the API server would receive
 them (the pod template merged by dagster-k8s's `build_pod_body`); each node's end read from
-fake pod statuses and the attempt's end as the worst node's (`trainer.ranks.attempt_exit`);
+fake pod statuses and the attempt's end as the worst node's (`trainer.ranks.world.attempt_exit`);
 the API's refusals as bad input and the teardown, through a fake of the API (fast: no
 cluster, no process)."""
 

@@ -143,10 +143,14 @@ def test_torch_refusing_a_value_that_passed_the_ranges_is_still_bad_input_naming
             default_optimizer(OptimConfig.model_construct(**optim), model)
 
 
-def test_the_highest_thread_count_allowed_is_one_torch_takes():
+def test_the_highest_thread_count_the_config_allows_is_one_torch_takes_and_one_more_is_refused():
+    assert config_from_dict({"threads": MAX_PARALLEL}).threads == MAX_PARALLEL
+    with pytest.raises(ConfigError, match="config key 'threads'"):
+        config_from_dict({"threads": MAX_PARALLEL + 1})
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(MAX_PARALLEL)
+        assert torch.get_num_threads() == MAX_PARALLEL
     finally:
         torch.set_num_threads(before)
 

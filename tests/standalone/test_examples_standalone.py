@@ -4,7 +4,7 @@ Each example runs as a real subprocess: once without interruption, and once kill
 SIGKILL at a seeded random step, resumed, stopped with SIGTERM at a later seeded random
 step, and resumed again to the end. The final checkpoint of the interrupted run must hold
 exactly the bytes of tensors, optimizer state, data position, RNG states and loss history
-of the uninterrupted one.
+of the example_baseline one.
 
 The signal is timed by an event, not by a guess: a `sitecustomize` module put on the
 child's PYTHONPATH holds the child inside its "step N done" log call (at DEBUG, which it
@@ -171,8 +171,8 @@ def final(store: Path, ex: Example) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The final checkpoint of each example's uninterrupted run, run once per module."""
+def example_baseline(tmp_path_factory):
+    """The final checkpoint of each example's example_baseline run, run once per module."""
     done: dict[str, tuple[Result, dict]] = {}
 
     def get(name: str) -> tuple[Result, dict]:
@@ -188,9 +188,9 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
-def test_an_uninterrupted_run_exits_0_with_its_last_step_committed_and_every_loss_recorded(name, uninterrupted):
+def test_an_uninterrupted_run_exits_0_with_its_last_step_committed_and_every_loss_recorded(name, example_baseline):
     ex = EXAMPLES[name]
-    res, state = uninterrupted(name)
+    res, state = example_baseline(name)
     assert "from scratch" in res.log
     assert res.committed[-1] == ex.steps
     assert state["loop"]["step"] == ex.steps
@@ -199,7 +199,7 @@ def test_an_uninterrupted_run_exits_0_with_its_last_step_committed_and_every_los
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_sigkill_then_sigterm_at_random_steps_then_resume_ends_bitwise_identical_and_sigterm_exits_143_having_committed_its_step(
-        name, uninterrupted, tmp_path):
+        name, example_baseline, tmp_path):
     ex = EXAMPLES[name]
     rng = random.Random(f"examples/{name}")
     kill_at = rng.randint(25, ex.steps // 2)  # after the first checkpoint, between others
@@ -227,7 +227,7 @@ def test_sigkill_then_sigterm_at_random_steps_then_resume_ends_bitwise_identical
     assert f"resumed from {uri} at step {term_at} " in last.log, f"{where}\n{last.log}"
     assert latest(store, ex)[1] == ex.steps
 
-    assert_bitwise_equal(uninterrupted(name)[1], final(store, ex), name)
+    assert_bitwise_equal(example_baseline(name)[1], final(store, ex), name)
 
 
 def test_the_no_block_port_changes_at_most_12_lines_of_the_original_script():
@@ -248,10 +248,10 @@ def _epoch_lines(log: str) -> list[str]:
 
 
 def test_sigterm_at_an_epoch_boundary_of_the_no_block_script_exits_143_and_the_resume_runs_that_epochs_evaluation_once(
-        uninterrupted, tmp_path):
+        example_baseline, tmp_path):
     """Killed mid-epoch, then exactly at the last batch of an epoch: the committed step is an
     epoch boundary whose evaluation and LR decision had not run. Across the three processes
-    every epoch's line is printed once, equal to the uninterrupted run's, and the run ends
+    every epoch's line is printed once, equal to the example_baseline run's, and the run ends
     bitwise identical."""
     ex = EXAMPLES["no_block"]
     store, gate = tmp_path / "store", tmp_path / "gate"
@@ -268,7 +268,7 @@ def test_sigterm_at_an_epoch_boundary_of_the_no_block_script_exits_143_and_the_r
     assert third.returncode == 0, third.log
     assert f"at step {boundary} " in third.log, third.log
 
-    base, base_state = uninterrupted("no_block")
+    base, base_state = example_baseline("no_block")
     runs = [_epoch_lines(r.log) for r in (first, second, third)]
     assert [len(lines) for lines in runs] == [1, 1, 4], runs  # epoch 2's after the resume
     assert runs[2][0].startswith("epoch 2: "), runs

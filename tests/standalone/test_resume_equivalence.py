@@ -10,6 +10,7 @@ import pytest
 
 from tests.trainer_proc import (
     assert_bitwise_equal,
+    config_dict,
     final_state,
     run_trainer,
     training_state,
@@ -23,15 +24,6 @@ pytestmark = pytest.mark.slow
 # checkpoints, so every resume has to skip into the middle of a shuffled epoch.
 KILL_CHAIN = [(13, signal.SIGKILL), (45, signal.SIGKILL), (70, signal.SIGKILL)]
 TERM_CHAIN = [(7, signal.SIGTERM), (33, signal.SIGINT), (77, signal.SIGTERM)]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    d = tmp_path_factory.mktemp("baseline")
-    cfg = write_config(d / "cfg.json")
-    res = run_trainer(cfg, str(d / "store"))
-    assert res.returncode == 0, res.log
-    return training_state(final_state(d / "store"))
 
 
 def _interrupted_run(tmp_path, store_uri, store_dir_or_loader, chain, task_delay=0.01):
@@ -56,14 +48,14 @@ def test_sigkill_at_several_steps_then_resume_matches_uninterrupted_run_bitwise(
         tmp_path, uninterrupted):
     store = tmp_path / "store"
     got = _interrupted_run(tmp_path, str(store), lambda: final_state(store), KILL_CHAIN)
-    assert_bitwise_equal(uninterrupted, got)
+    assert_bitwise_equal(uninterrupted(config_dict()), got)
 
 
 def test_sigterm_and_sigint_commit_and_exit_143_and_resume_matches_bitwise(
         tmp_path, uninterrupted):
     store = tmp_path / "store"
     got = _interrupted_run(tmp_path, str(store), lambda: final_state(store), TERM_CHAIN)
-    assert_bitwise_equal(uninterrupted, got)
+    assert_bitwise_equal(uninterrupted(config_dict()), got)
 
 
 def test_a_user_task_with_its_own_stateful_parts_and_values_resumes_bitwise(tmp_path):
@@ -96,4 +88,4 @@ def test_background_saves_interrupted_by_sigkill_resume_bitwise_identical(tmp_pa
     assert res.returncode == -signal.SIGKILL
     res = run_trainer(cfg, str(store))
     assert res.returncode == 0 and "resumed from" in res.log, res.log
-    assert_bitwise_equal(uninterrupted, training_state(final_state(store)))
+    assert_bitwise_equal(uninterrupted(config_dict()), training_state(final_state(store)))

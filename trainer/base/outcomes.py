@@ -150,7 +150,7 @@ class Outcome(Enum):
             if known is not cls.RANK_LOST or rc == known.exit_code:
                 return known
             # Rank 0 reported losing a peer; the launcher's exit status names why the peer
-            # went (`trainer.ranks.attempt_exit`): a bug there is a bug, not a lost rank.
+            # went (`trainer.ranks.world.attempt_exit`): a bug there is a bug, not a lost rank.
         if rc in BY_EXIT_CODE:
             return BY_EXIT_CODE[rc]
         if rc in BY_EXIT_CODE:
