@@ -53,20 +53,25 @@ def lbfgs(t: TaskArgs) -> Task:
 
 def crash_once(t: TaskArgs) -> Task:
     """The toy task, SIGKILLed once before step `crash_once_at` (the marker file
-    `crash_marker` says it happened), as an OOM kill or a lost node kills a trainer."""
+    `crash_marker` says it happened, and when), as an OOM kill or a lost node kills a trainer.
+    `crash_after_standby`: only once the next attempt's standby is there; `signal_standby`
+    (a signal's name): which is sent that signal first (its pid goes in the marker)."""
     import os
     import signal
     from pathlib import Path
 
-    mine = ("crash_once_at", "crash_marker", "crash_after_standby")
+    mine = ("crash_once_at", "crash_marker", "crash_after_standby", "signal_standby")
     task = toy.build(TaskArgs({k: v for k, v in t.args.items() if k not in mine}, t.seed))
     inner, marker = task.before_step, Path(t.args["crash_marker"])
 
     def before_step(step: int) -> None:
         if step == t.args["crash_once_at"] and not marker.exists():
+            standby = None
             if t.args.get("crash_after_standby"):
-                _wait_for_a_sibling_standby()
-            marker.write_text(str(step))
+                standby = _wait_for_a_sibling_standby()
+                if t.args.get("signal_standby") and standby is not None:
+                    _signal_standby(standby, getattr(signal, t.args["signal_standby"]))
+            marker.write_text(f"{step} {standby or ''}".strip())
             os.kill(os.getpid(), signal.SIGKILL)
         inner(step)
 
@@ -74,10 +79,11 @@ def crash_once(t: TaskArgs) -> Task:
     return task
 
 
-def _wait_for_a_sibling_standby(timeout_s: float = 120) -> None:
+def _wait_for_a_sibling_standby(timeout_s: float = 120) -> int | None:
     """Until the orchestrator (this process's parent) has started the standby for the next
-    attempt: on a busy machine its start can come after a short attempt's death, and then
-    the relaunch is cold (correct, but not what a test of the warm relaunch is about)."""
+    attempt (its pid): on a busy machine its start can come after a short attempt's death,
+    and then the relaunch is cold (correct, but not what a test of the warm relaunch is
+    about)."""
     import os
     import time
     from pathlib import Path
@@ -94,5 +100,27 @@ def _wait_for_a_sibling_standby(timeout_s: float = 120) -> None:
                 continue  # gone meanwhile
             if (ppid == os.getppid() and int(stat.parent.name) != os.getpid()
                     and MODULE.encode() in cmdline):
-                return
+                return int(stat.parent.name)
         time.sleep(0.05)
+    return None
+
+
+def _signal_standby(pid: int, sig: int, timeout_s: float = 30) -> None:
+    """Send `sig` to the standby `pid`, and wait until it took effect: stopped (state T) for
+    SIGSTOP, dead (a zombie its parent has not reaped, or gone) for any other."""
+    import os
+    import signal
+    import time
+
+    os.kill(pid, sig)
+    wanted = ("T",) if sig == signal.SIGSTOP else ("Z", "X", None)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = None
+        if state in wanted:
+            return
+        time.sleep(0.01)

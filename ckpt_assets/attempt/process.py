@@ -181,6 +181,8 @@ class _Supervised:
 def _supervise(context, session, attempt: Attempt, env: dict[str, str],
                output: str) -> _Supervised:
     argv, cwd, warm, grace_s = attempt.argv, attempt.cwd, attempt.warm, attempt.grace_s
+    if warm is not None:  # a standby still importing is waited for here, where stops act
+        warm.ready(argv, env, cwd)
     # A stop that comes before the `try` that stops the process is held, then delivered in it.
     with stops_held() as held:
         proc = warm.take(argv, env, cwd, output) if warm is not None else None

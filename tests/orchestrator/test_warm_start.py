@@ -7,12 +7,16 @@ The fast tests check the rules; the slow ones hand real standby processes real a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,12 +30,13 @@ from ckpt_assets.attempt.command import (
     task_launch,
 )
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
-from ckpt_assets.attempt.warm_start import WarmTrainer
+from ckpt_assets.attempt.warm_start import IMPORT_S, WarmTrainer, _Standby, process_state
 from ckpt_assets.base.datasets import DatasetRecord
+from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
 from ckpt_assets.base.registration import Registration
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import TrainerResource
-from ckpt_assets.lifecycle.settings import ResumeSettings
+from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, training_config
 from tests.polling import pid_alive
@@ -87,6 +92,21 @@ def test_a_handoff_fits_only_the_same_interpreter_and_environment_but_the_per_at
     assert later.unfit(PY, standing) is None
     assert "is not `python -m" in Handoff([PY, "-c", "pass"], BASE_ENV, "/", "o").unfit(
         PY, standing)
+
+
+def test_interpreters_are_compared_resolved_so_a_symlinked_venv_is_the_same_one(tmp_path):
+    standing = standing_env(BASE_ENV)
+    (tmp_path / ".venv").symlink_to(Path(PY).parent.parent)  # a .venv that links to this one
+    linked = Handoff([str(tmp_path / ".venv" / "bin" / Path(PY).name), "-m", "trainer"],
+                     BASE_ENV, "/", "o")
+    assert linked.unfit(PY, standing) is None
+    # The same binary linked from a directory of its own is another environment: Python finds
+    # a venv from the directory it was started from, and every venv's python links to its base.
+    (tmp_path / "other" / "bin").mkdir(parents=True)
+    (tmp_path / "other" / "bin" / "python").symlink_to(PY)
+    other = Handoff([str(tmp_path / "other" / "bin" / "python"), "-m", "trainer"], BASE_ENV,
+                    "/", "o")
+    assert "interpreter" in other.unfit(PY, standing)
 
 
 def _registration(raw: dict) -> Registration:
@@ -227,6 +247,130 @@ def test_an_unused_standby_is_stopped_with_the_step_and_a_stop_before_handoff_en
     # A dead standby is never handed an attempt: it starts cold.
     assert warm.take([PY, "-m", "trainer"], BASE_ENV, str(tmp_path),
                      str(tmp_path / "out.log")) is None
+
+
+def _answered_standby(warm: WarmTrainer, argv: list[str], cwd: str) -> subprocess.Popen:
+    """The standby `warm` starts for `argv`, once it has imported and answered."""
+    warm.refill(argv, BASE_ENV, cwd)
+    warm.ready(argv, {**BASE_ENV, **PER_ATTEMPT}, cwd)
+    assert warm._standby is not None
+    return warm._standby.proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, when", [(signal.SIGSTOP, "importing"), (signal.SIGSTOP, "idle"),
+                                       (signal.SIGKILL, "idle")])
+def test_a_standby_stopped_or_killed_before_its_handoff_is_replaced_not_waited_on(
+        tmp_path, caplog, sig, when):
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    argv = [PY, str(script)]
+    warm = WarmTrainer(ResumeSettings(), LOG)
+    if when == "importing":
+        warm.refill(argv, BASE_ENV, str(tmp_path))
+        standby = warm._standby.proc
+    else:
+        standby = _answered_standby(warm, argv, str(tmp_path))
+    os.kill(standby.pid, sig)
+    wait, took_effect = time.monotonic() + 10, ("T",) if sig == signal.SIGSTOP else ("Z", None)
+    while process_state(standby.pid) not in took_effect and time.monotonic() < wait:
+        time.sleep(0.01)
+    try:
+        with caplog.at_level(logging.INFO, logger=LOG.name):
+            asked = time.monotonic()
+            taken = warm.take(argv, {**BASE_ENV, **PER_ATTEMPT}, str(tmp_path),
+                              str(tmp_path / "out.log"))
+            took = time.monotonic() - asked
+    finally:
+        warm.close()
+    assert taken is None  # the caller starts the attempt cold
+    # Given up without waiting: the kernel says it is stopped or dead. Waited on, a stopped
+    # standby would hold the attempt until the heartbeat timeout (minutes); the bound leaves
+    # a busy 2-core machine its scheduling delays.
+    assert took < 5.0, took
+    assert standby.poll() is not None  # and it is gone, not left stopped
+    why = "it is stopped" if sig == signal.SIGSTOP else "it has exited"
+    assert f"is replaced by a fresh start of the trainer: {why}" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_standby_alive_but_silent_past_its_imports_is_replaced_after_a_short_deadline(
+        tmp_path, caplog):
+    """Alive to the kernel (sleeping, as a frozen cgroup's or a hung process's is), but never
+    reading its stdin: not answering within ANSWER_S is enough to replace it."""
+    silent = subprocess.Popen([PY, "-c", "import time; time.sleep(120)"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, start_new_session=True)
+    warm = WarmTrainer(ResumeSettings(), LOG)
+    warm._standby = _Standby(silent, PY, BASE_ENV, started=time.monotonic() - IMPORT_S)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        asked = time.monotonic()
+        warm.ready([PY, "-m", "trainer"], BASE_ENV, str(tmp_path))
+        took = time.monotonic() - asked
+    assert warm._standby is None and silent.poll() is not None
+    assert "did not answer within" in caplog.text and 1.5 < took < 10, took
+
+
+def _unstick(marker: Path, after_s: float) -> threading.Event:
+    """A regression's guard: the stopped standby named in `marker` is SIGKILLed `after_s`
+    after the marker was written, so that a run handed to it fails its assertions rather than
+    hang. Set the event to call it off."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            if not marker.exists() or time.time() - marker.stat().st_mtime < after_s:
+                continue
+            parts = marker.read_text().split()
+            pid = int(parts[1]) if len(parts) == 2 else None
+            with contextlib.suppress(OSError):
+                if pid and process_state(pid) == "T" and MODULE.encode() in Path(
+                        f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+            return
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
+def test_a_relaunch_whose_standby_was_stopped_or_killed_starts_fresh_at_once_and_trains_on(
+        instance, tmp_path, mlflow_uri, monkeypatch, sig):
+    """Attempt 1 dies once the standby for its relaunch is there, and that standby was stopped
+    (SIGSTOP) or killed just before. Attempt 2 is not written to a process that will never
+    read it: it starts fresh, in about the time a relaunch takes, and trains on from the
+    checkpoint to the end."""
+    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default: relaunch in-run
+    key, marker = f"replaced-{sig.lower()}", tmp_path / "crashed"
+    res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
+    unstick = _unstick(marker, 240)
+    try:
+        out = materialize_run(instance, key, res, training=training_config(
+            task="tests.user_tasks:crash_once",
+            task_args={"crash_once_at": 15, "crash_marker": str(marker),
+                       "crash_after_standby": True, "signal_standby": sig,
+                       "step_delay": 0.1}))
+    finally:
+        unstick.set()
+    assert out.success
+    crashed_at = marker.stat().st_mtime  # attempt 1 killed itself just after writing it
+    assert len(marker.read_text().split()) == 2  # the standby it signalled
+    ends = [md for md, _ in partition_events(instance, key, ATTEMPT_ENDED)]
+    assert [(e["attempt"], e["failure_class"]) for e in ends] == [
+        (1, "killed_by_signal"), (2, "success")]
+    # The step advanced: attempt 2 resumed from attempt 1's checkpoint and trained to the end.
+    assert ends[1]["resumed_from_step"] == ends[0]["last_committed_step"] == 10
+    assert ends[1]["last_committed_step"] == training_config()["max_steps"]
+    logs = instance.all_logs(out.run_id)
+    started = [r for r in logs if r.user_message.startswith(PROCESS_STARTED)]
+    assert [WARM_STARTED in r.user_message for r in started] == [True, False]
+    why = "it is stopped" if sig == "SIGSTOP" else "it has exited"
+    said = [r.user_message for r in logs if "standby" in r.user_message]
+    assert any(f"is replaced by a fresh start of the trainer: {why}" in s for s in said), said
+    # From attempt 1's death to attempt 2's process: a relaunch's usual second or so (0.3-0.9 s
+    # measured), bounded generously for a busy 2-core machine; not a wait on the standby.
+    handoff_s = started[1].timestamp - crashed_at
+    assert handoff_s < 10, handoff_s
 
 
 def _standbys_of_this_process() -> list[int]:

@@ -11,7 +11,9 @@ signal handling (none is installed before the handoff, so a SIGTERM until then e
 any fresh process).
 
 An empty line or end of file (the orchestrator closed it unused, or died) ends it with
-status 0, having done nothing.
+status 0, having done nothing. A `PING` line before the handoff is answered with `PONG` on
+its stdout: the orchestrator's proof that it is alive and reading before it is handed an
+attempt.
 
 What a standby cannot take over: anything the interpreter reads at its own start (its
 options, `PYTHON*`, the locale) or the native libraries torch loads read at import (thread
@@ -35,6 +37,7 @@ from pathlib import Path
 from .contract import RANKS_LAUNCHER, reserved
 
 MODULE = "trainer.process.standby"
+PING, PONG = b"ping\n", b"pong\n"  # asked on its stdin before a handoff; answered on stdout
 PACKAGE = Path(__file__).resolve().parents[1]  # trainer/
 # A module run under a standby would start its own processes cold, so nothing is gained:
 # several ranks start theirs through torchrun.
@@ -79,6 +82,13 @@ def standing_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not reserved(k)}
 
 
+def _interpreter(path: str) -> tuple[str, str]:
+    """What `path` starts, symlinks resolved (a symlinked `.venv` is the same): the binary, and
+    the directory Python finds a virtual environment from (pyvenv.cfg beside or above it). Not
+    the binary alone: every venv's `python` links to its base interpreter."""
+    return os.path.realpath(os.path.dirname(path)), os.path.realpath(path)
+
+
 @dataclass(frozen=True)
 class Handoff:
     """The attempt a standby becomes: the argv it would have been started with, its
@@ -103,7 +113,7 @@ class Handoff:
         and none of the variables `READ_AT_START` changed."""
         if entry(self.argv) is None:
             return f"{' '.join(self.argv[:3])} is not `python -m MODULE` or `python SCRIPT.py`"
-        if self.argv[0] != python:
+        if _interpreter(self.argv[0]) != _interpreter(python):
             return f"the attempt's interpreter is {self.argv[0]}, the standby's {python}"
         mine = standing_env(self.env)
         changed = sorted(k for k in mine.keys() | env.keys()
@@ -148,6 +158,9 @@ def main() -> int:
     from . import report  # noqa: F401
 
     line = sys.stdin.buffer.readline()
+    while line == PING:
+        os.write(1, PONG)  # its stdout is the orchestrator's pipe until `become`
+        line = sys.stdin.buffer.readline()
     if not line.strip():
         return 0
     handoff = Handoff.from_line(line)
