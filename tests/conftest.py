@@ -31,12 +31,10 @@ from tests.polling import wait_for
 from tests.ports import free_port
 
 SLOW = "slow"
-# The warm standby (ckpt_assets/attempt/warm_start.py) is one more torch-importing process
-# beside every run: on a 2-core machine, CPU the other tests' trainers wait for. It is on in
-# the tests marked `warm_standby`, whose subject it is; `CKPT_WARM_TRAINER=1` turns it on in
-# every test.
+# The warm standby (ckpt_assets/attempt/warm_start.py) is on in every test, as users get it;
+# a test that turns it off says why. Those marked `warm_standby` have it as their subject:
+# on for them even where the environment turns it off for the rest.
 WARM_STANDBY = "warm_standby"
-os.environ.setdefault(Setting.WARM_TRAINER.value, "0")
 # Fixtures that start a server process. A session-scoped one may already be running when a
 # fast test asks for it, so asking is refused too, not only starting one.
 PROCESS_FIXTURES = frozenset({"moto_server", "s3_env", "postgres_server"})

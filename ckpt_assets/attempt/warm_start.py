@@ -94,8 +94,8 @@ class _Standby:
             readable, _, _ = select.select([self.proc.stdout], [], [], LOOK_S)
             if readable:
                 chunk = os.read(self.proc.stdout.fileno(), 64)
-                if not chunk:
-                    return "it closed its output"
+                if not chunk:  # only a process that exits closes it before its handoff
+                    return "it has exited (its output closed)"
                 self.replies += chunk
                 if self.replies.count(PONG) >= self.pings:
                     return None
@@ -104,15 +104,17 @@ class _Standby:
 
     def _gone(self) -> str | None:
         """Why the kernel says this standby will never read a line, or None."""
-        if self.proc.poll() is not None:
-            return "it has exited"
         state = process_state(self.proc.pid)
+        # A zombie (Z) is not yet reapable while its other threads (torch's) still exit.
+        if self.proc.poll() is not None or state in EXITED:
+            return "it has exited"
         if state in STOPPED:
             return f"it is stopped (state {state}: SIGSTOP or a debugger)"
         return None
 
 
 STOPPED = ("T", "t")  # /proc/PID/stat states of a process that will not run until continued
+EXITED = ("Z", "X")  # ... and of one that exited
 
 
 def process_state(pid: int) -> str | None:

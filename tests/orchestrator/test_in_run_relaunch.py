@@ -315,7 +315,7 @@ def shipped_daemon(tmp_path_factory):
     work = tmp_path_factory.mktemp("shipped")
     with pytest.MonkeyPatch.context() as env:  # the daemon inherits these
         env.delenv(Setting.IN_RUN_RELAUNCH, raising=False)
-        env.setenv(Setting.WARM_TRAINER, "1")
+        env.delenv(Setting.WARM_TRAINER, raising=False)
         daemon = Daemon.start(work / "d", str(work / "store"))
     yield daemon
     daemon.stop()
@@ -337,7 +337,12 @@ def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
     uninterrupted = training_state(final_state(tmp_path / "base-store", run="base"))
 
     daemon = shipped_daemon
-    daemon.launch("in-run", training_config_e2e("in-run"), tmp_path)
+    # Attempt 1 waits after step 15 until it is killed (the toy task's `pause_after_step`): on
+    # a busy machine, waiting below for the relaunch's standby took longer than the rest of
+    # its 60 steps, which then ended the run before the kill.
+    in_run = training_config_e2e("in-run")
+    in_run["task_args"]["pause_after_step"] = 15
+    daemon.launch("in-run", in_run, tmp_path)
     hb = daemon.wait_for_step("in-run", 15, attempt=1)
     # The relaunch's standby starts once attempt 1 has spoken (the first was attempt
     # 1's own); a trainer killed before that is relaunched cold, a busy machine's case.

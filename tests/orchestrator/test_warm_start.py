@@ -46,7 +46,7 @@ from trainer.process.contract import Env
 from trainer.process.standby import MODULE, Handoff, entry, own_trainer, standing_env
 from trainer.storage import open_store
 
-pytestmark = pytest.mark.warm_standby  # off in the other tests (tests/conftest.py)
+pytestmark = pytest.mark.warm_standby  # its subject: on even where CKPT_WARM_TRAINER=0 is set
 
 PY = sys.executable
 LOG = logging.getLogger("test_warm_start")
