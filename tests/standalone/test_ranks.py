@@ -163,7 +163,11 @@ def test_a_node_killed_after_the_grace_is_an_echo_and_the_node_that_failed_names
     from trainer.ranks.nodes import LocalNodes
 
     bug = subprocess.Popen(["sh", "-c", "exit 1"])
-    stuck = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60"])  # deaf to the stop
+    # Deaf to the stop once its trap is set: told before that, on a busy machine, it would
+    # die of the SIGTERM and never need the kill this test is about.
+    stuck = subprocess.Popen(["sh", "-c", "trap '' TERM; echo deaf; exec sleep 60"],
+                             stdout=subprocess.PIPE)
+    assert stuck.stdout.readline() == b"deaf\n"
     nodes = LocalNodes([bug, stuck])
     assert nodes.first_to_end() is bug
     nodes.tell(sig.SIGTERM)
