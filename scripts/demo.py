@@ -3,7 +3,7 @@
 Launches a training run and starts a dagster-daemon to run it. Preempts its trainer alone (SIGTERM to
 its pid): the run's worker lives, so the trainer is relaunched in the same Dagster run.
 Then terminates the Dagster run itself, as the UI's Terminate button does: the
-`resume_terminated_training` sensor resumes it as a new Dagster run. Prints the run's
+sensors decide and resume it as a new Dagster run. Prints the run's
 lineage at the end. Run it through `bash scripts/demo.sh`, which installs everything first.
 """
 

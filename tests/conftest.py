@@ -215,3 +215,11 @@ def uninterrupted(tmp_path_factory):
         return done[key]
 
     return get
+
+
+@pytest.fixture
+def checkpoint_store(tmp_path):
+    """The test's own local checkpoint store resource: where a decision is created once."""
+    from ckpt_assets.defs.resources import CheckpointStore
+
+    return CheckpointStore(uri=str(tmp_path / "store"))

@@ -61,12 +61,10 @@ def fresh_instance(workdir: Path, store: str, extra_env: dict | None = None,
     home.mkdir(parents=True)
     shutil.copy(instance_yaml, home / "dagster.yaml")
     with_migrated_mlflow_db(home)
-    # A short back-off; a grace longer than the shipped one: the failure sensors own a failure
-    # for half of it (`failure_sensors_turn_s`), and a busy machine's sensor tick can come late.
+    # A short back-off, so that a test's backed-off resume comes within seconds.
     env = {**os.environ, "DAGSTER_HOME": str(home), "CKPT_STORE_URI": store,
            "MLFLOW_TRACKING_URI": f"sqlite:///{home / MLFLOW_DB}",
-           "PYTHONPATH": str(ROOT), Setting.RECONCILE_GRACE_S.value: "60",
-           Setting.BACKOFF_BASE_S.value: "2", **(extra_env or {})}
+           "PYTHONPATH": str(ROOT), Setting.BACKOFF_BASE_S.value: "2", **(extra_env or {})}
     # Create the storage once, here: processes that create it concurrently race on its
     # schema version table. The instance file's `env:` settings resolve from the same
     # environment the daemon gets.

@@ -2,13 +2,19 @@
 
 `resume_failed_training` (failed runs) and `resume_terminated_training` (runs terminated
 from Dagster, which end CANCELED, not FAILED) see each ended training run once and hand it
-to `ckpt_assets.lifecycle.decision.consider`, which decides once and returns the resume.
-`reconcile_training_runs` launches delayed (backed-off) resumes once due (it ticks on
-every loop of the daemon, every 5 s: one cheap query), and every 15 s sweeps for what the
-others cannot see: failures from before they were enabled or whose tick errored, and runs
-stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats without completing
-a step (stalled); `ckpt_assets.lifecycle.liveness` judges those and retires their trainer
-before the run is marked failed.
+to `ckpt_assets.lifecycle.decision.consider`, which decides once. They launch nothing.
+`reconcile_training_runs` is the one launcher of resumes: on every loop of the daemon
+(every 5 s, one cheap query) it launches each decided resume that is due, at once or once
+its back-off ended; every 15 s it sweeps for what the failure sensors cannot see (failures
+from before they were enabled or whose tick errored, decided here at once, whatever their
+age) and for runs stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats
+without completing a step (stalled); `ckpt_assets.lifecycle.liveness` judges those and
+retires their trainer before the run is marked failed.
+
+One launcher, no time windows: Dagster launches a run_key once per sensor (not once across
+sensors), so a resume requested by two sensors would be launched twice. The failure
+sensors and the sweep may both decide a run; the decision is created once in the store, and
+only the reconciler turns it into a run.
 """
 
 from __future__ import annotations
@@ -22,14 +28,13 @@ from ckpt_assets.base.queries import is_training_run
 from ckpt_assets.base.tags import (
     PARTITION_TAG,
     TAG_DECISION,
-    TAG_DECISION_REASON,
     TAG_RESUME_AT,
     TAG_RESUMED_BY,
 )
 from ckpt_assets.base.view import RunView
 from ckpt_assets.defs.jobs import train_job
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision import consider, due_resume
 from ckpt_assets.lifecycle.liveness import judge, read_beat, retire
 from ckpt_assets.lifecycle.lost_worker import end_lost_attempt, lost_worker
 from ckpt_assets.lifecycle.settings import ResumeSettings
@@ -49,60 +54,28 @@ TICK_S = DAEMON_LOOP_S - 1
 RECONCILE_EVERY_S = 15.0
 
 
-def failure_sensors_turn_s(settings: ResumeSettings) -> float:
-    """How long after a run ended the failure sensors act on it. Past it the run is the
-    reconciler's alone, which decides an undecided run only the whole grace after its end.
-
-    One owner per failure at any time: Dagster launches a run_key once per sensor, not once
-    across sensors, so a failure that two sensors acted on would be resumed twice. A daemon
-    back from a downtime evaluates all of them at once on the failures it missed; those are
-    the reconciler's. The half grace between the two turns is the longest a failure
-    sensor's evaluation may take from reading the run to recording its decision."""
-    return settings.launch_grace_s / 2
-
-
-def _ended_s_ago(record: dg.RunRecord, now: float) -> float:
-    """Seconds since the run of `record` ended (0 for one with no end time recorded yet)."""
-    return now - record.end_time if record.end_time is not None else 0.0
-
-
 END_EVENTS = {dg.DagsterEventType.RUN_FAILURE: dg.DagsterRunStatus.FAILURE,
               dg.DagsterEventType.RUN_CANCELED: dg.DagsterRunStatus.CANCELED}
 
 
-def _end_of(instance: dg.DagsterInstance, run_id: str,
-            event: dg.DagsterEvent) -> tuple[dg.DagsterRunStatus, float]:
-    """How and when the run ended. Dagster stores the end event first and rewrites the run's
-    record (status, end time) after it, so a sensor that sees the event may find the record
-    not updated yet: the status is the event's, and the time the record's end time (what the
-    reconciler's sweep reads too) or, until it is written, the event's own."""
-    status = END_EVENTS[dg.DagsterEventType(event.event_type_value)]
-    rec = instance.get_run_record_by_id(run_id)
-    if rec is not None and rec.end_time is not None:
-        return status, rec.end_time
-    records = instance.get_records_for_run(
-        run_id, of_type={dg.DagsterEventType.RUN_FAILURE, dg.DagsterEventType.RUN_CANCELED},
-        ascending=False, limit=1).records
-    return status, records[0].timestamp if records else time.time()
+def _ended_as(event: dg.DagsterEvent) -> dg.DagsterRunStatus:
+    """How the run ended, from its end event: Dagster stores the event before it rewrites the
+    run's record, so a sensor that sees the event may find the record not updated yet."""
+    return END_EVENTS[dg.DagsterEventType(event.event_type_value)]
 
 
-def _on_ended(context, store: CheckpointStore) -> dg.RunRequest | dg.SkipReason:
-    settings = ResumeSettings.from_env()
+def _on_ended(context, store: CheckpointStore) -> dg.SkipReason:
     run = context.dagster_run
-    status, ended = _end_of(context.instance, run.run_id, context.dagster_event)
-    age = time.time() - ended
-    if age >= failure_sensors_turn_s(settings):
-        return dg.SkipReason(f"run {run.run_id[:8]} ended {age:.0f}s ago, past the failure "
-                             "sensors' turn: the reconciler decides and resumes it")
-    req = consider(context.instance, run, store, sweep=False, settings=settings,
-                   ended_as=status)
-    reason = context.instance.get_run_by_id(run.run_id).tags.get(TAG_DECISION_REASON)
-    if req is None:  # decided against, or a back-off (the reason says), or not this run's turn
-        why = reason or ("not a training run" if not is_training_run(run)
-                         else "a newer run of the same training run exists")
+    rec = consider(context.instance, run, store, ended_as=_ended_as(context.dagster_event))
+    if rec is None:
+        why = ("not a training run" if not is_training_run(run)
+               else "a newer run of the same training run exists")
         return dg.SkipReason(f"run {run.run_id[:8]}: {why}")
-    context.log.info(f"resuming {req.partition_key}: {reason}")
-    return req
+    if rec.resume:
+        context.log.info(f"{rec.training_run}: resume decided ({rec.reason}); "
+                         "reconcile_training_runs launches it")
+    return dg.SkipReason(f"run {run.run_id[:8]} decided: {rec.reason}"
+                         + ("; reconcile_training_runs launches the resume" if rec.resume else ""))
 
 
 @dg.run_failure_sensor(
@@ -160,19 +133,19 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
     return notes
 
 
-def due_backoffs(instance: dg.DagsterInstance, store: CheckpointStore,
-                 settings: ResumeSettings, now: float) -> list[dg.RunRequest]:
-    """The resumes whose back-off has ended: one query for runs decided `resume` and not
-    yet resumed, then only those with a due `ckpt/resume_at` are considered."""
+def due_resumes(instance: dg.DagsterInstance, store: CheckpointStore,
+                settings: ResumeSettings, now: float) -> list[dg.RunRequest]:
+    """The decided resumes that are due: one query for runs decided `resume` and not yet
+    resumed, then only those due now (no back-off, or one that ended) are considered."""
     runs = instance.get_runs(filters=dg.RunsFilter(
         statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED],
         tags={TAG_DECISION: "resume"}), limit=LOOKBACK_RUNS)
     requests = []
     for run in runs:
         due = parse_time(run.tags.get(TAG_RESUME_AT))
-        if TAG_RESUMED_BY in run.tags or due is None or now < due:
+        if TAG_RESUMED_BY in run.tags or (due is not None and now < due):
             continue
-        req = consider(instance, run, store, sweep=True, settings=settings)
+        req = due_resume(instance, run, store, settings, now)
         if req is not None:
             requests.append(req)
     return requests
@@ -183,9 +156,9 @@ def due_backoffs(instance: dg.DagsterInstance, store: CheckpointStore,
     job=train_job,
     minimum_interval_seconds=TICK_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Launches back-offs once due (every tick), and finds what the failure sensors "
-                "missed (every 15 s): earlier failures, errored ticks, and runs whose trainer "
-                "stopped heartbeating.",
+    description="The one launcher of resumes: launches each decided resume once due (every "
+                "tick), and finds what the failure sensors missed (every 15 s): earlier "
+                "failures, errored ticks, and runs whose trainer stopped heartbeating.",
 )
 def reconcile_training_runs(context: dg.SensorEvaluationContext,
                             checkpoint_store: CheckpointStore):
@@ -193,12 +166,11 @@ def reconcile_training_runs(context: dg.SensorEvaluationContext,
     settings = ResumeSettings.from_env()
     last = parse_time(context.cursor) if context.cursor else None
     if last is not None and 0 <= now - last < RECONCILE_EVERY_S:
-        requests = due_backoffs(instance, checkpoint_store, settings, now)
+        requests = due_resumes(instance, checkpoint_store, settings, now)
         if not requests:
-            return dg.SkipReason("no back-off due; the full sweep runs every "
+            return dg.SkipReason("no resume due; the full sweep runs every "
                                  f"{RECONCILE_EVERY_S:.0f}s")
-        context.log.info("; ".join(f"launching resume of {r.partition_key} (back-off ended)"
-                                   for r in requests))
+        context.log.info("; ".join(f"launching resume of {r.partition_key}" for r in requests))
         return requests
     context.update_cursor(iso(now))
     return _sweep(context, instance, checkpoint_store, settings, now)
@@ -210,13 +182,10 @@ def _sweep(context, instance: dg.DagsterInstance, store: CheckpointStore,
     ended = instance.get_run_records(filters=dg.RunsFilter(
         statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]), limit=LOOKBACK_RUNS)
     for rec in ended:
-        run = rec.dagster_run
-        if TAG_DECISION not in run.tags and _ended_s_ago(rec, now) < settings.launch_grace_s:
-            continue  # within the failure sensors' turn, or the half grace after it
-        req = consider(instance, run, store, sweep=True, settings=settings)
+        req = due_resume(instance, rec.dagster_run, store, settings, now)
         if req is not None:
             requests.append(req)
-            notes.append(f"{run.run_id[:8]}: launching resume of {req.partition_key}")
+            notes.append(f"{rec.dagster_run.run_id[:8]}: launching resume of {req.partition_key}")
     if not requests:
         return dg.SkipReason("; ".join(notes) or "nothing to reconcile")
     context.log.info("; ".join(notes))

@@ -3,14 +3,16 @@
 The sensors (`ckpt_assets.defs.sensors`) call `consider` for each ended training run they see.
 It reads how the attempt ended into one `AttemptEnd` (from the step's failure record, or,
 for a run that recorded none, from how Dagster saw it end), applies the failure policy
-(`ckpt_assets.lifecycle.policy`) once, writes the decision where the sensors and people look, and
-returns the resume's `RunRequest` once it is due.
+(`ckpt_assets.lifecycle.policy`) once, and writes the decision where the sensors and people
+look. `due_resume` is the resume's `RunRequest` once it is due; only the reconciler asks.
 
 Exactly once: a decision is created once in the checkpoint store
 (`lifecycle.decision_record`) before anything is launched, and every later reader acts on
-that one; a resume's run_key is derived from the failed run's id; only the newest run of
-a partition is ever acted on (a resume, once created, is newer); and the run queue admits
-one active run per partition.
+that one. One sensor launches resumes (the reconciler), and a resume's run_key is derived
+from the failed run's id: Dagster launches a run_key once per sensor, so a failure is
+resumed once whichever sensor decided it and however often the decision is read. Only the
+newest run of a partition is ever acted on (a resume, once created, is newer), and the run
+queue admits one active run per partition.
 """
 
 from __future__ import annotations
@@ -62,22 +64,13 @@ def decision_words(decision: Decision, run_key: str) -> str:
             f"{run_key}; it records its run id on this run when it starts.")
 
 
-def decision_of(run: dg.DagsterRun, store: StoreSource | None) -> DecisionRecord | None:
-    """The decision about `run`: the store's create-once record; without a store (a run
-    decided in-process, as tests do) the tags are the record."""
-    if store is not None:
-        return read_decision(store.open(), RunView.of(run).partition, run.run_id)
-    view = RunView.of(run)
-    if view.decision is None:
-        return None
-    return DecisionRecord(run.run_id, view.partition, view.decision == "resume",
-                          view.failure_kind or "", view.failure_class or "",
-                          view.decision_reason, view.decided_at or 0.0, view.resume_at,
-                          view.next_budget, view.attempt, None)
+def decision_of(run: dg.DagsterRun, store: StoreSource) -> DecisionRecord | None:
+    """The decision about `run`: the store's create-once record (the tags only mirror it)."""
+    return read_decision(store.open(), RunView.of(run).partition, run.run_id)
 
 
 def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
-           decision: Decision, store: StoreSource | None) -> tuple[DecisionRecord, bool]:
+           decision: Decision, store: StoreSource) -> tuple[DecisionRecord, bool]:
     """Create the decision once (`decision_record.create_once`), and, if this call made it,
     say it where people look: the failed run's tags, its own log in words, the partition's
     new state. Returns (the decision that holds, whether this call made it)."""
@@ -88,9 +81,7 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
         failure.outcome.value, decision.reason, decided,
         decided + decision.delay_s if decision.resume and decision.delay_s > 0 else None,
         decision.budget.to_tag(), failure.attempt, failure.last_committed_step)
-    created = True
-    if store is not None:
-        rec, created = create_once(store.open(), rec)
+    rec, created = create_once(store.open(), rec)
     if created:
         mirror = mirror_tags(rec)
         instance.add_run_tags(run.run_id, mirror)
@@ -122,9 +113,9 @@ def _say(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
 
 
 def resume_request(run: dg.DagsterRun, rec: DecisionRecord,
-                   store: StoreSource | None) -> dg.RunRequest:
+                   store: StoreSource) -> dg.RunRequest:
     resume_from = ""
-    if store is not None and rec.last_committed_step is not None:
+    if rec.last_committed_step is not None:
         try:
             repo = run_repo(store, rec.training_run)
             ptr = repo.read_pointer() if repo else None
@@ -141,7 +132,7 @@ def resume_request(run: dg.DagsterRun, rec: DecisionRecord,
     )
 
 
-def _decide(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource | None,
+def _decide(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
             settings: ResumeSettings,
             ended_as: dg.DagsterRunStatus | None) -> tuple[DecisionRecord, bool]:
     failure = failure_of(instance, run, store, ended_as)
@@ -153,37 +144,37 @@ def _decide(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource
     return record(instance, run, failure, decision, store)
 
 
-def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource | None,
-             sweep: bool, settings: ResumeSettings | None = None,
-             ended_as: dg.DagsterRunStatus | None = None) -> dg.RunRequest | None:
-    """Decide about one ended training run (once) and return its resume if it is due now.
-
-    The failure sensors (sweep=False) launch immediate resumes; the reconciler (sweep=True)
-    launches backed-off ones when due, and immediate ones the sensors did not launch in time.
-    `ended_as`: how the run ended, from its end event, when its record may not say so yet.
-    """
+def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
+             settings: ResumeSettings | None = None,
+             ended_as: dg.DagsterRunStatus | None = None) -> DecisionRecord | None:
+    """Decide about one ended training run once, and return the decision that holds (None:
+    not a training run, or a newer run of its partition exists and the decision is moot).
+    `ended_as`: how the run ended, from its end event, when its record may not say so yet."""
     if not is_training_run(run):
         return None
     newest = newest_training_run(instance, run.tags[PARTITION_TAG])
     if newest is None or newest.run_id != run.run_id:
         return None  # a newer run of this partition exists (e.g. the resume): moot
-    settings = settings or ResumeSettings.from_env()
-    rec, decided_here = decision_of(newest, store), False
+    rec = decision_of(newest, store)
     if rec is None:
-        rec, decided_here = _decide(instance, run, store, settings, ended_as)
+        rec, _ = _decide(instance, run, store, settings or ResumeSettings.from_env(), ended_as)
     elif TAG_DECISION not in newest.tags:  # the mirror was dropped by a concurrent rewrite
         instance.add_run_tags(run.run_id, mirror_tags(rec))
-    current = instance.get_run_by_id(run.run_id) or newest
-    if not rec.resume or RunView.of(current).stop_requested:
-        return None  # decided against, or the resume was withdrawn by a stop
-    now = time.time()
-    # The failure sensors launch an immediate resume without looking at the clock at all.
-    if rec.resume_at is not None:
-        if not sweep or now < rec.resume_at:
-            return None  # a back-off: the reconciler launches it once due
-    elif sweep and not decided_here and now < rec.decided_at + settings.launch_grace_s:
-        return None  # the failure sensor's launch may still be on its way
-    # Decided here by the sweep: no sensor decided it, so no launch of theirs is on its way,
-    # and the sweep only decides a run the grace after its end (a second grace from this
-    # decision held every resume the sensors missed for two).
+    return rec
+
+
+def due_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
+               settings: ResumeSettings | None = None,
+               now: float | None = None) -> dg.RunRequest | None:
+    """The resume of one ended training run, decided once (`consider`), if it is due now:
+    at once, or once its back-off ended; never once a stop withdrew it. Asked by the one
+    sensor that launches resumes, so its run_key is launched once."""
+    rec = consider(instance, run, store, settings)
+    if rec is None or not rec.resume:
+        return None
+    current = instance.get_run_by_id(run.run_id) or run
+    if RunView.of(current).stop_requested:
+        return None  # the resume was withdrawn by a stop
+    if rec.resume_at is not None and (time.time() if now is None else now) < rec.resume_at:
+        return None  # a back-off, not over yet
     return resume_request(current, rec, store)

@@ -101,8 +101,8 @@ TABLE: tuple[Transition, ...] = (
                "nothing new: the reconciler requests the resume once due"),
     Transition(S.WAITING, E.STOP_REQUESTED, S.STOPPED_BY_USER, *_STOP),
     Transition(S.RESUMING, E.RESUME_LAUNCHED, S.RESUMING, "defs.sensors",
-               "a train_job run tagged with its parent, root, attempt and budget "
-               "(run_key from the failed run's id: once)"),
+               "a train_job run tagged with its parent, root, attempt and budget, requested "
+               "by the reconciler alone (run_key from the failed run's id: once)"),
 )
 
 _KEYS = frozenset((t.state, t.event) for t in TABLE)

@@ -22,7 +22,6 @@ class Setting(StrEnum):
     CRASH_LOOP_BUDGET = "CKPT_CRASH_LOOP_BUDGET"
     BACKOFF_BASE_S = "CKPT_BACKOFF_BASE_S"
     BACKOFF_MAX_S = "CKPT_BACKOFF_MAX_S"
-    RECONCILE_GRACE_S = "CKPT_RECONCILE_GRACE_S"
     HEARTBEAT_TIMEOUT_S = "CKPT_HEARTBEAT_TIMEOUT_S"
     WORKER_GRACE_S = "CKPT_WORKER_GRACE_S"
     STALL_TIMEOUT_S = "CKPT_STALL_TIMEOUT_S"
@@ -39,9 +38,6 @@ class ResumeSettings:
     (so a changed variable takes effect at the daemon's next tick, not at import)."""
 
     policy: PolicyConfig = PolicyConfig()
-    # A resume the failure sensors decided and did not launch within this long was lost
-    # (their tick errored): the reconciler launches it.
-    launch_grace_s: float = 45.0
     # A STARTED run whose trainer's heartbeat is older than this has lost its trainer.
     heartbeat_timeout_s: float = 120.0
     # ... and one that has had no live trainer for this long: none has beaten since the run
@@ -84,7 +80,6 @@ class ResumeSettings:
                 crash_loop_budget=int(env(Setting.CRASH_LOOP_BUDGET, p.crash_loop_budget)),
                 backoff_base_s=float(env(Setting.BACKOFF_BASE_S, p.backoff_base_s)),
                 backoff_max_s=float(env(Setting.BACKOFF_MAX_S, p.backoff_max_s))),
-            launch_grace_s=float(env(Setting.RECONCILE_GRACE_S, cls.launch_grace_s)),
             heartbeat_timeout_s=float(env(Setting.HEARTBEAT_TIMEOUT_S, cls.heartbeat_timeout_s)),
             worker_grace_s=float(env(Setting.WORKER_GRACE_S, cls.worker_grace_s)),
             stall_timeout_s=float(env(Setting.STALL_TIMEOUT_S, cls.stall_timeout_s)),

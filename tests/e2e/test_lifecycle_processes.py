@@ -16,7 +16,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ckpt_assets.base.view import RunView
-from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.stop import stop_training_run
 from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
 from tests.dagster_fixtures import *  # noqa: F403
@@ -79,7 +80,7 @@ def test_a_stop_for_good_reads_stopped_by_user_in_the_event_decision_lineage_lis
     ended = [md for md in ended if md["event"].value == "attempt_ended"]
     assert [md["failure_class"].value for md in ended] == ["stopped_by_user"]
     assert [md["exit_code"].value for md in ended] == [143]  # it exits as on a preemption
-    assert consider(instance, run, None, sweep=False) is None  # never resumed
+    assert due_resume(instance, run, CheckpointStore(uri=store_uri)) is None  # never resumed
     view = RunView.of(instance.get_run_by_id(run.run_id))
     assert (view.decision, view.failure_kind, view.failure_class) == (
         "stop", "stopped_by_user", "stopped_by_user")
@@ -214,7 +215,6 @@ def test_a_trainer_relaunched_in_its_run_is_not_declared_dead_before_its_first_b
     """The relaunched trainer's start-up (its task's build, before its first beat) lasts
     several heartbeat timeouts, as on a loaded machine; the reconciler sweeps meanwhile."""
     from ckpt_assets.base.tags import TAG_HEARTBEAT_LOST
-    from ckpt_assets.defs.resources import CheckpointStore
     from ckpt_assets.defs.sensors import reconcile_training_runs
     from ckpt_assets.lifecycle.settings import Setting
 

@@ -30,7 +30,7 @@ from ckpt_assets.base.tags import (
 )
 from ckpt_assets.definitions import make_resources
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
 from ckpt_assets.records.lineage import format_lineage, lineage_report
@@ -236,7 +236,7 @@ def test_after_the_budget_is_used_up_in_run_the_next_failure_is_not_relaunched(
     run = instance.get_run_by_id(out.run_id)
     assert Budget.from_tag(run.tags[TAG_BUDGET]).transient == 1
     # The sensors, deciding over the same record and budget, stop it too.
-    assert consider(instance, run, store, sweep=False) is None
+    assert due_resume(instance, run, store) is None
     tags = instance.get_run_by_id(out.run_id).tags
     assert tags[TAG_DECISION] == "stop" and "over the budget of 1" in tags[TAG_DECISION_REASON]
 

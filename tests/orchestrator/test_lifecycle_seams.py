@@ -21,7 +21,7 @@ from ckpt_assets.base.tags import (
     TAG_ROOT_RUN_ID,
 )
 from ckpt_assets.base.view import RunView
-from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.decision_record import DecisionRecord, create_once, read_decision
 from ckpt_assets.lifecycle.ended import failure_of
 from ckpt_assets.lifecycle.liveness import judge
@@ -59,12 +59,12 @@ def _killed_cli_run(instance) -> dg.DagsterRun:
 
 
 def test_a_stop_is_named_stopped_by_user_in_the_attempts_end_the_decision_and_the_state(
-        instance):
+        instance, store):
     run = dagster_runs.started_run(instance, KEY)
     stop_training_run(instance, KEY, "wrong lr", force=True)
     run = instance.get_run_by_id(run.run_id)
     assert failure_of(instance, run, None).outcome is Outcome.STOPPED_BY_USER
-    assert consider(instance, run, None, sweep=False) is None  # never resumed
+    assert due_resume(instance, run, store) is None  # never resumed
     decided = RunView.of(instance.get_run_by_id(run.run_id))
     assert (decided.decision, decided.failure_kind, decided.failure_class) == \
         ("stop", "stopped_by_user", "stopped_by_user")
@@ -156,10 +156,10 @@ def store(tmp_path):
 def test_two_deciders_of_one_ended_run_create_one_decision_and_both_act_on_it(
         instance, store):
     run = dagster_runs.lost_worker_run(instance, KEY)
-    first = consider(instance, run, store, sweep=False)
-    second = consider(instance, run, store, sweep=False)  # the other failure sensor
+    first = due_resume(instance, run, store)
+    second = due_resume(instance, run, store)  # the other failure sensor
     assert first is not None and second is not None
-    assert first.run_key == second.run_key == f"resume-{run.run_id}"
+    assert first.run_key == second.run_key == f"resume-{run.run_id}"  # launched once
     rec = read_decision(store.open(), KEY, run.run_id)
     assert rec.resume and rec.failure_class == "worker_lost"
     events = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)
@@ -174,7 +174,7 @@ def test_a_decision_whose_tags_were_dropped_is_acted_on_and_mirrored_again(insta
         run.run_id, KEY, True, "killed", "worker_lost", "resumed: run worker lost",
         time.time() - 60, None, "transient=1", 1, None))
     assert created and TAG_DECISION not in instance.get_run_by_id(run.run_id).tags
-    req = consider(instance, run, store, sweep=True)
+    req = due_resume(instance, run, store)
     assert req is not None and req.tags[TAG_ATTEMPT] == "2"
     assert instance.get_run_by_id(run.run_id).tags[TAG_DECISION] == "resume"
     # A later decider's own, different view loses to the record.
@@ -185,10 +185,9 @@ def test_a_decision_whose_tags_were_dropped_is_acted_on_and_mirrored_again(insta
 
 def test_a_stop_withdraws_a_decided_resume_without_rewriting_the_decision(instance, store):
     run = dagster_runs.lost_worker_run(instance, KEY)
-    assert consider(instance, run, store, sweep=False) is not None
+    assert due_resume(instance, run, store) is not None
     stop_training_run(instance, KEY, "enough")
-    assert consider(instance, run, store, sweep=True,
-                    settings=ResumeSettings(launch_grace_s=0.0)) is None
+    assert due_resume(instance, run, store) is None
     assert read_decision(store.open(), KEY, run.run_id).resume  # the record stands
     assert run_state(instance, KEY).state == State.STOPPED_BY_USER
 

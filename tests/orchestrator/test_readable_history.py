@@ -249,12 +249,14 @@ def _engine_events(instance, run) -> list:
         run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)]
 
 
-def test_a_resume_decision_is_one_engine_event_in_words_on_the_failed_run(instance):
+def test_a_resume_decision_is_one_engine_event_in_words_on_the_failed_run(
+        instance, checkpoint_store):
     run = dagster_runs.lost_worker_run(instance, KEY)
     failure = AttemptEnd(Outcome.WORKER_LOST, KEY, attempt=1, last_committed_step=20,
                          dagster_run_id=run.run_id)
     record_decision(instance, run, failure, Decision(
-        True, Kind.KILLED, "resumed: run worker lost", budget=Budget(transient=1)), None)
+        True, Kind.KILLED, "resumed: run worker lost", budget=Budget(transient=1)),
+        checkpoint_store)
     (event,) = _engine_events(instance, run)
     assert event.message.startswith("Resuming now (killed): resumed: run worker lost")
     assert f"resume-{run.run_id}" in event.message
@@ -263,12 +265,13 @@ def test_a_resume_decision_is_one_engine_event_in_words_on_the_failed_run(instan
     assert md["last_committed_step"] == 20
 
 
-def test_a_decision_not_to_resume_says_why_in_the_failed_runs_log(instance):
+def test_a_decision_not_to_resume_says_why_in_the_failed_runs_log(instance, checkpoint_store):
     run = dagster_runs.lost_worker_run(instance, KEY)
     failure = AttemptEnd(Outcome.DIVERGED, KEY, 4, attempt=1, last_committed_step=20,
                          dagster_run_id=run.run_id)
     record_decision(instance, run, failure,
-                    Decision(False, Kind.DIVERGED, "not resumed: the loss diverged"), None)
+                    Decision(False, Kind.DIVERGED, "not resumed: the loss diverged"),
+                    checkpoint_store)
     (event,) = _engine_events(instance, run)
     assert event.message == "Not resumed (diverged): the loss diverged"
 

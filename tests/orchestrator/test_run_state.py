@@ -23,7 +23,7 @@ from ckpt_assets.base.tags import (
     TAG_STOP_REASON,
 )
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.state import State, run_state
 from ckpt_assets.lifecycle.stop import stop_training_run
 from ckpt_assets.records.listing import run_summary
@@ -113,9 +113,10 @@ def test_a_newer_run_of_another_job_on_the_partition_does_not_hide_the_training_
     assert state(instance) == State.STOPPED_BY_POLICY
 
 
-def test_the_sensors_decision_is_recorded_on_the_partition_as_the_new_state(instance):
+def test_the_sensors_decision_is_recorded_on_the_partition_as_the_new_state(
+        instance, checkpoint_store):
     run = dagster_runs.canceled_run(instance, KEY)  # a termination: a preemption
-    assert consider(instance, run, None, sweep=False) is not None
+    assert due_resume(instance, run, checkpoint_store) is not None
     assert recorded_states(instance) == [State.RESUMING.value]
     # One observation per decision: the new state, carrying the decision that led to it.
     (md, rec), = partition_events(instance, KEY)

@@ -56,7 +56,6 @@ from ckpt_assets.defs.sensors import (
     resume_failed_training,
     resume_terminated_training,
 )
-from ckpt_assets.lifecycle.decision import consider
 from ckpt_assets.lifecycle.decision_record import decision_key, read_decision
 from ckpt_assets.lifecycle.policy import Budget
 from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
@@ -159,18 +158,38 @@ def _evaluate(sensor, instance, run: dg.DagsterRun, store: CheckpointStore):
     return sensor(ctx)
 
 
+def _decided_then_launched(sensor, instance, run: dg.DagsterRun, store: CheckpointStore):
+    """A failure sensor's evaluation of `run`'s end (it decides and launches nothing), then
+    the reconciler's next tick, the one launcher of resumes: the resume it launches for
+    `run`, or the failure sensor's SkipReason where it launches none."""
+    decided = _evaluate(sensor, instance, run, store)
+    assert isinstance(decided, dg.SkipReason), decided  # a failure sensor never launches
+    resumes = [r for r in tick(instance, store) if r.run_key == f"resume-{run.run_id}"]
+    return resumes[0] if resumes else decided
+
+
 def on_failure(instance, run: dg.DagsterRun, store: CheckpointStore):
-    return _evaluate(resume_failed_training, instance, run, store)
+    return _decided_then_launched(resume_failed_training, instance, run, store)
 
 
 def on_cancel(instance, run: dg.DagsterRun, store: CheckpointStore):
-    return _evaluate(resume_terminated_training, instance, run, store)
+    return _decided_then_launched(resume_terminated_training, instance, run, store)
+
+
+def _reconcile(instance, store: CheckpointStore, cursor: str | None) -> list[dg.RunRequest]:
+    out = reconcile_training_runs(dg.build_sensor_context(
+        instance=instance, cursor=cursor, resources={"checkpoint_store": store}))
+    return [] if isinstance(out, dg.SkipReason) else list(out)
+
+
+def tick(instance, store: CheckpointStore) -> list[dg.RunRequest]:
+    """The reconciler's cheap tick (its sweep ran a moment ago): the due resumes only."""
+    return _reconcile(instance, store, iso(time.time()))
 
 
 def sweep(instance, store: CheckpointStore) -> list[dg.RunRequest]:
-    out = reconcile_training_runs(dg.build_sensor_context(
-        instance=instance, resources={"checkpoint_store": store}))
-    return [] if isinstance(out, dg.SkipReason) else list(out)
+    """The reconciler's full sweep."""
+    return _reconcile(instance, store, None)
 
 
 def tags_of(instance, run: dg.DagsterRun) -> dict:
@@ -330,14 +349,15 @@ def test_a_decision_stands_when_dagsters_late_rewrite_of_the_run_drops_its_tags(
     monkeypatch.setattr(storage, "_get_run_by_id", read_then_stall)
     late_writer.start()
     assert has_read.wait(60)
-    req = on_failure(instance, run, store)
+    skip = on_failure(instance, run, store)  # decided; not launched: the record says STARTED
     decided.set()
     late_writer.join()
-    assert isinstance(req, dg.RunRequest), req
+    assert isinstance(skip, dg.SkipReason) and "launches the resume" in skip.skip_message, skip
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
     rec = read_decision(store.open(), KEY, run.run_id)
     assert (rec.resume, rec.kind) == (True, "killed")
-    consider(instance, run, store, sweep=True)  # the reconciler's next look
+    (req,) = sweep(instance, store)  # the reconciler's next look: the mirror back, launched
+    assert req.run_key == f"resume-{run.run_id}"
     tags = tags_of(instance, run)
     assert (tags[TAG_DECISION], tags[TAG_FAILURE_KIND]) == ("resume", "killed")
     assert len(decisions(instance)) == 1  # said once, by the one that decided
@@ -347,9 +367,10 @@ def test_a_run_whose_record_does_not_say_it_ended_yet_is_decided_from_its_end_ev
         instance, store):
     run = started_run(instance)
     _end_event_stored_before_its_record(instance, run)
-    req = on_failure(instance, run, store)
-    assert isinstance(req, dg.RunRequest), req
-    assert read_decision(store.open(), KEY, run.run_id).failure_class == "worker_lost"
+    skip = on_failure(instance, run, store)
+    assert "decided: resumed at once" in skip.skip_message, skip
+    rec = read_decision(store.open(), KEY, run.run_id)
+    assert (rec.resume, rec.failure_class) == (True, "worker_lost")
 
 
 @pytest.mark.parametrize("exit_code,failure_class,kind", [
@@ -432,29 +453,31 @@ def test_a_decision_is_taken_once_and_its_resume_is_never_launched_twice(instanc
 
 # -- the reconciler ---------------------------------------------------------------------------
 
-def test_a_resume_decided_but_never_launched_is_launched_by_the_reconciler_once(instance, store):
+def test_a_failure_decided_by_a_failure_sensor_and_seen_by_the_sweep_is_launched_once(
+        instance, store):
+    # Both sensors see the failure; the decision is created once, only the reconciler
+    # returns the resume, and asked again it returns the same run_key, which Dagster
+    # launches once per sensor. No time window decides who goes first.
     run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
-    lost = on_failure(instance, run, store)  # decided; its launch was lost (the tick errored)
-    # Within the grace period the failure sensor's launch may still be on its way.
-    assert sweep(instance, store) == []
-    backdate_decision(instance, run, ResumeSettings().launch_grace_s + 1, store)
+    decided = _evaluate(resume_failed_training, instance, run, store)
+    assert isinstance(decided, dg.SkipReason) and "reconcile_training_runs" in decided.skip_message
     (req,) = sweep(instance, store)
-    assert req.run_key == lost.run_key and req.tags == lost.tags
+    (again,) = tick(instance, store)
+    assert req.run_key == again.run_key == f"resume-{run.run_id}" and req.tags == again.tags
+    assert len(decisions(instance)) == 1
     launched(instance, req)
-    assert sweep(instance, store) == []
+    assert sweep(instance, store) == [] and tick(instance, store) == []
 
 
-def test_a_failure_no_sensor_saw_is_decided_and_resumed_by_the_reconciler_after_the_grace(
+def test_a_failure_no_sensor_saw_is_decided_and_resumed_by_the_reconciler_at_once(
         instance, store):
     run = failed_run(instance, exit_code=143, failure_class="preempted")
-    assert sweep(instance, store) == []  # just ended: the failure sensors go first
-    assert TAG_DECISION not in tags_of(instance, run)
-    backdate_end(instance, run, ResumeSettings().launch_grace_s + 1)  # the grace has passed
-    # One sweep decides and launches: one grace from the run's end, not a second from the
-    # decision the sweep itself just recorded.
+    # One sweep decides and launches, however recent the end: nothing else launches resumes.
     (req,) = sweep(instance, store)
     assert req.run_key == f"resume-{run.run_id}"
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "preempted"
+    assert isinstance(_evaluate(resume_failed_training, instance, run, store), dg.SkipReason)
+    assert len(decisions(instance)) == 1
 
 
 def backdate_end(instance, run: dg.DagsterRun, seconds: float) -> None:
@@ -466,32 +489,16 @@ def backdate_end(instance, run: dg.DagsterRun, seconds: float) -> None:
     assert instance.get_run_record_by_id(run.run_id).end_time == pytest.approx(end - seconds)
 
 
-def test_a_failure_past_the_failure_sensors_turn_is_resumed_by_the_reconciler_alone(
+def test_a_failure_a_daemon_back_from_downtime_finds_is_decided_once_and_resumed_once(
         instance, store):
-    # A daemon back after being down finds a failure older than the grace, and evaluates
-    # all three sensors at once. Dagster launches a run_key once per sensor, so only one of
-    # them may ever launch the resume: the reconciler, which decides it.
+    # All three sensors are evaluated at once on the old failure: one decision, one resume.
     run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
-    backdate_end(instance, run, ResumeSettings().launch_grace_s + 1)
-    skip = on_failure(instance, run, store)
-    assert isinstance(skip, dg.SkipReason) and "reconciler" in skip.skip_message
-    assert TAG_DECISION not in tags_of(instance, run)
+    backdate_end(instance, run, 3600)
+    skip = _evaluate(resume_failed_training, instance, run, store)
+    assert isinstance(skip, dg.SkipReason)
     (req,) = sweep(instance, store)
-    # Evaluated again on the same failure after the reconciler's decision and before its
-    # resume exists: still nothing from the failure sensor.
-    assert isinstance(on_failure(instance, run, store), dg.SkipReason)
+    assert isinstance(_evaluate(resume_failed_training, instance, run, store), dg.SkipReason)
     assert req.run_key == f"resume-{run.run_id}" and len(decisions(instance)) == 1
-
-
-def test_the_failure_sensors_turn_ends_half_a_grace_before_the_reconciler_decides(
-        instance, store):
-    # In between neither decides: a failure sensor's evaluation begun in its turn records
-    # its decision before the reconciler may decide the same failure.
-    run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
-    backdate_end(instance, run, ResumeSettings().launch_grace_s * 0.75)
-    assert isinstance(on_failure(instance, run, store), dg.SkipReason)
-    assert sweep(instance, store) == []
-    assert TAG_DECISION not in tags_of(instance, run)
 
 
 def test_a_backed_off_resume_is_launched_by_the_reconciler_only_once_it_is_due(

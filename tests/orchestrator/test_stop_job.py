@@ -11,17 +11,15 @@ import dagster as dg
 import pytest
 import yaml as yamllib
 
-from ckpt_assets.base.clock import iso
 from ckpt_assets.base.tags import (
     PARTITION_TAG,
-    TAG_DECIDED_AT,
     TAG_DECISION,
     TAG_NO_RESUME,
-    TAG_RESUME_AT,
     TAG_STOP_REASON,
 )
 from ckpt_assets.defs.jobs import stop_training_run_job
-from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision import due_resume
+from ckpt_assets.lifecycle.decision_record import DecisionRecord, create_once, mirror_tags
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import NO_COMPUTE_LOGS, instance_in
 from tests.dagster_runs import run_in_status
@@ -43,13 +41,12 @@ def _stop(instance: dg.DagsterInstance, name: str, **config) -> dg.ExecuteInJobR
         run_config={"ops": {"stop_training_run_op": {"config": {"training_run": name, **config}}}})
 
 
-def _resumed(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
-    """Whether the failure sensors or the reconciler would launch a resume of `run`."""
-    run = instance.get_run_by_id(run.run_id)
-    return any(consider(instance, run, None, sweep=sweep) is not None for sweep in (False, True))
+def _resumed(instance: dg.DagsterInstance, run: dg.DagsterRun, store) -> bool:
+    """Whether the reconciler, the one launcher of resumes, would launch a resume of `run`."""
+    return due_resume(instance, instance.get_run_by_id(run.run_id), store) is not None
 
 
-def test_a_stopped_queued_run_is_canceled_tagged_and_never_resumed(instance):
+def test_a_stopped_queued_run_is_canceled_tagged_and_never_resumed(instance, checkpoint_store):
     run = run_in_status(instance, "queued-run", S.QUEUED)
     other = run_in_status(instance, "other-run", S.QUEUED)
     result = _stop(instance, "queued-run", reason="wrong learning rate")
@@ -58,7 +55,7 @@ def test_a_stopped_queued_run_is_canceled_tagged_and_never_resumed(instance):
     assert stopped.status == S.CANCELED
     assert stopped.tags[TAG_NO_RESUME] == "true"
     assert stopped.tags[TAG_STOP_REASON] == "wrong learning rate"
-    assert not _resumed(instance, stopped)
+    assert not _resumed(instance, stopped, checkpoint_store)
     assert instance.get_run_by_id(run.run_id).tags[TAG_DECISION] == "stop"
     # Another training run is left alone; the stop job's own run is findable by its target.
     assert instance.get_run_by_id(other.run_id).status == S.QUEUED
@@ -66,7 +63,7 @@ def test_a_stopped_queued_run_is_canceled_tagged_and_never_resumed(instance):
     assert PARTITION_TAG not in instance.get_run_by_id(result.run_id).tags
 
 
-def test_a_stopped_started_run_is_tagged_asked_to_terminate_and_never_resumed(instance):
+def test_a_stopped_started_run_is_tagged_asked_to_terminate_and_never_resumed(instance, checkpoint_store):
     run = run_in_status(instance, "started-run", S.STARTED)
     assert _stop(instance, "started-run").success
     stopped = instance.get_run_by_id(run.run_id)
@@ -74,24 +71,27 @@ def test_a_stopped_started_run_is_tagged_asked_to_terminate_and_never_resumed(in
     assert stopped.status == S.CANCELING
     assert stopped.tags[TAG_NO_RESUME] == "true"
     instance.report_run_canceled(stopped)  # what run monitoring does after its timeout
-    assert not _resumed(instance, stopped)
+    assert not _resumed(instance, stopped, checkpoint_store)
 
 
-def test_a_forced_stop_marks_a_started_run_canceled_at_once(instance):
+def test_a_forced_stop_marks_a_started_run_canceled_at_once(instance, checkpoint_store):
     run = run_in_status(instance, "gone-worker", S.STARTED)
     assert _stop(instance, "gone-worker", force=True).success
     stopped = instance.get_run_by_id(run.run_id)
     assert stopped.status == S.CANCELED and stopped.tags[TAG_NO_RESUME] == "true"
-    assert not _resumed(instance, stopped)
+    assert not _resumed(instance, stopped, checkpoint_store)
 
 
-def test_a_stop_during_a_resume_back_off_withdraws_the_pending_resume(instance):
-    run = run_in_status(instance, "backing-off", S.FAILURE, tags={
-        TAG_DECISION: "resume", TAG_DECIDED_AT: iso(time.time() - 3600),
-        TAG_RESUME_AT: iso(time.time() - 3570)})
-    assert _resumed(instance, run)  # due: the reconciler's next sweep would resume it
+def test_a_stop_during_a_resume_back_off_withdraws_the_pending_resume(instance, checkpoint_store):
+    run = run_in_status(instance, "backing-off", S.FAILURE)
+    rec = DecisionRecord(run.run_id, "backing-off", True, "transient", "storage_unavailable",
+                         "resumed after a back-off", time.time() - 3600, time.time() - 3570,
+                         "", 1, None)
+    assert create_once(checkpoint_store.open(), rec)[1]
+    instance.add_run_tags(run.run_id, mirror_tags(rec))
+    assert _resumed(instance, run, checkpoint_store)  # due: the reconciler's next sweep would resume it
     assert _stop(instance, "backing-off").success
-    assert not _resumed(instance, run)
+    assert not _resumed(instance, run, checkpoint_store)
     assert instance.get_run_by_id(run.run_id).tags[TAG_DECISION] == "stop"
 
 

@@ -26,7 +26,7 @@ from ckpt_assets.base.tags import (
 )
 from ckpt_assets.defs.jobs import new_training_run_job
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.state import STATE_CHECK, State, run_state
 from ckpt_assets.lifecycle.stop import stop_request, stop_training_run
 from ckpt_assets.records.history import history_frame, loss_history
@@ -70,11 +70,11 @@ def _check(instance, partition: str, tmp_path) -> dg.AssetCheckEvaluation:
 # -- 11: the state where Dagster users look --------------------------------------------------
 
 def test_a_run_stopped_for_good_fails_its_state_check_with_the_reason_and_a_new_one_has_none(
-        instance):
+        instance, checkpoint_store):
     dagster_runs.lost_worker_run(instance, KEY)  # ended, its resume still to be decided
     stop_training_run(instance, KEY, "wrong lr")
     run = newest_training_run(instance, KEY)
-    assert consider(instance, run, None, sweep=False) is None
+    assert due_resume(instance, run, checkpoint_store) is None
     latest = state_checks(instance)[0]
     assert not latest.passed and latest.severity == dg.AssetCheckSeverity.WARN
     assert latest.description == "stopped by user: stopped on request (wrong lr)"
@@ -234,13 +234,14 @@ def test_a_value_outside_its_range_from_the_launchpad_fails_naming_the_key_and_r
 # -- 15: a stop's reason in the decision and the lineage --------------------------------------
 
 def test_a_stops_reason_is_in_the_decision_event_the_state_and_the_lineage(instance, tmp_path):
-    store = CheckpointStore(uri=str(tmp_path / "store")).open()
+    source = CheckpointStore(uri=str(tmp_path / "store"))
+    store = source.open()
     register_training_run(store, KEY, {"max_steps": 100})
     run = dagster_runs.started_run(instance, KEY)
     assert stop_request(instance, run.run_id) is None
     stop_training_run(instance, KEY, "wrong lr", force=True)
     assert stop_request(instance, run.run_id) == "not resumed: stopped on request (wrong lr)"
-    assert consider(instance, instance.get_run_by_id(run.run_id), None, sweep=False) is None
+    assert due_resume(instance, instance.get_run_by_id(run.run_id), source) is None
     words = [e.message for e in instance.all_logs(
         run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)]
     assert "Not resumed (stopped_by_user): stopped on request (wrong lr)" in words
