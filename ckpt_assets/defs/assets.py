@@ -62,9 +62,9 @@ from ckpt_assets.base.tags import TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
 from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, LoadedCheckpoint
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
+from ckpt_assets.lifecycle.ended import named_end
 from ckpt_assets.lifecycle.settings import ResumeSettings
 from ckpt_assets.lifecycle.state import RunState, State, run_state, state_observation
-from ckpt_assets.lifecycle.stop import named_if_stopped
 from ckpt_assets.mlflow.tracking import MlflowTracker
 from ckpt_assets.records.history import history_metadata, loss_history
 from ckpt_assets.runs.training_run import TrainingRunConfig, attempt_number, resolve_registration
@@ -226,7 +226,7 @@ def _one_attempt(step: _Step, ids: AttemptIds):
     if late:  # committed, never reported (its report lost): MLflow's history gets them too
         tracker.catch_up(late)
     ended = report.outcome(repo, proc, context)
-    ended = named_if_stopped(context.instance, context.run.run_id, ended)
+    ended = named_end(context.instance.get_run_by_id(context.run.run_id) or context.run, ended)
     relaunch = consider_relaunch(context, ended, proc, step.settings)
     _record_end(context, ended, proc, tracker, report, relaunching=relaunch is not None)
     return ended, tracker, relaunch

@@ -43,11 +43,10 @@ from ckpt_assets.lifecycle.decision_record import (
     mirror_tags,
     read_decision,
 )
-from ckpt_assets.lifecycle.ended import failure_of, run_repo
+from ckpt_assets.lifecycle.ended import failure_of, run_repo, stop_reason_text
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings
 from ckpt_assets.lifecycle.state import report_state
-from ckpt_assets.lifecycle.stop import stop_reason_text
 from trainer.base.outcomes import Kind
 
 RESUME_KEY_PREFIX = "resume-"

@@ -1,9 +1,12 @@
 """How an ended attempt ended, read from what it and Dagster recorded; nothing here writes.
 
 The decision (`lifecycle.decision`), the in-run relaunch, the reconciler's liveness, `list`
-and `ckpt-assets run` read an attempt's end here: the reconciler's verdict on its trainer
-if it gave one, else the attempt's own record (its step failure's `AttemptEnd`), else what
-Dagster saw (stopped for good by a user, terminated, or its worker lost).
+and `ckpt-assets run` read an attempt's end here, and the step names it here before it
+records it (`named_end`): one name wherever it is read. An action on the run, tagged or
+marked on it before it is carried out, names the end over the trainer's exit that it caused:
+the reconciler's verdict on the trainer, a stop for good, a terminate of the Dagster run.
+Without the attempt's own record (its step failure's `AttemptEnd`), the end is what Dagster
+saw: one of those actions, or its worker lost.
 """
 
 from __future__ import annotations
@@ -42,34 +45,52 @@ def recorded_end(instance: dg.DagsterInstance, run: dg.DagsterRun) -> AttemptEnd
     return reported
 
 
+def stop_reason_text(reason: str | None) -> str:
+    return f"not resumed: stopped on request ({reason})" if reason else \
+        "not resumed: stopped on request"
+
+
+# A trainer's exit that only echoes an action on its run: the SIGTERM of a stop or a
+# terminate (143), a signal's kill, or no exit seen at all.
+ECHOES = (Outcome.PREEMPTED, Outcome.KILLED_BY_SIGNAL, Outcome.WORKER_LOST)
+ENDING = (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED)
+
+
+def named_end(run: dg.DagsterRun, ended: AttemptEnd,
+              status: dg.DagsterRunStatus | None = None) -> AttemptEnd:
+    """`ended` under its one name: the reconciler's verdict (`heartbeat_lost`, `stalled`),
+    a stop for good (`stopped_by_user`, its reason the message), a terminate of the Dagster
+    run (`terminated`, over the exit it caused), else the trainer's own. `run` as read after
+    the trainer ended; `status`: its end status where its record may not say so yet."""
+    if not ended.outcome.failed:
+        return ended
+    liveness = liveness_outcome(run)
+    if liveness is not None:
+        return replace(ended, outcome=liveness, message=run.tags[LIVENESS_TAGS[liveness]])
+    view = RunView.of(run)
+    if view.stop_requested:
+        return replace(ended, outcome=Outcome.STOPPED_BY_USER,
+                       message=stop_reason_text(view.stop_reason))
+    if (status or run.status) in ENDING and ended.outcome in ECHOES:
+        return replace(ended, outcome=Outcome.TERMINATED)
+    return ended
+
+
 def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource | None,
                ended_as: dg.DagsterRunStatus | None = None) -> AttemptEnd:
-    """How `run` ended: the reconciler's verdict on its trainer, else its own record, else
-    what Dagster (and the store) saw of it; `ended_as`: its end status from its end event,
-    when its record may not say so yet."""
+    """How `run` ended (`named_end`): its own record if it has one, else what Dagster and
+    the store saw of it; `ended_as`: its end status from its end event, when its record may
+    not say so yet."""
     reported = recorded_end(instance, run)
-    liveness = liveness_outcome(run)
     if reported is not None:
-        reported = replace(reported, dagster_run_id=run.run_id,
-                           attempt=reported.attempt or RunView.of(run).attempt)
-        # Declared dead or stalled: the trainer's exit is what the reconciler did to it.
-        if liveness is None:
-            return reported
-        return replace(reported, outcome=liveness, message=run.tags[LIVENESS_TAGS[liveness]])
-    view = RunView.of(run)
-    partition = view.partition
-    if liveness is not None:
-        outcome = liveness
-    elif view.stop_requested:
-        outcome = Outcome.STOPPED_BY_USER  # one name for a stop, wherever it is read
-    elif (ended_as or run.status) == dg.DagsterRunStatus.CANCELED:
-        outcome = Outcome.TERMINATED
-    else:
-        outcome = Outcome.WORKER_LOST
-    return AttemptEnd(outcome, partition, attempt=view.attempt,
-                      last_committed_step=committed_step(store, partition) if store else None,
-                      dagster_run_id=run.run_id,
-                      message=run.tags.get(LIVENESS_TAGS[liveness]) if liveness else None)
+        return named_end(run, replace(reported, dagster_run_id=run.run_id,
+                                      attempt=reported.attempt or RunView.of(run).attempt),
+                         ended_as)
+    partition = RunView.of(run).partition
+    return named_end(run, AttemptEnd(
+        Outcome.WORKER_LOST, partition, attempt=RunView.of(run).attempt,
+        last_committed_step=committed_step(store, partition) if store else None,
+        dagster_run_id=run.run_id), ended_as)
 
 
 def run_repo(store: StoreSource, partition: str) -> CheckpointRepo | None:

@@ -117,8 +117,10 @@ def state_of(run: dg.DagsterRun, now: float, outcome: Outcome | None = None) -> 
                     else "terminating; a termination is a preemption, resumed once it ends")
     if status == S.SUCCESS:
         # A resumed run reads apart from one never interrupted.
-        interrupted = (f", after {attempt - 1} interrupted attempt(s): it resumed from "
-                       f"{from_where}" if view.parent_run_id and attempt > 1 else "")
+        # An attempt relaunched inside its run was interrupted as much as one resumed in a
+        # new run: the count is the attempt's number, whichever way it came.
+        interrupted = (f", after {attempt - 1} interrupted attempt(s)" if attempt > 1 else "") \
+            + (f": it resumed from {from_where}" if view.parent_run_id and attempt > 1 else "")
         return made(State.FINISHED, f"attempt {attempt} finished the run{interrupted}")
     return _ended_unsuccessfully(view, now, made, outcome)
 

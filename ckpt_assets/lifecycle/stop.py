@@ -15,11 +15,10 @@ partition's new state ("stopping" or "stopped by user") is recorded on it as an 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import dagster as dg
 
-from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.base.names import PARTITIONS_NAME
 from ckpt_assets.base.queries import (
     ENDED_UNSUCCESSFULLY,
@@ -34,8 +33,8 @@ from ckpt_assets.base.tags import (
     TAG_NO_RESUME,
     TAG_STOP_REASON,
 )
+from ckpt_assets.lifecycle.ended import stop_reason_text
 from ckpt_assets.lifecycle.state import report_state
-from trainer.base.outcomes import Outcome
 
 # What happened to one run (StopAction.action):
 CANCELED = "canceled from the queue"
@@ -57,11 +56,6 @@ class StopAction:
         return f"run {self.run_id} ({self.status}): {self.action}"
 
 
-def stop_reason_text(reason: str | None) -> str:
-    return f"not resumed: stopped on request ({reason})" if reason else \
-        "not resumed: stopped on request"
-
-
 def stop_request(instance: dg.DagsterInstance, run_id: str) -> str | None:
     """Why run `run_id` was stopped for good (`stop_reason_text`), read fresh: the stop tags
     a run before ending it, after its step read its tags; None if it was not stopped."""
@@ -69,16 +63,6 @@ def stop_request(instance: dg.DagsterInstance, run_id: str) -> str | None:
     if run is None or run.tags.get(TAG_NO_RESUME) != "true":
         return None
     return stop_reason_text(run.tags.get(TAG_STOP_REASON))
-
-
-def named_if_stopped(instance: dg.DagsterInstance, run_id: str, ended: AttemptEnd) -> AttemptEnd:
-    """`ended` as `stopped_by_user` (its message the stop's reason) if its run was stopped
-    for good: the trainer exits 143 as on a preemption, and a stop has one name wherever it
-    is read (the attempt's event, the decision, lineage, list, MLflow)."""
-    why = stop_request(instance, run_id) if ended.outcome.failed else None
-    if why is None:
-        return ended
-    return replace(ended, outcome=Outcome.STOPPED_BY_USER, message=why)
 
 
 def stop_training_run(instance: dg.DagsterInstance, partition: str, reason: str | None = None,

@@ -20,10 +20,11 @@ from ckpt_assets.base.tags import (
     TAG_ROOT_RUN_ID,
     TAG_STOP_REASON,
 )
+from ckpt_assets.lifecycle.decision_record import read_decision
+from ckpt_assets.lifecycle.ended import stop_reason_text
 from ckpt_assets.lifecycle.lost_worker import lost_worker
-from ckpt_assets.lifecycle.stop import stop_reason_text
 from ckpt_assets.records.asset_versions import VersionedRepo
-from trainer.base.errors import CheckpointError
+from trainer.base.errors import CheckpointError, StorageError
 from trainer.base.outcomes import Outcome
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import ObjectStore
@@ -67,6 +68,7 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
     for md, rec in partition_events(instance, run_key, ATTEMPT_ENDED):
         ends.setdefault(rec.run_id, []).append(md)
     reasons = {md["failed_run_id"]: md.get("reason") for md in decisions(instance, run_key)}
+    decided = _decided_classes(store, run_key, attempts)
     repo = CheckpointRepo(store, reg.experiment, run_key)
     timeline = checkpoint_timeline(repo)
     stored = {c["name"] for c in timeline}
@@ -93,7 +95,7 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
     for c in checkpoints:
         if c.get("dagster_run_id"):
             by_run.setdefault(c["dagster_run_id"], []).append(c)
-    attempts = _attempts_ended(attempts, ends, by_run, reasons)
+    attempts = _attempts_ended(attempts, ends, by_run, reasons, decided)
     try:
         ptr = repo.read_pointer()
     except CheckpointError:
@@ -104,11 +106,29 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
             "final_model": _final_model(store, reg.experiment, run_key)}
 
 
+def _decided_classes(store: ObjectStore, run_key: str,
+                     attempts: list[dict[str, Any]]) -> dict[str, str]:
+    """How each ended Dagster run's last attempt ended, as its decision recorded it: the
+    name the decision, list, the state check and the run's tags use, whatever the run's
+    worker managed to record before it went (or did not)."""
+    out = {}
+    for a in attempts:
+        if a["status"] in ("FAILURE", "CANCELED"):
+            try:
+                rec = read_decision(store, run_key, a["dagster_run_id"])
+            except StorageError:  # lineage still reads; the event's name stands
+                rec = None
+            if rec is not None and rec.failure_class:
+                out[a["dagster_run_id"]] = rec.failure_class
+    return out
+
+
 def _attempts_ended(attempts: list[dict[str, Any]], ends: dict[str, list[dict[str, Any]]],
-                    by_run: dict[str, list[dict[str, Any]]], reasons: dict[str, Any]
-                    ) -> list[dict[str, Any]]:
+                    by_run: dict[str, list[dict[str, Any]]], reasons: dict[str, Any],
+                    decided: dict[str, str]) -> list[dict[str, Any]]:
     """One row per attempt: a Dagster run's row, once per `attempt_ended` it recorded (a
-    trainer relaunched in the run is an attempt of its own), with how each ended."""
+    trainer relaunched in the run is an attempt of its own), with how each ended: a run's
+    last attempt by its decision's name where one was decided."""
     rows = [(dict(a), e, i < len(es) - 1) for a in attempts
             for es in [ends.get(a["dagster_run_id"]) or [{}]] for i, e in enumerate(es)]
     attempts = [a for a, _, _ in rows]
@@ -128,6 +148,10 @@ def _attempts_ended(attempts: list[dict[str, Any]], ends: dict[str, list[dict[st
         a["attempt"] = (e.get("attempt") or next((c["attempt"] for c in own if c.get("attempt")),
                                                  None) or (int(tag) if tag.isdigit() else position))
         a["end"] = _attempt_end(a, e)
+        if not relaunched and a["dagster_run_id"] in decided:
+            a["end"] = decided[a["dagster_run_id"]]
+            if a["exit_code"] is not None:
+                a["failure_class"] = a["end"]
         if a["last_committed_step"] is None and own:
             a["last_committed_step"] = max(c.get("step") or 0 for c in own)
     return attempts
@@ -226,14 +250,15 @@ def format_lineage(rep: dict[str, Any]) -> str:
         if a.get("exit_code") is not None:
             resumed = (f"resumed from step {a['resumed_from_step']}, "
                        if a.get("resumed_from_step") is not None else "")
-            lines.append(f"      {resumed}trainer exit {a['exit_code']} ({a['failure_class']}), "
+            lines.append(f"      {resumed}trainer exit {a['exit_code']} ({a['end']}), "
                          f"last committed step {a['last_committed_step']}")
-        elif a.get("end") == WORKER_LOST:
-            lines.append(f"      worker lost: the run ended {a['status']} without recording the "
-                         f"trainer's exit (exit unknown), last committed step "
-                         f"{a['last_committed_step']}")
         elif a.get("end") == "not_started":
             lines.append(f"      ended {a['status']} before it started")
+        elif a.get("end") and a["status"] in ("FAILURE", "CANCELED", "STARTED"):
+            what = "worker lost" if a["end"] == WORKER_LOST else a["end"]
+            lines.append(f"      {what}: the run ended {a['status']} without recording the "
+                         f"trainer's exit (exit unknown), last committed step "
+                         f"{a['last_committed_step']}")
         if a.get("decision"):
             lines.append(f"      {a['decision']}")
     lines.append("  checkpoints (oldest first):")

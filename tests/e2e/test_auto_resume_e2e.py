@@ -193,6 +193,10 @@ def test_terminating_the_run_from_dagster_is_a_preemption_that_resumes(
     first = daemon.runs("terminate")[0]
     assert first.status.value == "CANCELED"
     assert first.tags["ckpt/failure_kind"] == "preempted"
+    # A terminate is `terminated` wherever it is read: not the trainer's SIGTERM exit (143,
+    # `preempted`) that the terminate caused.
+    names = daemon.outcome_names("terminate", first.run_id, attempt=1)
+    assert set(names.values()) == {"terminated"}, names
 
 
 def _standalone(argv: list[str]) -> None:

@@ -154,6 +154,10 @@ def test_a_frozen_trainer_declared_dead_is_gone_before_its_resume_starts(
     assert "fenced: attempts up to 1" in said, said
     assert f"trainer pid {pid} " in said and ("stopped by SIGTERM" in said or "killed" in said)
     assert failed.tags[TAG_FAILURE_KIND] == "killed"
+    # Its end is the reconciler's verdict wherever it is read, not the signal's kill that
+    # the verdict caused (`killed_by_signal`).
+    names = daemon.outcome_names(name, failed.run_id, attempt=1)
+    assert set(names.values()) == {"heartbeat_lost"}, names
     # The frozen trainer was last seen before the resume's trainer was first seen: the two
     # never ran at once, and it is gone now.
     old, new = sampler.seen(lambda p, a: p == pid), sampler.seen(lambda p, a: a == 2)

@@ -33,6 +33,7 @@ from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
+from ckpt_assets.lifecycle.state import State, run_state
 from ckpt_assets.records.lineage import format_lineage, lineage_report
 from tests.daemon_harness import Daemon, kill
 from tests.daemon_harness import training_config as training_config_e2e
@@ -214,6 +215,11 @@ def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_ident
         (1, "killed_by_signal"), (2, "success")]
     assert "resumed from step 10" in format_lineage(rep)
     assert {c["attempt"] for c in rep["checkpoints"]} == {1, 2}
+    # Interrupted once, whichever way it came back: the state (the list's row and the state
+    # check read it) counts the relaunched attempt as an interrupted one.
+    finished = run_state(instance, "killed")
+    assert finished.state == State.FINISHED
+    assert "attempt 2 finished the run, after 1 interrupted attempt(s)" in finished.detail
     plain = materialize_run(instance, "plain", res, training=training_config())
     assert plain.success
     assert_bitwise_equal(final_state(store, run="plain"), final_state(store, run="killed"))

@@ -11,11 +11,14 @@ import time
 import dagster as dg
 import pytest
 
+from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.base.process_group import AttemptProcesses, ProcessRef, this_machine
 from ckpt_assets.base.tags import (
     TAG_ATTEMPT,
     TAG_DECISION,
     TAG_FAILURE_CLASS,
+    TAG_HEARTBEAT_LOST,
+    TAG_NO_RESUME,
     TAG_PARENT_RUN_ID,
     TAG_PROCESSES,
     TAG_ROOT_RUN_ID,
@@ -23,7 +26,7 @@ from ckpt_assets.base.tags import (
 from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.decision_record import DecisionRecord, create_once, read_decision
-from ckpt_assets.lifecycle.ended import failure_of
+from ckpt_assets.lifecycle.ended import failure_of, named_end
 from ckpt_assets.lifecycle.liveness import judge
 from ckpt_assets.lifecycle.rerun import rerun_tags
 from ckpt_assets.lifecycle.settings import ResumeSettings
@@ -199,3 +202,33 @@ def test_a_run_that_did_not_succeed_never_exits_0_from_ckpt_assets_run():
     assert failed_exit_code(0, Outcome.NO_CHECKPOINT.value) != 0
     assert failed_exit_code(0, Outcome.UNFINISHED.value) != 0
     assert failed_exit_code(0, None) == Outcome.USER_CODE_ERROR.exit_code
+
+
+@pytest.mark.parametrize("tags, status, exit_outcome, named", [
+    # Dagster's terminate reaches the trainer as SIGTERM: 143 is the terminate's echo.
+    ({}, dg.DagsterRunStatus.CANCELING, Outcome.PREEMPTED, Outcome.TERMINATED),
+    ({}, dg.DagsterRunStatus.CANCELED, Outcome.KILLED_BY_SIGNAL, Outcome.TERMINATED),
+    # The reconciler tags its verdict before it stops the trainer.
+    ({TAG_HEARTBEAT_LOST: "trainer heartbeat lost"}, dg.DagsterRunStatus.STARTED,
+     Outcome.KILLED_BY_SIGNAL, Outcome.HEARTBEAT_LOST),
+    # A stop for good tags the run before it ends it, even while Dagster is canceling it.
+    ({TAG_NO_RESUME: "true"}, dg.DagsterRunStatus.CANCELING, Outcome.PREEMPTED,
+     Outcome.STOPPED_BY_USER),
+    # No action on the run: the trainer's own exit is the name.
+    ({}, dg.DagsterRunStatus.STARTED, Outcome.PREEMPTED, Outcome.PREEMPTED),
+    ({}, dg.DagsterRunStatus.CANCELING, Outcome.USER_CODE_ERROR, Outcome.USER_CODE_ERROR),
+    ({}, dg.DagsterRunStatus.CANCELING, Outcome.SUCCESS, Outcome.SUCCESS),
+])
+def test_an_action_on_the_run_names_the_attempts_end_over_the_exit_it_caused_as_the_decider_does(
+        instance, store, tags, status, exit_outcome, named):
+    run = dagster_runs.started_run(instance, KEY, tags=tags)
+    if status is not dg.DagsterRunStatus.STARTED:
+        instance.report_run_canceling(run)
+    if status is dg.DagsterRunStatus.CANCELED:
+        instance.report_run_canceled(instance.get_run_by_id(run.run_id))
+    run = instance.get_run_by_id(run.run_id)
+    own = AttemptEnd(exit_outcome, KEY, 143, attempt=1, dagster_run_id=run.run_id)
+    assert named_end(run, own).outcome is named  # the step's name, as it records the end
+    if status is dg.DagsterRunStatus.CANCELED and exit_outcome.failed:
+        # The decider, reading the same run without the step's record, names it the same.
+        assert failure_of(instance, run, store).outcome is named

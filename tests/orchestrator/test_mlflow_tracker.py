@@ -199,7 +199,8 @@ def test_an_attempt_stopped_for_good_is_stopped_by_user_with_its_reason_not_pree
     from ckpt_assets.attempt.messages import AttemptReport
     from ckpt_assets.base.end import AttemptEnd
     from ckpt_assets.defs.assets import _record_end
-    from ckpt_assets.lifecycle.stop import named_if_stopped, stop_training_run
+    from ckpt_assets.lifecycle.ended import named_end
+    from ckpt_assets.lifecycle.stop import stop_training_run
     from tests.dagster_runs import started_run
     from trainer.base.outcomes import Outcome
 
@@ -210,7 +211,7 @@ def test_an_attempt_stopped_for_good_is_stopped_by_user_with_its_reason_not_pree
                                   log_event=lambda event: None)
         t = tracker(resource, "halted")
         proc = SimpleNamespace(interrupted=dg.DagsterExecutionInterruptedError(), returncode=143)
-        ended = named_if_stopped(instance, run.run_id, AttemptEnd(
+        ended = named_end(instance.get_run_by_id(run.run_id), AttemptEnd(
             Outcome.PREEMPTED, "halted", 143, attempt=1, signal="SIGTERM"))
         assert ended.outcome is Outcome.STOPPED_BY_USER
         with pytest.raises(dg.DagsterExecutionInterruptedError):
