@@ -60,6 +60,7 @@ from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.base.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
 from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.ended import liveness_outcome
+from ckpt_assets.lifecycle.model import Event, move
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings
 from ckpt_assets.lifecycle.state import RunState, State, state_observation
@@ -157,8 +158,8 @@ def record_relaunch(context, ended: AttemptEnd, decision: Decision) -> None:
     words = relaunch_words(ended, decision)
     context.log.warning(words)
     context.log_event(state_observation(
-        RunState(ended.training_run, State.RESUMING, words, context.run.run_id,
-                 ended.attempt + 1),
+        RunState(ended.training_run, move(State.TRAINING, Event.RELAUNCHED_IN_RUN).next, words,
+                 context.run.run_id, ended.attempt + 1),
         {"relaunched_in_run": True, "failure_class": ended.outcome.value,
          "failure_kind": decision.kind.value, "reason": decision.reason,
          "delay_s": float(decision.delay_s), "budget": decision.budget.to_tag()}))

@@ -63,6 +63,7 @@ from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, LoadedCheckpoint
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.lifecycle.ended import named_end
+from ckpt_assets.lifecycle.model import Event, move
 from ckpt_assets.lifecycle.settings import ResumeSettings
 from ckpt_assets.lifecycle.state import RunState, State, run_state, state_observation
 from ckpt_assets.mlflow.tracking import MlflowTracker
@@ -162,7 +163,7 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     finally:
         warm.close()
     context.log_event(state_observation(RunState(
-        reg.run, State.FINISHED, f"attempt {ended.attempt} trained to step "
+        reg.run, move(State.TRAINING, Event.FINISHED).next, f"attempt {ended.attempt} trained to step "
         f"{ended.last_committed_step}", context.run.run_id, ended.attempt)))
     # The run's history across attempts, on the output people open last.
     yield _final_output(repo, ended, tracker, context, history_metadata(

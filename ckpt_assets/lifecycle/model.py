@@ -2,10 +2,10 @@
 
 A Kubernetes-style controller in one table. Each row is (state, event) -> next state, the
 one module that acts on that event (its owner: nobody else makes that change), and what
-it records. Everyone else reads the state (`lifecycle.state.run_state`, derived from the
-runs and never stored, so it cannot go stale) and asks `allows` before acting, so an event
-that makes no sense in a state (a second launch of a finished run, a decision about a run
-still training) is refused in one place. docs/lifecycle.md is generated from `TABLE`
+it records. An owner asks `move` for its row and records the row's next state, so the state
+it writes is the table's; everyone else reads the state (`lifecycle.state.run_state`,
+derived from the runs and never stored, so it cannot go stale). A write to a run outside
+the owners fails tests/project/test_write_owners.py. docs/lifecycle.md is generated from `TABLE`
 (tests/orchestrator/test_lifecycle_model.py keeps the two equal).
 """
 
@@ -20,6 +20,7 @@ class State(StrEnum):
     QUEUED = "queued"
     TRAINING = "training"
     STOPPING = "stopping"
+    TERMINATING = "terminating"  # terminated from Dagster: a preemption, resumed once it ends
     DECIDING = "deciding"  # an attempt ended; its one decision is not made yet
     WAITING = "waiting for back-off"
     RESUMING = "resuming"
@@ -42,6 +43,7 @@ class Event(StrEnum):
     BACKOFF_DUE = "back-off due"
     RESUME_LAUNCHED = "resume launched"
     STOP_REQUESTED = "stopped by user"
+    TERMINATED = "terminated from Dagster (UI, CLI, run monitoring)"
     FINISHED = "final checkpoint committed"
 
 
@@ -93,6 +95,14 @@ TABLE: tuple[Transition, ...] = (
     Transition(S.RESUMING, E.STOP_REQUESTED, S.STOPPED_BY_USER, *_STOP),
     Transition(S.STOPPING, E.ATTEMPT_ENDED, S.STOPPED_BY_USER, "defs.assets",
                "attempt_ended as stopped_by_user"),
+    Transition(S.TRAINING, E.TERMINATED, S.TERMINATING, "defs.assets",
+               "nothing yet: the run's step hears Dagster's interrupt and stops its trainer "
+               "(SIGTERM: it commits and exits 143)"),
+    Transition(S.TERMINATING, E.ATTEMPT_ENDED, S.DECIDING, "defs.assets",
+               "attempt_ended as terminated (not the SIGTERM exit the terminate caused)"),
+    Transition(S.TERMINATING, E.WORKER_LOST, S.DECIDING, "lifecycle.lost_worker",
+               "ckpt/worker_lost; the run failed; the decision names it terminated"),
+    Transition(S.TERMINATING, E.STOP_REQUESTED, S.STOPPING, *_STOP),
     Transition(S.DECIDING, E.DECIDED_RESUME, S.RESUMING, _DECIDE, _DECIDED),
     Transition(S.DECIDING, E.DECIDED_BACKOFF, S.WAITING, _DECIDE, _DECIDED),
     Transition(S.DECIDING, E.DECIDED_STOP, S.STOPPED_BY_POLICY, _DECIDE, _DECIDED),
@@ -105,11 +115,24 @@ TABLE: tuple[Transition, ...] = (
                "by the reconciler alone (run_key from the failed run's id: once)"),
 )
 
-_KEYS = frozenset((t.state, t.event) for t in TABLE)
+_ROWS = {(t.state, t.event): t for t in TABLE}
+
+
+class NotAMove(ValueError):
+    """An event the table has no row for in the run's state: its owner must not act."""
 
 
 def allows(state: State, event: Event) -> bool:
-    return (state, event) in _KEYS
+    return (state, event) in _ROWS
+
+
+def move(state: State, event: Event) -> Transition:
+    """The row an owner acts by: its next state is the one the owner records."""
+    try:
+        return _ROWS[(state, event)]
+    except KeyError:
+        raise NotAMove(f"a run that is {state} cannot be moved by {event!r}: no row of "
+                       "the lifecycle table allows it") from None
 
 
 def table_markdown() -> str:

@@ -12,7 +12,8 @@ stored as the truth: it is derived every time from the runs, so it cannot go sta
 | queued               | queued or starting, and it is a first attempt                    |
 | resuming             | queued or starting as a resume; or failed, resume due, not launched yet |
 | training             | running (one whose run worker is found dead is failed first)      |
-| stopping             | canceling                                                         |
+| stopping             | canceling after a stop for good                                  |
+| terminating          | canceling: terminated from Dagster (a preemption, resumed)       |
 | waiting for back-off | failed; the policy resumes it after a back-off that has not ended |
 | deciding             | failed; the resume sensors have not decided yet (seconds)        |
 | finished             | succeeded                                                         |
@@ -113,8 +114,10 @@ def state_of(run: dg.DagsterRun, now: float, outcome: Outcome | None = None) -> 
                 f"`{RERUN_HINT.format(run=partition)}` resumes it" if procs else "")
         return made(State.TRAINING, f"attempt {attempt}{chain('continuing')}{lost}")
     if status == S.CANCELING:
-        return made(State.STOPPING, "stopping for good" if view.stop_requested
-                    else "terminating; a termination is a preemption, resumed once it ends")
+        if view.stop_requested:
+            return made(State.STOPPING, "stopping for good")
+        return made(State.TERMINATING, "terminating; a termination is a preemption, resumed "
+                    "once it ends")
     if status == S.SUCCESS:
         # A resumed run reads apart from one never interrupted.
         # An attempt relaunched inside its run was interrupted as much as one resumed in a

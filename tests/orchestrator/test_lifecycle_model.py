@@ -35,3 +35,15 @@ def test_a_finished_run_cannot_be_launched_again_and_a_training_one_is_not_decid
     assert not allows(State.TRAINING, Event.DECIDED_RESUME)
     assert allows(State.DECIDING, Event.DECIDED_STOP)
     assert {t.event for t in TABLE} == set(Event)
+
+
+def test_an_owner_moves_a_run_only_by_a_row_and_records_the_rows_next_state():
+    import pytest
+
+    from ckpt_assets.lifecycle.model import NotAMove, move
+
+    assert move(State.TRAINING, Event.RELAUNCHED_IN_RUN).next is State.TRAINING
+    assert move(State.TRAINING, Event.TERMINATED).next is State.TERMINATING
+    assert move(State.TERMINATING, Event.ATTEMPT_ENDED).next is State.DECIDING
+    with pytest.raises(NotAMove, match="a run that is finished cannot be moved by"):
+        move(State.FINISHED, Event.LAUNCHED)

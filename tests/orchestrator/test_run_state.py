@@ -226,3 +226,11 @@ def test_a_state_that_could_not_be_recorded_is_logged_and_fails_nothing(monkeypa
     assert state.report_state(None, "r1") is None
     (record,) = [r for r in caplog.records if "could not record the state" in r.message]
     assert "r1" in record.message and record.exc_info[1].args == ("database is locked",)
+
+
+def test_a_run_terminated_from_dagster_is_terminating_and_one_stopped_for_good_is_stopping(
+        instance):
+    run_with(instance, S.CANCELING)
+    assert state(instance) == State.TERMINATING  # a preemption: it is resumed once it ends
+    run_with(instance, S.CANCELING, {TAG_NO_RESUME: "true"})
+    assert state(instance) == State.STOPPING
