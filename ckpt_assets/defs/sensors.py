@@ -28,6 +28,7 @@ from ckpt_assets.base.queries import is_training_run
 from ckpt_assets.base.tags import (
     PARTITION_TAG,
     TAG_DECISION,
+    TAG_NO_RESUME,
     TAG_RESUME_AT,
     TAG_RESUMED_BY,
 )
@@ -143,7 +144,8 @@ def due_resumes(instance: dg.DagsterInstance, store: CheckpointStore,
     requests = []
     for run in runs:
         due = parse_time(run.tags.get(TAG_RESUME_AT))
-        if TAG_RESUMED_BY in run.tags or (due is not None and now < due):
+        if (TAG_RESUMED_BY in run.tags or TAG_NO_RESUME in run.tags
+                or (due is not None and now < due)):  # launched, withdrawn, or not due
             continue
         req = due_resume(instance, run, store, settings, now)
         if req is not None:

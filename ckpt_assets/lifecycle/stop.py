@@ -29,7 +29,6 @@ from ckpt_assets.base.registration import validate_partition_key
 from ckpt_assets.base.tags import (
     PARTITION_TAG,
     TAG_DECISION,
-    TAG_DECISION_REASON,
     TAG_NO_RESUME,
     TAG_STOP_REASON,
 )
@@ -124,11 +123,10 @@ def _withdraw_pending_resume(instance: dg.DagsterInstance, partition: str,
     if decision == "stop" or newest.tags.get(TAG_NO_RESUME) == "true":
         return []  # nothing pending: it was stopped already, or will never be resumed
     # Undecided: the sensors decide "stop" when they see the tag. Decided "resume" but not
-    # launched (only the newest run of a partition is ever resumed): overwrite the decision.
-    withdraw = dict(tags)
-    if decision == "resume":
-        withdraw.update({TAG_DECISION: "stop", TAG_DECISION_REASON: stop_reason_text(reason)})
-    instance.add_run_tags(newest.run_id, withdraw)
+    # launched (only the newest run of a partition is ever resumed): the decision stands as
+    # it was made (it is a record, never rewritten); ckpt/no_resume withdraws its resume,
+    # and every reader (the launcher, the state, lineage) reads the stop first.
+    instance.add_run_tags(newest.run_id, dict(tags))
     return [StopAction(newest.run_id, newest.status.value, RESUME_WITHDRAWN)]
 
 

@@ -19,7 +19,12 @@ from ckpt_assets.base.tags import (
 )
 from ckpt_assets.defs.jobs import stop_training_run_job
 from ckpt_assets.lifecycle.decision import due_resume
-from ckpt_assets.lifecycle.decision_record import DecisionRecord, create_once, mirror_tags
+from ckpt_assets.lifecycle.decision_record import (
+    DecisionRecord,
+    create_once,
+    mirror_tags,
+    read_decision,
+)
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import NO_COMPUTE_LOGS, instance_in
 from tests.dagster_runs import run_in_status
@@ -92,7 +97,10 @@ def test_a_stop_during_a_resume_back_off_withdraws_the_pending_resume(instance, 
     assert _resumed(instance, run, checkpoint_store)  # due: the reconciler's next sweep would resume it
     assert _stop(instance, "backing-off").success
     assert not _resumed(instance, run, checkpoint_store)
-    assert instance.get_run_by_id(run.run_id).tags[TAG_DECISION] == "stop"
+    tags = instance.get_run_by_id(run.run_id).tags
+    # Withdrawn by the stop's tag; the decision itself is a record, never rewritten.
+    assert tags[TAG_NO_RESUME] == "true" and tags[TAG_DECISION] == "resume"
+    assert read_decision(checkpoint_store.open(), "backing-off", run.run_id) == rec
 
 
 def test_stopping_a_training_run_that_does_not_exist_fails_with_its_name(instance):
