@@ -26,6 +26,7 @@ import dagster as dg
 
 from ckpt_assets.base.tags import TAG_PROCESSES
 from trainer.base.outcomes import STOP_SIGNALS
+from trainer.base.process_id import boot_id, stat_fields
 
 KILL_WAIT_S = 30.0  # after SIGKILL: only a process stuck in the kernel takes longer
 POLL_S = 0.1
@@ -56,22 +57,18 @@ class ProcessRef:
 
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
-    """(state, process group, session, start time) of a live or zombie process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[2]), int(fields[3]), int(fields[19])
+    """(state, process group, session, start time) of a live or zombie process, read as the
+    trainer reads its own (`trainer.base.process_id`): one reading of /proc for both sides."""
+    fields = stat_fields(pid)
+    return (fields[0], int(fields[2]), int(fields[3]), int(fields[19])) if fields else None
 
 
 def this_machine() -> str | None:
     """Where pids mean the same processes: this boot of this kernel and this PID
     namespace (None where /proc cannot say)."""
+    boot = boot_id()
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}" if boot else None
     except OSError:
         return None
 
