@@ -15,7 +15,7 @@ from ckpt_assets.base.registration import Registration
 from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.ended import recorded_end
 from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
-from ckpt_assets.lifecycle.model import Event, allows
+from ckpt_assets.lifecycle.model import State
 from ckpt_assets.lifecycle.state import run_state
 
 
@@ -40,10 +40,10 @@ def rerun_tags(instance: dg.DagsterInstance, name: str) -> dict[str, str]:
 
 def already_finished(instance: dg.DagsterInstance, reg: Registration) -> str | None:
     """Why launching `reg`'s run by hand would train nothing, in words, or None. A run that
-    reached its final checkpoint is done (`lifecycle.model`: no launch from `finished`);
+    reached its final checkpoint is done (`lifecycle.model`: no row launches a `finished` run);
     training past its end is asked for explicitly, with `checkpoint.continue_finished`."""
     state = run_state(instance, reg.run)
-    if allows(state.state, Event.LAUNCHED) or reg.config.checkpoint.continue_finished:
+    if state.state is not State.FINISHED or reg.config.checkpoint.continue_finished:
         return None
     return (f"training run {reg.run} already finished ({state.detail}); nothing to train. "
             "To train past its end, set checkpoint.continue_finished: true in its config and "

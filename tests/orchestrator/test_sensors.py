@@ -696,15 +696,18 @@ def test_a_frozen_trainer_on_this_machine_is_stopped_with_its_group_before_the_r
     os.kill(trainer.pid, signal.SIGSTOP)  # alive but silent
     run = started_run(instance, started_ago=3600)
     write_beat(store, run, age_s=3600, proc=ProcessId.of(trainer.pid))
-    sweep(instance, store)
+    requests = sweep(instance, store)
     # Gone by the time the run is failed (the sweep waited for it): no wait needed here.
     assert trainer.poll() == -signal.SIGTERM
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE
     assert f"trainer pid {trainer.pid} on {socket.gethostname()} stopped by SIGTERM" in \
         retired(instance, run)
-    assert tags_of(instance, run).get(TAG_DECISION) is None  # the failure sensor decides
-    on_failure(instance, run, store)
+    # The sweep that failed the run decides it and launches its resume at once: no grace
+    # leaves it to another sensor, and the failure sensor's look after it decides nothing.
+    assert [r.run_key for r in requests] == [f"resume-{run.run_id}"]
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
+    on_failure(instance, run, store)
+    assert len(decisions(instance)) == 1
 
 
 @pytest.mark.slow
