@@ -84,7 +84,8 @@ def _on_ended(context, store: CheckpointStore) -> dg.SkipReason:
     request_job=train_job,
     minimum_interval_seconds=TICK_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Resumes failed training runs that the failure policy deems worth it.",
+    description="Decides, once, whether each failed training run is resumed "
+                "(reconcile_training_runs launches the resume).",
 )
 def resume_failed_training(context: dg.RunFailureSensorContext, checkpoint_store: CheckpointStore):
     return _on_ended(context, checkpoint_store)
@@ -96,8 +97,8 @@ def resume_failed_training(context: dg.RunFailureSensorContext, checkpoint_store
     request_job=train_job,
     minimum_interval_seconds=TICK_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Resumes training runs terminated from Dagster (a preemption notice), unless "
-                "stopped with `ckpt-assets stop`.",
+    description="Decides, once, about training runs terminated from Dagster (a preemption "
+                "notice: resumed unless stopped with `ckpt-assets stop`).",
 )
 def resume_terminated_training(context: dg.RunStatusSensorContext,
                                checkpoint_store: CheckpointStore):
