@@ -1,0 +1,1 @@
+"""The commit protocol: manifests, the pointer, verification, retention, datasets by reference."""
