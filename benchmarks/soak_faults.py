@@ -59,7 +59,7 @@ from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # no
 from trainer.api.checkpointer import load_verified_state  # noqa: E402
 from trainer.base.errors import CheckpointError  # noqa: E402
 from trainer.base.outcomes import Outcome  # noqa: E402
-from trainer.checkpoints.commit import POINTER  # noqa: E402
+from trainer.checkpoints.layout import POINTER  # noqa: E402
 from trainer.checkpoints.repo import CheckpointRepo  # noqa: E402
 from trainer.process.contract import Env  # noqa: E402
 from trainer.storage import open_store  # noqa: E402

@@ -13,8 +13,8 @@ from trainer.base.errors import (
     InvalidNameError,
     PointerConflictError,
 )
-from trainer.checkpoints.commit import MANIFEST
 from trainer.checkpoints.layout import RunLayout, committed, read_heartbeat, read_pointer
+from trainer.checkpoints.manifest import MANIFEST
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store
 

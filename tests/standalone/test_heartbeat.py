@@ -13,7 +13,7 @@ import torch
 from trainer.api.session import CheckpointSession
 from trainer.base.errors import PointerConflictError, StorageError
 from trainer.base.process_id import ProcessId
-from trainer.checkpoints.commit import HEARTBEAT
+from trainer.checkpoints.layout import HEARTBEAT
 from trainer.checkpoints.records import Beat
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.process.contract import Env

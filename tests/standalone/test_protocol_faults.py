@@ -20,8 +20,8 @@ import torch
 import trainer.storage.local as local_mod
 from trainer.api.checkpointer import STATE_FILE, Checkpointer
 from trainer.base.errors import CheckpointError, PointerConflictError, StorageError
-from trainer.checkpoints.commit import MANIFEST, POINTER
-from trainer.checkpoints.manifest import checkpoint_name
+from trainer.checkpoints.layout import POINTER
+from trainer.checkpoints.manifest import MANIFEST, checkpoint_name
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import UnsafeObjectError, open_store
 from trainer.storage.base import combine_chunks

@@ -10,32 +10,28 @@ same steps, so both sides share one protocol.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
-import uuid
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
-from . import retention, verification
 from ..base.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     PointerConflictError,
 )
-from .layout import HEARTBEAT, POINTER, RunLayout, committed, list_names, read_heartbeat
-from .records import Beat
+from ..storage import HashingWriter, WrittenObject
+from . import verification
+from .layout import RunLayout, list_names
 from .manifest import (
     MANIFEST,
     Manifest,
-    checkpoint_name,
     file_entry,
     parse_checkpoint_name,
 )
 from .pointer import Best, Pointer
-from ..storage import HashingWriter, ObjectStore, WrittenObject
 
 log = logging.getLogger("trainer.checkpoint")
 

@@ -20,9 +20,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..storage import ObjectStore, validate_key, validate_name
 from .manifest import MANIFEST, parse_checkpoint_name
 from .pointer import Pointer
-from ..storage import ObjectStore, validate_key, validate_name
 
 CHECKPOINTS = "checkpoints"
 POINTER = "latest.json"

@@ -19,35 +19,38 @@ is their one caller that owns a claim (only the owner of the pointer commits).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from . import retention, verification
 from ..base.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     PointerConflictError,
 )
-from .layout import HEARTBEAT, POINTER, RunLayout, committed, list_names, read_heartbeat
-from .records import Beat
+from ..storage import HashingWriter, ObjectStore
+from . import retention, verification
+from .commit import (
+    CLAIM_TRIES,
+    Pending,
+    claimed_timeline,
+    committed_pointer,
+    highest_attempt,
+    move_pointer,
+    step_of,
+    write_file,
+    write_manifest,
+)
+from .layout import RunLayout, committed, list_names, read_heartbeat
 from .manifest import (
-    MANIFEST,
     Manifest,
     checkpoint_name,
-    file_entry,
-    parse_checkpoint_name,
 )
-from .pointer import Best, Pointer
-from .commit import (CLAIM_TRIES, POINTER_HISTORY, Pending, claimed_timeline, committed_pointer,
-    highest_attempt, lineage, move_pointer, step_of, write_file, write_manifest)
-from ..storage import HashingWriter, ObjectStore, WrittenObject
+from .pointer import Pointer
+from .records import Beat
 
 log = logging.getLogger("trainer.checkpoint")
 

@@ -4,9 +4,9 @@ explicit URI of one of the run's own checkpoints."""
 from __future__ import annotations
 
 from ..base.errors import ConfigError
+from ..storage import open_store, split_uri
 from .manifest import Manifest
 from .repo import CheckpointRepo
-from ..storage import open_store, split_uri
 
 
 def resolve_resume(repo: CheckpointRepo, resume: str) -> tuple[Manifest | None, list]:

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 from ..base.errors import CheckpointError, CheckpointNotFoundError, InvalidNameError
+from ..storage.base import CHUNK_SIZE, chunk_digests, combine_chunks, file_size
 from .layout import RunLayout, committed, read_pointer
 from .manifest import MANIFEST, Manifest, parse_checkpoint_name
 from .pointer import Pointer
-from ..storage.base import CHUNK_SIZE, chunk_digests, combine_chunks, file_size
 
 log = logging.getLogger("trainer.checkpoint")
 
