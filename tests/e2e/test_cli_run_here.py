@@ -109,6 +109,15 @@ def test_a_run_whose_script_raises_after_a_commit_names_that_step_and_the_except
     assert "ValueError: the schedule has no learning rate for step 8" in proc.stdout
 
 
+def test_a_world_size_that_is_not_a_number_is_one_line_and_exit_2(tmp_path, dagster_home,
+                                                                   store_uri):
+    proc = cli("run", "w", "--nproc-per-node", "abc")
+    assert proc.returncode == Outcome.BAD_INPUT.exit_code
+    (line,) = proc.stderr.strip().splitlines()
+    assert "--nproc-per-node" in line and "'abc'" in line and "--help" in line, line
+    assert "usage:" not in proc.stderr + proc.stdout
+
+
 def test_a_run_refused_before_its_trainer_starts_is_bad_input_in_its_summary_exit_and_list(
         tmp_path, dagster_home, store_uri, mlflow_uri):
     data = tmp_path / "data"
