@@ -109,6 +109,16 @@ def test_a_run_whose_script_raises_after_a_commit_names_that_step_and_the_except
     assert "ValueError: the schedule has no learning rate for step 8" in proc.stdout
 
 
+def test_a_torchrun_command_run_at_one_rank_gets_the_ranks_environment_and_finishes(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    config = _command_run(tmp_path, "one-rank", "--local-rank")
+    proc = cli("run", "one-rank", "--config", str(config), "--nproc-per-node", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "training run one-rank finished at step 20" in proc.stdout
+    log = (Path(dagster_home) / "logs" / "run-one-rank.log").read_text()
+    assert "local rank 0" in log
+
+
 def test_a_world_size_that_is_not_a_number_is_one_line_and_exit_2(tmp_path, dagster_home,
                                                                    store_uri):
     proc = cli("run", "w", "--nproc-per-node", "abc")
