@@ -128,6 +128,38 @@ def test_a_world_size_that_is_not_a_number_is_one_line_and_exit_2(tmp_path, dags
     assert "usage:" not in proc.stderr + proc.stdout
 
 
+def test_an_attempt_relaunched_in_its_run_and_lost_with_its_run_worker_is_a_lineage_row(
+        tmp_path, dagster_home, store_uri, mlflow_uri):
+    name = "lost-relaunch"
+    config = _command_run(tmp_path, name, "--delay", "0.05", steps=400)
+    with open(tmp_path / "run.log", "wb") as log:
+        proc = subprocess.Popen([PYTHON, "-m", "ckpt_assets", "run", name, "--config",
+                                 str(config)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        store = Path(store_uri)
+        wait_for(lambda: (pointer_step(store, "default", name) or 0) >= 10, 300,
+                 what="attempt 1 to commit step 10")
+        first = read_heartbeat_pid(store, "default", name)
+        os.kill(first, signal.SIGTERM)  # the trainer alone: relaunched in the same run
+        wait_for(lambda: read_heartbeat_pid(store, "default", name) not in (None, first),
+                 300, what="the trainer relaunched in the run")
+        second = read_heartbeat_pid(store, "default", name)
+        proc.kill()  # the run worker, with attempt 2 in it
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wait_for(lambda: not pid_alive(second), 120, what="the orphaned trainer to exit")
+    attempts = json.loads(cli("lineage", name, "--json").stdout)["attempts"]
+    assert [a["attempt"] for a in attempts] == [1, 2], attempts
+    assert [a["end"] for a in attempts] == ["preempted", "worker_lost"], attempts
+    assert attempts[0]["decision"] == "relaunched in the same Dagster run"
+    assert attempts[0]["dagster_run_id"] == attempts[1]["dagster_run_id"]
+    text = cli("lineage", name).stdout
+    assert "attempt 2: dagster run" in text and "worker lost" in text, text
+
+
 def test_a_run_refused_before_its_trainer_starts_is_bad_input_in_its_summary_exit_and_list(
         tmp_path, dagster_home, store_uri, mlflow_uri):
     data = tmp_path / "data"
