@@ -106,6 +106,8 @@ def test_a_global_batch_that_does_not_split_evenly_is_refused_naming_the_multipl
                                    "HOST:PORT"),
     (["--rdzv-endpoint", "node0:99999"], "is not HOST:PORT (a port from 1 to 65535"),
     (["--heartbeat-timeout-s", "0"], "--heartbeat-timeout-s 0 is out of range"),
+    (["--nproc-per-node", "abc"], "argument --nproc-per-node: invalid int value: 'abc' (see: "
+                                  "python -m trainer.ranks --help)"),
 ])
 def test_a_launch_the_config_would_refuse_exits_2_with_one_line_saying_what_to_pass(
         flags, says, capsys):

@@ -74,8 +74,13 @@ def refuse(message: str) -> NoReturn:
     raise SystemExit(Outcome.BAD_INPUT.exit_code)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        refuse(f"{message} (see: {PROG} --help)")
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p = _OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--rdzv-endpoint", default=None)
