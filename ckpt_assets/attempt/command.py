@@ -149,9 +149,11 @@ def task_launch(reg: Registration, launch: LaunchEnv, env: dict[str, str],
 
 def under_ranks(reg: Registration, trainer: TrainerSettings, argv: list[str]) -> list[str]:
     """`argv` once per rank through `python -m RANKS_LAUNCHER` (torchrun, its restarts off,
-    one exit status for the attempt) when the config asks for several; else `argv`."""
+    one exit status for the attempt) when the config asks for several ranks, or the launch
+    names a world size for a command (a torchrun script needs its RANK, LOCAL_RANK and
+    WORLD_SIZE on one rank as on several); else `argv`."""
     d = reg.config.distributed
-    if d.world_size == 1:
+    if d.world_size == 1 and not (reg.config.command and reg.world_asked):
         return argv
     wrapper = [trainer.python, "-m", RANKS_LAUNCHER, "--nproc-per-node",
                str(d.nproc_per_node), "--nnodes", str(d.nnodes),

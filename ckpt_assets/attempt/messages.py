@@ -180,8 +180,9 @@ def exit_outcome(rc: int, reported: str | None, *, final: bool, committed: bool,
                  left_running: int) -> Outcome:
     """The outcome of an attempt whose main process exited `rc`: a run is finished only by
     a final checkpoint, so an exit 0 without one is a failure of its own (`unfinished`:
-    the command forked and exited, or stopped early; `no_checkpoint`: it never committed
-    and left nothing running)."""
+    the command forked the training off and exited, or left by os._exit, before its session
+    committed the final checkpoint; `no_checkpoint`: it never committed and left nothing
+    running)."""
     outcome = Outcome.of_exit(rc, reported)
     if outcome is not Outcome.SUCCESS or final:
         return outcome

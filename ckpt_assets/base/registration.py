@@ -208,6 +208,9 @@ class Registration:
     created: bool = field(default=False, compare=False)  # True if this call wrote it
     # What a correction changed (a run without a committed checkpoint registered again).
     corrected: str | None = field(default=None, compare=False)
+    # A launch of this run named its world size (`runs.world.at_world`): a command then
+    # runs under the ranks launcher whatever the size, one rank included.
+    world_asked: bool = field(default=False, compare=False)
 
     @classmethod
     def from_bytes(cls, run: str, body: bytes, uri: str, created: bool = False) -> Registration:

@@ -13,8 +13,10 @@
     stop     NAME                                  terminate its active run; do not resume it
 
 Common options: --store URI (default $CKPT_STORE_URI, else ./checkpoints under the repo;
-the same default as the code location's CheckpointStore). The Dagster instance is
-$DAGSTER_HOME (default: dagster_home/ under the repository root).
+the same default as the code location's CheckpointStore): `run` registers, trains and
+reports in it; `launch` takes only the store the daemon's code location trains in (set
+CKPT_STORE_URI for both), and refuses another. The Dagster instance is $DAGSTER_HOME
+(default: dagster_home/ under the repository root).
 
 A command run's config is checked at registration, before the name is taken: its `cwd`
 must be a directory, `python` is this interpreter and its script must exist in `cwd`, a
@@ -27,10 +29,12 @@ may be registered again with a corrected config: there is nothing it could contr
 
 Exit codes (the trainer's): 0 ok; 2 bad input (name, config, arguments, an unusable
 local store path; nothing was written); 5 store unavailable (S3 endpoint, bucket or
-credentials; nothing was written); 1 anything else (e.g. the launch failed). `launch` of a
-run that already has a queued or running Dagster run queues nothing, names that run and
-exits 0; of several concurrent launches of one name exactly one queues a run, and the
-others name it and exit 0.
+credentials; nothing was written); 1 anything else (e.g. the launch failed). `run` exits
+with its attempt's code: also 143 preempted (run it again to resume), 3 no checkpoint
+could be loaded, 4 diverged, 6 superseded, 7 a rank lost, 8 no step trained (the table:
+docs/reference.md). `launch` of a run that already has a queued or running Dagster run
+queues nothing, names that run and exits 0; of several concurrent launches of one name
+exactly one queues a run, and the others name it and exit 0.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from pathlib import Path
 
 from ckpt_assets.base.names import REPO_ROOT
 from ckpt_assets.cli.parser import parser
+from ckpt_assets.cli.store import launched_runs_store, store_of, train_here_in
 from trainer.base import strict_json
 from trainer.base.outcomes import Outcome
 
@@ -68,13 +73,6 @@ def _instance():
     except Exception as e:
         raise CliError(f"cannot open the Dagster instance at DAGSTER_HOME="
                        f"{os.environ['DAGSTER_HOME']}: {e}", EXIT_ERROR) from e
-
-
-def _store(uri: str | None):
-    from ckpt_assets.defs.resources import default_store_uri
-    from trainer.storage import open_store
-
-    return open_store(uri or default_store_uri())
 
 
 def _read_config(path: str) -> dict:
@@ -107,7 +105,7 @@ def cmd_register(args) -> int:
     validate_partition_key(args.name)
     raw = _read_config(args.config)
     base = _registered_from()
-    store = _store(args.store)
+    store = store_of(args.store)
     # Validate before touching the instance, so that bad input creates nothing anywhere.
     normalize_training_config(raw, args.name, args.experiment, base)
     instance = _instance()
@@ -173,6 +171,7 @@ def cmd_launch(args) -> int:
 
     tags = _launch_tags(args)
     instance, store = _validated(args)
+    launched_runs_store(args.name, args.store, store)
     reg = _registered(args, instance, store)
     if not args.force and (done := already_finished(instance, reg)):
         print(done)
@@ -220,7 +219,7 @@ def _validated(args):
     from ckpt_assets.runs.world import world_config
 
     validate_partition_key(args.name)
-    store = _store(args.store)
+    store = store_of(args.store)
     if args.config is not None:
         world_config(normalize_training_config(_read_config(args.config), args.name,
                                                args.experiment, _registered_from()),
@@ -260,6 +259,7 @@ def cmd_run(args) -> int:
     from ckpt_assets.lifecycle.state import sensors_running
 
     instance, store = _validated(args)
+    train_here_in(store)
     reg = _registered(args, instance, store)
     if done := already_finished(instance, reg):
         print(done)
@@ -270,9 +270,9 @@ def cmd_run(args) -> int:
     log = None if args.verbose else Path(instance.root_directory) / "logs" / f"run-{reg.run}.log"
     print(f"{what} of training run {reg.run} (experiment {reg.experiment}) in this process"
           + (f"; Dagster's log: {log} (--verbose shows it here)" if log else ""), flush=True)
-    code = run_in_process(instance, args.name, tags, log)
-    print(summary(instance, args.name, code, sensors_running(instance)), flush=True)
-    return code
+    attempted = run_in_process(instance, args.name, tags, log)
+    print(summary(instance, args.name, attempted, sensors_running(instance)), flush=True)
+    return attempted.code
 
 
 def cmd_list(args) -> int:
@@ -287,7 +287,7 @@ def cmd_list(args) -> int:
 
     for e in args.experiment:
         validate_name(e, "experiment name")
-    store = _store(args.store)
+    store = store_of(args.store)
     instance = _instance()
     keys = sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))
     rows = [run_summary(instance, store, key) for key in keys]
@@ -320,7 +320,7 @@ def cmd_lineage(args) -> int:
     from ckpt_assets.records.listing import DEFAULT_EXPERIMENT
 
     validate_partition_key(args.name)
-    store = _store(args.store)
+    store = store_of(args.store)
     instance = _instance()
     experiment = args.experiment or DEFAULT_EXPERIMENT
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from trainer.base.outcomes import Outcome
 
@@ -12,8 +11,9 @@ EXIT_BAD_INPUT = Outcome.BAD_INPUT.exit_code
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_BAD_INPUT, f"ckpt-assets: error: {message}\n")
+        # One line, as for every other bad input: what was wrong, and where the rest is.
+        self.exit(EXIT_BAD_INPUT, f"ckpt-assets: error: {message} (see: {self.prog} "
+                                  "--help)\n")
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -56,7 +56,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     ru.add_argument("--verbose", action="store_true",
                     help="show Dagster's own log here instead of writing it to a file")
 
-    st = sub.add_parser("stop", parents=[common],
+    st = sub.add_parser("stop",
                         help="terminate the run's active Dagster run and mark it not to be resumed")
     st.add_argument("name")
     st.add_argument("--reason", default=None, help="why (recorded on the run)")

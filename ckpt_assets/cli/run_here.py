@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -24,11 +25,21 @@ from trainer.base.outcomes import Outcome
 # What the command exits with when the attempt recorded no exit of its own.
 INTERRUPTED = Outcome.PREEMPTED.exit_code
 UNKNOWN = Outcome.USER_CODE_ERROR.exit_code
+TRACEBACK_LINES = 8  # the user's frames nearest the error, and the exception
+
+
+@dataclass(frozen=True)
+class Attempted:
+    """What one `run_in_process` came to: the exit code, and the Dagster run it made (None
+    when an interrupt cut the call short before it said)."""
+
+    code: int
+    run_id: str | None
 
 
 def run_in_process(instance: dg.DagsterInstance, name: str, tags: dict[str, str],
-                   log_path: Path | None = None) -> int:
-    """Run `train_job` for partition `name` here; return the attempt's exit code.
+                   log_path: Path | None = None) -> Attempted:
+    """Run `train_job` for partition `name` here; the attempt's exit code and its run.
     `log_path`: where Dagster's own log goes (None: this terminal)."""
     from ckpt_assets.base.dagster_private import capture_interrupts
     from ckpt_assets.definitions import defs
@@ -43,7 +54,15 @@ def run_in_process(instance: dg.DagsterInstance, name: str, tags: dict[str, str]
             run_id = result.run_id
         except (KeyboardInterrupt, dg.DagsterExecutionInterruptedError):
             interrupted, run_id = True, None
-    return attempt_exit_code(instance, name, run_id, interrupted)
+    run_id = run_id or _newest_run_id(instance, name)
+    return Attempted(attempt_exit_code(instance, name, run_id, interrupted), run_id)
+
+
+def _newest_run_id(instance: dg.DagsterInstance, name: str) -> str | None:
+    from ckpt_assets.base.queries import newest_training_run
+
+    newest = newest_training_run(instance, name)
+    return newest.run_id if newest else None
 
 
 @contextmanager
@@ -60,45 +79,98 @@ def _dagster_log(path: Path | None) -> Iterator[None]:
         yield
 
 
-def summary(instance: dg.DagsterInstance, name: str, code: int, daemon: bool) -> str:
+def summary(instance: dg.DagsterInstance, name: str, attempted: Attempted,
+            daemon: bool) -> str:
     """What `ckpt-assets run` says at the end: how the attempt ended, its last committed
-    step, and what comes next (no sensor is promised where no daemon runs)."""
-    ended = _last_end(instance, name)
+    step, the end of the user's traceback when the training code raised, and what comes
+    next (no sensor is promised where no daemon runs)."""
+    code = attempted.code
+    ended = run_end(instance, name, attempted.run_id)
     step = ended.get("last_committed_step")
     where = f" ({ended['checkpoint_uri']})" if ended.get("checkpoint_uri") else ""
     outcome = Outcome.parse(ended.get("failure_class")) or Outcome.of_exit(code)
-    head = (f"attempt {ended.get('attempt', '?')} of training run {name} ended "
-            f"{outcome.value} (exit {code}); last committed step {step}{where}")
     if outcome is Outcome.SUCCESS:
         return f"training run {name} finished at step {step}{where}"
-    if not outcome.kind.resumable:
+    committed = (f"last committed step {step}{where}" if step is not None else
+                 "nothing committed yet")
+    head = (f"attempt {ended.get('attempt', '?')} of training run {name} ended "
+            f"{outcome.value} (exit {code}); {committed}")
+    if not outcome.kind.resumable:  # the cause, for the user to act on
+        if tail := _traceback_tail(instance, attempted.run_id):
+            head += "\n" + "\n".join(f"  {line}" for line in tail)
+        elif ended.get("message"):
+            kind = f"{ended['error_type']}: " if ended.get("error_type") else ""
+            head += f"\n  {kind}{ended['message']}"
         return f"{head}\nnot resumed: {outcome.kind.advice}"
     if daemon:
         return f"{head}\nthe resume sensors resume it ({outcome.kind.resume})"
+    where_from = f"from step {step}" if step is not None else "from the start"
     return (f"{head}\nno daemon runs here: run `ckpt-assets run {name}` again to resume it "
-            f"from step {step}")
+            f"{where_from}")
 
 
-def _last_end(instance: dg.DagsterInstance, name: str) -> dict:
-    ends = [md for md, _ in partition_events(instance, name, ATTEMPT_ENDED)]
-    return ends[-1] if ends else {}
+def run_end(instance: dg.DagsterInstance, name: str, run_id: str | None) -> dict:
+    """How run `run_id`'s last attempt ended: its `attempt_ended` observation, else the
+    record its step failed with (an attempt refused before its trainer started: a config
+    that cannot be found, a changed dataset), so that the summary, the exit code and `list`
+    give it one name."""
+    from ckpt_assets.base.view import RunView
+    from ckpt_assets.lifecycle.ended import recorded_end
+
+    ends = [md for md, rec in partition_events(instance, name, ATTEMPT_ENDED)
+            if rec.run_id == run_id]
+    if ends:
+        return ends[-1]
+    run = instance.get_run_by_id(run_id) if run_id else None
+    recorded = recorded_end(instance, run) if run is not None else None
+    if recorded is None:
+        return {}
+    return {**recorded.to_dict(), "attempt": recorded.attempt or RunView.of(run).attempt}
+
+
+def _traceback_tail(instance: dg.DagsterInstance, run_id: str | None) -> list[str]:
+    """The last lines of the traceback the training code raised, as its step failure
+    recorded it: the frames nearest the error and the exception itself."""
+    if run_id is None:
+        return []
+    for rec in instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_FAILURE):
+        data = rec.dagster_event.step_failure_data
+        md = data.user_failure_data.metadata if data and data.user_failure_data else {}
+        if "traceback" in md:
+            text = str(md["traceback"].value).strip().strip("`").strip()
+            return _without_launch_frames(text.splitlines())[-TRACEBACK_LINES:]
+    return []
+
+
+# Frames of how the script was started (the standby that ran it, runpy), not of its code.
+LAUNCH_FRAMES = ('File "<frozen runpy>"', "trainer/process/standby.py", "/runpy.py\"")
+
+
+def _without_launch_frames(lines: list[str]) -> list[str]:
+    out, skipping = [], False
+    for line in lines:
+        if line.startswith("  File "):
+            skipping = any(mark in line for mark in LAUNCH_FRAMES)
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return out
 
 
 def attempt_exit_code(instance: dg.DagsterInstance, name: str, run_id: str | None,
                       interrupted: bool) -> int:
-    """The exit code the run's attempt recorded (its `attempt_ended` observation); the
-    newest training run's when `run_id` is unknown (the interrupt cut the call short)."""
-    from ckpt_assets.base.queries import newest_training_run
-
-    if run_id is None:
-        newest = newest_training_run(instance, name)
-        run_id = newest.run_id if newest else None
+    """The exit code the run's attempt recorded (its `attempt_ended` observation, else its
+    step failure's record)."""
     run = instance.get_run_by_id(run_id) if run_id else None
     if run is not None and run.status == dg.DagsterRunStatus.SUCCESS:
         return Outcome.SUCCESS.exit_code
-    for md, rec in partition_events(instance, name, ATTEMPT_ENDED):
-        if rec.run_id == run_id and isinstance(md.get("exit_code"), int):
-            return failed_exit_code(md["exit_code"], md.get("failure_class"))
+    ended = run_end(instance, name, run_id)
+    if isinstance(ended.get("exit_code"), int):
+        return failed_exit_code(ended["exit_code"], ended.get("failure_class"))
+    outcome = Outcome.parse(ended.get("failure_class"))
+    if outcome is not None and outcome.exit_code:
+        return outcome.exit_code
     return INTERRUPTED if interrupted else UNKNOWN
 
 

@@ -17,6 +17,10 @@ from trainer.process.contract import Started
 TRAINING_RUN_TAG = "training_run"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"  # the MLflow UI's model-training view
+# The MLflow UI (3.x) shows an experiment in the view of the browser's *workflow type*, which
+# starts as GenAI (traces, token usage) and wins over the experiment's kind tag; a link that
+# names it lands on the training runs whatever the browser chose before.
+TRAINING_VIEW = "workflowType=machine_learning"
 
 # MLflow's limits (mlflow.utils.validation): longer values are refused, not truncated.
 PARAM_VALUE_MAX = 6000
@@ -52,7 +56,8 @@ def mlflow_run_url(tracking_uri: str, experiment_id: str | None, run_id: str | N
     http(s) server."""
     if not run_id or not experiment_id or not tracking_uri.startswith(("http://", "https://")):
         return None
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return (f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+            f"?{TRAINING_VIEW}")
 
 
 # What MLflow's table creation raises on a database whose creation was interrupted or raced

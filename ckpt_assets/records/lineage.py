@@ -126,16 +126,18 @@ def _decided_classes(store: ObjectStore, run_key: str,
 def _attempts_ended(attempts: list[dict[str, Any]], ends: dict[str, list[dict[str, Any]]],
                     by_run: dict[str, list[dict[str, Any]]], reasons: dict[str, Any],
                     decided: dict[str, str]) -> list[dict[str, Any]]:
-    """One row per attempt: a Dagster run's row, once per `attempt_ended` it recorded (a
-    trainer relaunched in the run is an attempt of its own), with how each ended: a run's
-    last attempt by its decision's name where one was decided."""
+    """One row per attempt: a Dagster run's row, once per attempt it held (a trainer
+    relaunched in the run is an attempt of its own, whether or not it lived to record its
+    end), with how each ended: a run's last attempt by its decision's name where one was
+    decided."""
+    held = {a["dagster_run_id"]: _held(a, ends.get(a["dagster_run_id"], [])) for a in attempts}
     rows = [(dict(a), e, i < len(es) - 1) for a in attempts
-            for es in [ends.get(a["dagster_run_id"]) or [{}]] for i, e in enumerate(es)]
+            for es in [held[a["dagster_run_id"]]] for i, e in enumerate(es)]
     attempts = [a for a, _, _ in rows]
     for position, (a, e, relaunched) in enumerate(rows, start=1):
         stopped = a.pop("stopped", None)
         own = [c for c in by_run.get(a["dagster_run_id"], [])
-               if len(ends.get(a["dagster_run_id"], [])) < 2 or c.get("attempt") == e.get("attempt")]
+               if len(held[a["dagster_run_id"]]) < 2 or c.get("attempt") == e.get("attempt")]
         a.update(exit_code=e.get("exit_code"), failure_class=e.get("failure_class"),
                  last_committed_step=e.get("last_committed_step"),
                  resumed_from_step=e.get("resumed_from_step"), relaunched_in_run=relaunched,
@@ -155,6 +157,17 @@ def _attempts_ended(attempts: list[dict[str, Any]], ends: dict[str, list[dict[st
         if a["last_committed_step"] is None and own:
             a["last_committed_step"] = max(c.get("step") or 0 for c in own)
     return attempts
+
+
+def _held(run: dict[str, Any], ends: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The attempts one Dagster run held, by their ends: each recorded end, and the attempt
+    its tag names when that one recorded none (relaunched in the run, then lost with its run
+    worker, or still training): a row without an end, numbered by the tag."""
+    tag = str(run["attempt"] or "")
+    recorded = [e["attempt"] for e in ends if isinstance(e.get("attempt"), int)]
+    if ends and tag.isdigit() and recorded and int(tag) > max(recorded):
+        return [*ends, {"attempt": int(tag)}]
+    return ends or [{}]
 
 
 def standalone_report(store: ObjectStore, experiment: str, run_key: str) -> dict[str, Any]:

@@ -22,7 +22,8 @@ def at_world(reg: Registration, world: Mapping[str, str]) -> Registration:
     """`reg` with the `distributed` keys of `world` (runs.tags.WORLD_TAGS') replaced, checked as
     the registered config was: a batch that no longer splits over the ranks is refused.
     (The registered bytes, `config_uri` and `config_sha256`, stay what was registered.)"""
-    return replace(reg, config=world_config(reg.config, world)) if world else reg
+    return replace(reg, config=world_config(reg.config, world), world_asked=True) if world \
+        else reg
 
 
 def world_config(config: TrainConfig, world: Mapping[str, str]) -> TrainConfig:

@@ -184,7 +184,7 @@ def test_a_stopped_run_worker_holding_the_mlflow_lock_costs_mlflow_not_a_hung_ru
 
 def test_an_mlflow_run_link_exists_only_for_an_http_tracking_server():
     assert mlflow_run_url("http://mlflow:5000/", "3", "abc") == (
-        "http://mlflow:5000/#/experiments/3/runs/abc")
+        "http://mlflow:5000/#/experiments/3/runs/abc?workflowType=machine_learning")
     assert mlflow_run_url("sqlite:///x.db", "3", "abc") is None
 
 
@@ -231,8 +231,9 @@ def test_the_mlflow_run_links_to_the_ui_named_for_a_tracking_store_that_is_a_fil
     assert t.run_url is None  # a sqlite store: nothing to link to
     named = MLflowResource(tracking_uri=resource.tracking_uri, ui_url="http://127.0.0.1:5000")
     linked = tracker(named, "linked")
+    # The training view, not the GenAI overview a fresh browser's MLflow UI opens on.
     assert linked.run_url == (f"http://127.0.0.1:5000/#/experiments/{linked.experiment_id}"
-                              f"/runs/{t.run_id}")
+                              f"/runs/{t.run_id}?workflowType=machine_learning")
     monkeypatch.setenv(MLFLOW_UI_URL_ENV, "http://mlflow.example:5000")
     assert tracker(resource, "linked").run_url.startswith("http://mlflow.example:5000/#/")
 

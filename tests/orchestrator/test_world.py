@@ -93,3 +93,22 @@ def test_the_world_size_checked_is_the_chains_with_the_flags_change(reg):
         _world_tags(Namespace(nproc_per_node=None, nnodes=3), reg, chain)
     assert _world_tags(Namespace(nproc_per_node=1, nnodes=None), reg, chain) == \
         {TAG_NPROC_PER_NODE: "1"}
+
+
+def test_a_command_whose_launch_names_one_rank_starts_under_the_ranks_launcher_a_task_does_not(
+        tmp_path):
+    from types import SimpleNamespace
+
+    from ckpt_assets.attempt.command import under_ranks
+    from trainer.process.contract import RANKS_LAUNCHER
+
+    settings = SimpleNamespace(python="python", grace_period_seconds=20)
+    store = open_store(str(tmp_path / "store"))
+    command = register_training_run(store, "cmd", {"command": ["python", "train.py"]})
+    task = register_training_run(store, "task", {})
+    argv = ["python", "train.py"]
+    assert under_ranks(command, settings, argv) == argv  # nothing asked: as registered
+    one = under_ranks(at_world(command, {"nproc_per_node": "1"}), settings, argv)
+    assert one[:3] == ["python", "-m", RANKS_LAUNCHER] and one[-3:] == ["--", *argv]
+    assert "--nproc-per-node" in one and one[one.index("--nproc-per-node") + 1] == "1"
+    assert under_ranks(at_world(task, {"nproc_per_node": "1"}), settings, argv) == argv

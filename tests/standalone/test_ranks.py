@@ -106,6 +106,8 @@ def test_a_global_batch_that_does_not_split_evenly_is_refused_naming_the_multipl
                                    "HOST:PORT"),
     (["--rdzv-endpoint", "node0:99999"], "is not HOST:PORT (a port from 1 to 65535"),
     (["--heartbeat-timeout-s", "0"], "--heartbeat-timeout-s 0 is out of range"),
+    (["--nproc-per-node", "abc"], "argument --nproc-per-node: invalid int value: 'abc' (see: "
+                                  "python -m trainer.ranks --help)"),
 ])
 def test_a_launch_the_config_would_refuse_exits_2_with_one_line_saying_what_to_pass(
         flags, says, capsys):
@@ -356,3 +358,20 @@ def test_a_commands_own_options_reach_it_past_torchruns_parser():
     parsed = torchrun.parse_args(torchrun_args(args, command))
     assert [parsed.training_script, *parsed.training_script_args] == command
     assert parsed.max_restarts == 0 and parsed.standalone
+
+
+@pytest.mark.slow
+def test_ranks_that_refuse_their_batch_end_with_one_line_naming_the_outcome_not_torchruns(
+        tmp_path):
+    config = write_config(tmp_path / "cfg.json", max_steps=4, batch_size=32)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.ranks", "--nproc-per-node", "3", "--",
+         sys.executable, "-m", "trainer", "--config", str(config), "--store",
+         str(tmp_path / "store")],
+        cwd=ROOT, env=env(0), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=300)
+    assert proc.returncode == Outcome.BAD_INPUT.exit_code, proc.stdout[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "make it a multiple of 3" in lines[-2], lines[-4:]
+    assert lines[-1].startswith("python -m trainer.ranks: the attempt ended bad_input (exit 2)")
+    assert "torch/distributed" not in proc.stdout, lines

@@ -78,3 +78,41 @@ def test_a_resume_of_a_script_that_seeds_nothing_names_the_attempt_and_says_how_
 def test_a_resume_of_a_script_seeded_through_the_session_warns_of_nothing(tmp_path):
     second = _interrupted_then_resumed(tmp_path, "--seed", "3")
     assert "generator" not in second.stderr, second.stderr
+
+
+DEFAULT_STORE_SCRIPT = """\
+import os, signal, torch
+from trainer import CheckpointSession
+
+model = torch.nn.Linear(2, 1)
+with CheckpointSession(run="moved", max_steps=20, every_steps=5) as ckpt:
+    for step in range(ckpt.restore(model=model) + 1, 21):
+        if ckpt.step(step, loss=float(step)):
+            break
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGTERM)  # the next step() commits and exits 143
+"""
+
+
+def test_a_script_run_from_another_directory_names_the_store_it_starts_in_and_the_run_beside_it(
+        tmp_path):
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "train.py").write_text(DEFAULT_STORE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for key in ("CKPT_RUN", "CKPT_STORE_URI", "CKPT_RESUME_FROM"):
+        env.pop(key, None)
+
+    def run_from(cwd: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(project / "train.py")], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = run_from(project)
+    assert first.returncode == Outcome.PREEMPTED.exit_code, first.stderr
+    moved = run_from(elsewhere)
+    assert moved.returncode == Outcome.PREEMPTED.exit_code, moved.stderr
+    (line,) = [ln for ln in moved.stderr.splitlines() if "from scratch" in ln]
+    assert f"in store {elsewhere / 'checkpoints'}" in line, line
+    assert f"{project / 'checkpoints'} holds this run at step 8" in line, line
+    assert f"CKPT_STORE_URI={project / 'checkpoints'}" in line, line

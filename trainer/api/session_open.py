@@ -43,6 +43,7 @@ from ..ranks.sharded import ShardedParts
 from ..ranks.world import env_rank
 from ..storage import open_store
 from .checkpointer import Checkpointer, RNGState
+from .default_store import default_store, from_scratch_words
 from .kept import KEPT_PART
 from .parts import (
     Measured,
@@ -72,7 +73,7 @@ class Opening:
             self.resume = resume or launched.resume_from or "auto"
             return
         self.run, self.experiment = run or "run", experiment or "default"
-        self.store_uri = store or os.environ.get(Env.STORE_URI) or os.path.abspath("checkpoints")
+        self.store_uri = store or os.environ.get(Env.STORE_URI) or default_store()
         self.dataset, self._data_version = dataset, data_version
         self.resume = (resume or os.environ.get(Env.RESUME_FROM)
                        or os.environ.get(RESUME_FROM_ALIAS) or "auto")
@@ -109,7 +110,7 @@ class Opening:
             self._say(f"resumed from {self.repo.uri(manifest.name)} at step {manifest.step} "
                       f"(restore {time.perf_counter() - t0:.2f}s)")
         else:
-            self._say(f"starting {self.experiment}/{self.run} from scratch (attempt {attempt})")
+            self._say(from_scratch_words(self.store_uri, self.experiment, self.run, attempt))
         self._compare_generators(manifest, attempt, drawn)
         self.lineage = self._lineage(attempt, manifest, data_version)
         self._config_ref = self._store_config()

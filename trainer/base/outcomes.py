@@ -54,9 +54,10 @@ class Kind(StrEnum):
                      "the command finished without committing a checkpoint; make it "
                      "checkpoint through trainer.CheckpointSession")
     UNFINISHED = ("unfinished", Resume.NEVER,
-                  "the command exited 0 before its final checkpoint (it forked and exited, or "
-                  "left its loop early): make the process the orchestrator starts train to the "
-                  "end (exec, not fork) and pass max_steps to CheckpointSession")
+                  "the command's process exited 0 before its session committed the final "
+                  "checkpoint (it forked the training off and exited, or left by os._exit): "
+                  "make the process the orchestrator starts train to the end (exec, not "
+                  "fork) and let it end normally")
     UNKNOWN = ("unknown", Resume.NEVER,
                "the failure could not be classified; inspect the run's logs")
     # Decisions that override a resumable kind (they name why nothing was resumed):
@@ -113,8 +114,10 @@ class Outcome(Enum):
                      "the script ended without training a step, so no checkpoint of the run "
                      "exists (or a command exited 0 without committing one)")
     UNFINISHED = ("unfinished", None, Kind.UNFINISHED,
-                  "exited 0 before its final checkpoint (a command that forked and exited, or "
-                  "left its loop early); what it left running was stopped")
+                  "exited 0 before its session committed the final checkpoint (a command that "
+                  "forked the training off and exited, or left by os._exit; a loop left early "
+                  "still ends its session, which commits its last step as final); what it "
+                  "left running was stopped")
     UNKNOWN = ("unknown", None, Kind.UNKNOWN, "an exit code nobody defines")
     # A stop for good ends the trainer as a preemption does (SIGTERM, exit 143): the exit
     # classifies the attempt; this names it where people read why it ended (MLflow).

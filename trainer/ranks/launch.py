@@ -33,6 +33,7 @@ config refuses (`distributed`) is refused here too: exit 2, one line that says w
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -73,8 +74,13 @@ def refuse(message: str) -> NoReturn:
     raise SystemExit(Outcome.BAD_INPUT.exit_code)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        refuse(f"{message} (see: {PROG} --help)")
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p = _OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--rdzv-endpoint", default=None)
@@ -149,6 +155,7 @@ def run_torchrun(args: argparse.Namespace, command: list[str], watch: RankWatch)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    quiet_torchrun(args)
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(args, command)))
     except ChildFailedError as e:
@@ -156,11 +163,29 @@ def run_torchrun(args: argparse.Namespace, command: list[str], watch: RankWatch)
         # A rank the watch killed for its silence was lost, not killed by a signal: its
         # SIGKILL is the watch's, the cause is its freeze.
         codes.update({rank: Outcome.RANK_LOST.exit_code for rank in watch.lost})
-        return attempt_exit(codes)
+        code = attempt_exit(codes)
+        print(ended_line(code, codes), file=sys.stderr, flush=True)
+        return code
     except SignalException as e:
         # Asked to stop: every rank was passed the signal and had the grace to commit.
         return 128 + int(e.sigval)
     return Outcome.SUCCESS.exit_code
+
+
+def quiet_torchrun(args: argparse.Namespace) -> None:
+    """torchrun's own lines about its ranks (a failed rank's exit code and pid, the ranks it
+    closes, the OMP_NUM_THREADS banner) are said once here, in the outcomes' words
+    (`ended_line`), so that what a user reads last is the cause, not torchrun's echo of it."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(
+        logging.CRITICAL)
+    if args.nproc_per_node > 1:  # what torchrun sets then, without its banner
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def ended_line(code: int, rank_codes: dict[int, int]) -> str:
+    ranks = ", ".join(f"rank {r} exited {c}" for r, c in sorted(rank_codes.items()))
+    return (f"{PROG}: the attempt ended {Outcome.of_exit(code).value} (exit {code}): {ranks}; "
+            "the ranks' own lines above say why")
 
 
 if __name__ == "__main__":
