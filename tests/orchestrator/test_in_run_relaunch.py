@@ -228,29 +228,6 @@ def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_ident
 
 
 @pytest.mark.slow
-def test_after_the_budget_is_used_up_in_run_the_next_failure_is_not_relaunched(
-        instance, tmp_path, mlflow_uri, monkeypatch):
-    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
-    # None without progress: the first failure, after progress, is free; the second is not.
-    monkeypatch.setenv(Setting.MAX_TRANSIENT, "0")
-    store = CheckpointStore(uri=str(tmp_path / "store"))
-    res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
-    # Killed before step 15 in every attempt: attempt 1 is relaunched, attempt 2 is not.
-    out = materialize_run(instance, "loop", res,
-                          training=training_config(task_args={"crash_at_step": 15}))
-    assert not out.success
-    _, md = step_failure_metadata(out)
-    assert md["attempt"] == 2 and md["failure_class"] == "killed_by_signal"
-    assert [e["attempt"] for e in _ends(instance, "loop")] == [1, 2]
-    run = instance.get_run_by_id(out.run_id)
-    assert Budget.from_tag(run.tags[TAG_BUDGET]).failures == 1
-    # The sensors, deciding over the same record and budget, stop it too.
-    assert due_resume(instance, run, store) is None
-    tags = instance.get_run_by_id(out.run_id).tags
-    assert tags[TAG_DECISION] == "stop" and "over the budget of 1" in tags[TAG_DECISION_REASON]
-
-
-@pytest.mark.slow
 def test_a_bug_in_the_training_code_is_never_relaunched(instance, tmp_path, mlflow_uri,
                                                         monkeypatch):
     monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
