@@ -53,9 +53,9 @@ class KillAfterEachCommit(threading.Thread):
         last_pid, last_step = None, -1
         try:
             for _ in range(self.kills):
-                def new_progress() -> bool:
+                def new_progress(after: int = last_step, old: int | None = last_pid) -> bool:
                     step, pid = pointer_step(*self.where), read_heartbeat_pid(*self.where)
-                    return step is not None and step > last_step and pid not in (None, last_pid)
+                    return step is not None and step > after and pid not in (None, old)
                 wait_for(new_progress, 300, 0.01, "a new trainer's new checkpoint")
                 last_pid, last_step = read_heartbeat_pid(*self.where), pointer_step(*self.where)
                 os.kill(last_pid, signal.SIGKILL)
