@@ -25,12 +25,9 @@ from ckpt_assets.base.tags import (
     TAG_ATTEMPT,
     TAG_BUDGET,
     TAG_DECISION,
-    TAG_DECISION_REASON,
     TAG_PARENT_RUN_ID,
 )
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
 from ckpt_assets.lifecycle.state import State, run_state
