@@ -52,15 +52,17 @@ def canceled_run(instance: dg.DagsterInstance, partition: str,
     return instance.get_run_by_id(run.run_id)
 
 
-def store_with_a_checkpoint(root, partition: str, max_steps: int, meta: dict | None = None):
-    """A CheckpointStore under `root` with `partition` registered and step 20 committed by
-    attempt 1 (`meta`: the manifest's extra fields, such as the loss)."""
+def store_with_a_checkpoint(root, partition: str, max_steps: int, meta: dict | None = None,
+                            config: dict | None = None):
+    """A CheckpointStore under `root` with `partition` registered (`config`: more keys of
+    its config) and step 20 committed by attempt 1 (`meta`: the manifest's extra fields,
+    such as the loss)."""
     from ckpt_assets.base.registration import register_training_run
     from ckpt_assets.defs.resources import CheckpointStore
     from trainer.checkpoints.repo import CheckpointRepo
 
     cs = CheckpointStore(uri=str(root / "store"))
-    reg = register_training_run(cs.open(), partition, {"max_steps": max_steps})
+    reg = register_training_run(cs.open(), partition, {"max_steps": max_steps, **(config or {})})
     repo = CheckpointRepo(cs.open(), reg.experiment, partition)
     repo.claim(None, at_least=1)
     pending = repo.begin(20, 1)

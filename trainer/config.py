@@ -150,6 +150,9 @@ class DistributedConfig(Section):
         "it (FSDP2 `fully_shard` on each layer that holds parameters, then the model) and "
         "checkpoints model and optimizer through torch.distributed.checkpoint, so a resume "
         "reshards them at any world size")
+    heartbeat_timeout_seconds: float = Field(
+        30.0, gt=0, le=MAX_COLLECTIVE_S, description="several ranks: the ranks launcher "
+        "stops the attempt when a rank is silent this long (frozen, in a debugger)")
 
     @property
     def world_size(self) -> int:
@@ -161,6 +164,27 @@ class DistributedConfig(Section):
         if v is not None and (problem := rendezvous_problem(v)):
             raise ValueError(problem)
         return v
+
+
+class ResumeConfig(Section):
+    """This run's resume policy; null keys take the deployment's (its CKPT_* variables)."""
+
+    heartbeat_timeout_seconds: float | None = Field(
+        None, gt=0, le=MAX_COLLECTIVE_S, description="declared dead after this long without "
+        "a heartbeat (deployment default 120)")
+    stall_timeout_seconds: float | None = Field(
+        None, gt=0, description="declared stalled after this long heartbeating without a "
+        "step (deployment default 1800)")
+    max_preemptions: int | None = Field(None, ge=0, description="preemptions resumed since "
+                                        "the checkpoint last advanced (deployment default 50)")
+    max_transient_failures: int | None = Field(
+        None, ge=0, description="failures (killed, storage, stalled) resumed in a row without "
+        "the checkpoint advancing; one more stops the run as a crash loop (deployment default 3)")
+    backoff_base_seconds: float | None = Field(None, ge=0, description="back-off before the "
+                                               "first resume without progress, doubling after")
+    backoff_max_seconds: float | None = Field(None, ge=0, description="the longest back-off")
+    in_run_relaunch: bool | None = Field(None, description="relaunch a dead trainer in its "
+                                         "own run when its run worker lives (default on)")
 
 
 class DataConfig(Section):
@@ -197,6 +221,7 @@ class TrainConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    resume: ResumeConfig = Field(default_factory=ResumeConfig)
     command: list[str] | None = Field(None, description="command mode: the script to run "
                                       "instead of a task, e.g. [python, train.py]")
     cwd: str | None = Field(None, description="command mode: working directory")

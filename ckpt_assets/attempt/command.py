@@ -158,7 +158,8 @@ def under_ranks(reg: Registration, trainer: TrainerSettings, argv: list[str]) ->
     wrapper = [trainer.python, "-m", RANKS_LAUNCHER, "--nproc-per-node",
                str(d.nproc_per_node), "--nnodes", str(d.nnodes),
                # Every rank gets the grace to commit before torchrun kills it.
-               "--grace-seconds", str(math.ceil(trainer.grace_period_seconds))]
+               "--grace-seconds", str(math.ceil(trainer.grace_period_seconds)),
+               "--heartbeat-timeout-s", f"{d.heartbeat_timeout_seconds:g}"]
     if d.rdzv_endpoint:  # several nodes meet there; one node rendezvouses there alone
         wrapper += ["--rdzv-endpoint", d.rdzv_endpoint, "--rdzv-id", reg.run]
     elif d.nnodes > 1:  # nowhere else to meet: every node on this machine

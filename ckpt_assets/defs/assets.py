@@ -146,7 +146,8 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     context.log_event(state_observation(run_state(context.instance, reg.run)))
     # Before this attempt commits anything: what earlier attempts committed unseen.
     seen = record_unseen_checkpoints(context, repo, reg.run)
-    settings = ResumeSettings.from_env()  # the step's, for every attempt it runs
+    # The step's, for every attempt it runs: the deployment's, with the run's own keys.
+    settings = ResumeSettings.from_env().for_run(reg.config.resume)
     warm = _warm_up(context, reg, checkpoint_store, trainer)  # unless the first step did
     step = _Step(context, reg, repo, dataset, checkpoint_store, trainer, mlflow_tracking,
                  settings, warm, seen)

@@ -128,10 +128,11 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
             notes.append(f"{run.run_id[:8]}: not judged, its heartbeat could not be read from "
                          f"the store ({type(e).__name__}: {e})")
             continue
-        verdict = judge(beat, run.run_id, started, now, settings,
+        own = settings.of_run(store.open(), run.tags[PARTITION_TAG])  # its own timeouts
+        verdict = judge(beat, run.run_id, started, now, own,
                         view.attempt if view.attempt_tagged else None)
         if verdict is not None:
-            notes.append(f"{run.run_id[:8]}: {retire(instance, run, store, beat, verdict, settings)}")
+            notes.append(f"{run.run_id[:8]}: {retire(instance, run, store, beat, verdict, own)}")
     return notes
 
 

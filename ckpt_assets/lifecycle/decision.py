@@ -139,7 +139,8 @@ def _decide(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource
     if view.stop_requested:
         decision = Decision(False, Kind.STOPPED_BY_USER, stop_reason_text(view.stop_reason))
     else:
-        decision = decide(failure, Budget.from_tag(view.budget), settings.policy)
+        own = settings.of_run(store.open(), failure.training_run)
+        decision = decide(failure, Budget.from_tag(view.budget), own.policy)
     return record(instance, run, failure, decision, store)
 
 

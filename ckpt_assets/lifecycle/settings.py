@@ -1,5 +1,7 @@
 """The orchestrator's own settings: read from its environment each time they are needed, so
 a changed variable takes effect at the daemon's next tick or the next step, not at import.
+They are the deployment's defaults: a training run's registered config may set its own
+(`resume:` keys, `trainer.config.ResumeConfig`), which `for_run` lays over them.
 
 Apart from the decision that uses most of them (`ckpt_assets.lifecycle.decision`), so that the
 assets and the in-run relaunch read them without importing the job and the sensors.
@@ -8,10 +10,17 @@ assets and the in-run relaunch read them without importing the job and the senso
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from ckpt_assets.base.registration import read_registration
 from ckpt_assets.lifecycle.policy import PolicyConfig
+from trainer.config import ResumeConfig
+from trainer.storage import ObjectStore
+
+# Gone: one budget now counts failures without progress (CKPT_MAX_TRANSIENT_FAILURES).
+RETIRED = {"CKPT_CRASH_LOOP_BUDGET": "CKPT_MAX_TRANSIENT_FAILURES (failures in a row "
+                                     "without the checkpoint advancing; default 3)"}
 
 
 class Setting(StrEnum):
@@ -19,7 +28,6 @@ class Setting(StrEnum):
 
     MAX_PREEMPTIONS = "CKPT_MAX_PREEMPTIONS"
     MAX_TRANSIENT = "CKPT_MAX_TRANSIENT_FAILURES"
-    CRASH_LOOP_BUDGET = "CKPT_CRASH_LOOP_BUDGET"
     BACKOFF_BASE_S = "CKPT_BACKOFF_BASE_S"
     BACKOFF_MAX_S = "CKPT_BACKOFF_MAX_S"
     HEARTBEAT_TIMEOUT_S = "CKPT_HEARTBEAT_TIMEOUT_S"
@@ -70,14 +78,41 @@ class ResumeSettings:
     # about 2 s shorter. Off (`CKPT_WARM_TRAINER=0`), a relaunch starts cold.
     warm_trainer: bool = True
 
+    def for_run(self, own: ResumeConfig | None) -> ResumeSettings:
+        """These settings with a run's own `resume:` keys laid over them (None: none)."""
+        if own is None:
+            return self
+        mine = {k: v for k, v in {
+            "max_preemptions": own.max_preemptions,
+            "max_transient": own.max_transient_failures,
+            "backoff_base_s": own.backoff_base_seconds,
+            "backoff_max_s": own.backoff_max_seconds}.items() if v is not None}
+        settings = {k: v for k, v in {
+            "heartbeat_timeout_s": own.heartbeat_timeout_seconds,
+            "stall_timeout_s": own.stall_timeout_seconds,
+            "in_run_relaunch": own.in_run_relaunch}.items() if v is not None}
+        return replace(self, policy=replace(self.policy, **mine), **settings)
+
+    def of_run(self, store: ObjectStore, run: str) -> ResumeSettings:
+        """These settings as training run `run` registered them in `store`; the deployment's
+        where it cannot be read (a decision or a liveness check must not wait on it)."""
+        try:
+            reg = read_registration(store, run)
+        except Exception:  # unregistered, corrupt, the store down: its own error says so
+            return self
+        return self.for_run(reg.config.resume if reg is not None else None)
+
     @classmethod
     def from_env(cls) -> ResumeSettings:
+        for name, instead in RETIRED.items():
+            if os.environ.get(name, "").strip():
+                raise ValueError(f"{name} is no longer read: unset it and set {instead} "
+                                 "instead (or a run's own `resume:` keys)")
         env, p = os.environ.get, PolicyConfig()
         return cls(
             policy=PolicyConfig(
                 max_preemptions=int(env(Setting.MAX_PREEMPTIONS, p.max_preemptions)),
                 max_transient=int(env(Setting.MAX_TRANSIENT, p.max_transient)),
-                crash_loop_budget=int(env(Setting.CRASH_LOOP_BUDGET, p.crash_loop_budget)),
                 backoff_base_s=float(env(Setting.BACKOFF_BASE_S, p.backoff_base_s)),
                 backoff_max_s=float(env(Setting.BACKOFF_MAX_S, p.backoff_max_s))),
             heartbeat_timeout_s=float(env(Setting.HEARTBEAT_TIMEOUT_S, cls.heartbeat_timeout_s)),

@@ -169,3 +169,31 @@ def test_a_frozen_trainer_declared_dead_is_gone_before_its_resume_starts(
     assert {n for n in after if n.endswith("-a1")} <= before
     assert daemon.max_active[name] == 1
     assert_bitwise_equal(uninterrupted(baseline_config()), training_state(final_state(Path(daemon.store), run=name)))
+
+
+def test_a_run_with_a_longer_heartbeat_timeout_of_its_own_outlives_a_silence_that_ends_another(
+        daemon, tmp_path):
+    # One daemon, whose deployment timeout is TIMEOUT_S; "patient" registered its own.
+    own = {"heartbeat_timeout_seconds": 600.0}
+    runs = {"hasty": training_config("hasty", max_steps=120, checkpoint={"heartbeat_seconds": 1}),
+            "patient": training_config("patient", max_steps=120,
+                                       checkpoint={"heartbeat_seconds": 1}, resume=own)}
+    pids, silent_since = {}, {}
+    for name, cfg in runs.items():  # each frozen at step 15: alive, silent from then on
+        daemon.launch(name, cfg, tmp_path)
+        pids[name] = int(daemon.wait_for_step(name, 15, attempt=1)["pid"])
+        kill(pids[name], signal.SIGSTOP)
+        silent_since[name] = time.time()
+    daemon.wait_until(lambda: TAG_HEARTBEAT_LOST in daemon.runs("hasty")[0].tags,
+                      "the hasty run to be declared dead", timeout=300)
+    # Past three deployment timeouts of silence, and two more sweeps: the patient run is
+    # still its one STARTED run, never judged.
+    daemon.wait_until(lambda: time.time() - silent_since["patient"] > 3 * TIMEOUT_S,
+                      "3x the timeout")
+    daemon.wait_for_ticks({"reconcile_training_runs": 2}, timeout=300)
+    (patient,) = daemon.runs("patient")
+    assert patient.status.value == "STARTED" and TAG_HEARTBEAT_LOST not in patient.tags
+    kill(pids["patient"], signal.SIGCONT)
+    final = daemon.wait_done("patient")
+    assert final.run_id == patient.run_id and final.status.value == "SUCCESS"
+    assert daemon.wait_done("hasty").status.value == "SUCCESS"  # resumed, by the deployment's

@@ -34,8 +34,8 @@ def tick(instance, store, cursor: str | None) -> list[dg.RunRequest]:
 
 def _backed_off_run(instance, store, monkeypatch):
     monkeypatch.setenv("CKPT_BACKOFF_BASE_S", "30")
-    # The second failure in a row at step 20 (failed_run's): a back-off.
-    budget = {"transient": 1, "resumed_from_step": 20, "high_step": 20}
+    # Again at step 20 (failed_run's), the step the run had reached: no progress, a back-off.
+    budget = {"transient": 0, "resumed_from_step": 20, "high_step": 20, "failures": 1}
     run = failed_run(instance, exit_code=5, failure_class="storage_unavailable",
                      tags={TAG_BUDGET: json.dumps(budget)})
     assert isinstance(on_failure(instance, run, store), dg.SkipReason)  # a 30 s back-off

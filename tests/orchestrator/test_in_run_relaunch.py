@@ -25,12 +25,9 @@ from ckpt_assets.base.tags import (
     TAG_ATTEMPT,
     TAG_BUDGET,
     TAG_DECISION,
-    TAG_DECISION_REASON,
     TAG_PARENT_RUN_ID,
 )
 from ckpt_assets.definitions import make_resources
-from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
 from ckpt_assets.lifecycle.state import State, run_state
@@ -70,7 +67,8 @@ def test_a_killed_trainer_is_relaunched_by_the_policys_own_decision_and_budget(o
     ended = _ended(outcome)
     got = _relaunch(ended)
     assert got == decide(ended, Budget(), ON.policy)
-    assert got.resume and got.delay_s == 0 and got.budget.transient == 1
+    assert got.resume and got.delay_s == 0
+    assert got.budget.transient == 0 and got.budget.failures == 1  # after progress: free
 
 
 @pytest.mark.parametrize("outcome", [Outcome.USER_CODE_ERROR, Outcome.BAD_INPUT,
@@ -86,7 +84,8 @@ def test_a_trainer_sigtermed_alone_is_relaunched_within_the_preemption_budget():
     assert got == decide(ended, Budget(), ON.policy)
     assert got.budget.preemptions == 1 and got.budget.transient == 0
     cfg = ResumeSettings(policy=PolicyConfig(max_preemptions=1))
-    assert _relaunch(_ended(Outcome.PREEMPTED, 20, 2), got.budget, cfg) is None
+    # Preempted again before it committed anything new: over that budget of 1.
+    assert _relaunch(_ended(Outcome.PREEMPTED, 10, 2), got.budget, cfg) is None
     # A preempted trainer whose run worker is stopping too: the sensors' (below, end to end).
     assert _relaunch(ended, interrupted=True) is None
 
@@ -104,14 +103,14 @@ def test_the_settle_after_a_preemption_ends_at_the_run_workers_own_interrupt_or_
 
 
 def test_a_used_up_budget_is_not_relaunched_in_run_either():
-    cfg = ResumeSettings(policy=PolicyConfig(max_transient=1))
-    first = _relaunch(_ended(Outcome.KILLED_BY_SIGNAL), settings=cfg)
+    cfg = ResumeSettings(policy=PolicyConfig(max_transient=0))
+    first = _relaunch(_ended(Outcome.KILLED_BY_SIGNAL), settings=cfg)  # after progress
     assert first is not None
-    assert _relaunch(_ended(Outcome.KILLED_BY_SIGNAL, 20, 2), first.budget, cfg) is None
+    assert _relaunch(_ended(Outcome.KILLED_BY_SIGNAL, 10, 2), first.budget, cfg) is None
 
 
 def test_a_back_off_longer_than_the_in_run_bound_is_left_to_the_reconciler():
-    used = Budget(transient=1, resumed_from_step=10, high_step=10)
+    used = Budget(resumed_from_step=10, high_step=10, failures=1)
     ended = _ended(Outcome.STORAGE_UNAVAILABLE, 10, 2)  # again at step 10: a back-off
     assert decide(ended, used).delay_s == 10.0
     short = ResumeSettings(in_run_max_delay_s=5.0)
@@ -153,7 +152,7 @@ def test_a_setting_that_is_neither_on_nor_off_is_refused_with_the_words_that_wor
 def test_a_back_off_is_slept_out_and_an_immediate_relaunch_does_not_sleep():
     slept = []
     serve_backoff(_relaunch(_ended(Outcome.KILLED_BY_SIGNAL)), slept.append)
-    used = Budget(transient=1, resumed_from_step=10, high_step=10)
+    used = Budget(resumed_from_step=10, high_step=10, failures=1)
     serve_backoff(_relaunch(_ended(Outcome.KILLED_BY_SIGNAL, 10, 2), used), slept.append)
     assert slept == [10.0]
 
@@ -205,7 +204,7 @@ def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_ident
     # imported torch while attempt 1 trained.
     assert [WARM_STARTED in line for line in _started(instance, killed.run_id)] == [True, True]
     run = instance.get_run_by_id(killed.run_id)
-    assert Budget.from_tag(run.tags[TAG_BUDGET]).transient == 1
+    assert Budget.from_tag(run.tags[TAG_BUDGET]).failures == 1
     # MLflow: the training run's one MLflow run carries each attempt's tags.
     tags = MlflowClient(tracking_uri=mlflow_uri).get_run(second["mlflow_run_id"]).data.tags
     assert tags["attempt_1.failure_class"] == "killed_by_signal"
@@ -223,28 +222,6 @@ def test_a_trainer_killed_once_is_relaunched_as_attempt_2_and_ends_bitwise_ident
     plain = materialize_run(instance, "plain", res, training=training_config())
     assert plain.success
     assert_bitwise_equal(final_state(store, run="plain"), final_state(store, run="killed"))
-
-
-@pytest.mark.slow
-def test_after_the_budget_is_used_up_in_run_the_next_failure_is_not_relaunched(
-        instance, tmp_path, mlflow_uri, monkeypatch):
-    monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
-    monkeypatch.setenv(Setting.MAX_TRANSIENT, "1")
-    store = CheckpointStore(uri=str(tmp_path / "store"))
-    res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
-    # Killed before step 15 in every attempt: attempt 1 is relaunched, attempt 2 is not.
-    out = materialize_run(instance, "loop", res,
-                          training=training_config(task_args={"crash_at_step": 15}))
-    assert not out.success
-    _, md = step_failure_metadata(out)
-    assert md["attempt"] == 2 and md["failure_class"] == "killed_by_signal"
-    assert [e["attempt"] for e in _ends(instance, "loop")] == [1, 2]
-    run = instance.get_run_by_id(out.run_id)
-    assert Budget.from_tag(run.tags[TAG_BUDGET]).transient == 1
-    # The sensors, deciding over the same record and budget, stop it too.
-    assert due_resume(instance, run, store) is None
-    tags = instance.get_run_by_id(out.run_id).tags
-    assert tags[TAG_DECISION] == "stop" and "over the budget of 1" in tags[TAG_DECISION_REASON]
 
 
 @pytest.mark.slow
@@ -363,7 +340,7 @@ def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
     # imported torch meanwhile (its end-of-run imports).
     started = _started(daemon.instance, final.run_id)
     assert len(started) == 2 and all(WARM_STARTED in line for line in started), started
-    assert Budget.from_tag(final.tags[TAG_BUDGET]).transient == 1
+    assert Budget.from_tag(final.tags[TAG_BUDGET]).failures == 1
     rep = lineage_report(daemon.instance, open_store(daemon.store), "in-run")
     assert [(a["attempt"], a["failure_class"]) for a in rep["attempts"]] == [
         (1, "killed_by_signal"), (2, "success")]

@@ -124,7 +124,7 @@ def test_a_two_node_run_is_an_indexed_job_of_a_pod_per_node_each_running_the_ran
     # One command for every node: the node rank is the rendezvous's, node 0's pod hosts it.
     assert container["command"] == [
         "python", "-m", RANKS_LAUNCHER, "--nproc-per-node", "2", "--nnodes", "2",
-        "--grace-seconds", "81", "--rdzv-id", "two-nodes",
+        "--grace-seconds", "81", "--heartbeat-timeout-s", "30", "--rdzv-id", "two-nodes",
         "--rdzv-endpoint", f"{name}-0.{name}:29400",
         "--", "python", "-m", "trainer", "--config", reg.config_uri, "--store", STORE,
         "--resume", "auto", "--log-level", "INFO"]

@@ -146,7 +146,8 @@ def test_a_two_rank_command_attempt_is_one_pod_under_trainer_ranks_sized_for_bot
     # torchrun's grace is the measured one too: twice the 40.2 s save.
     assert container["command"] == [
         "python", "-m", "ckpt_trainer.ranks", "--nproc-per-node", "2", "--nnodes", "1",
-        "--grace-seconds", "81", "--", "python", "train.py", "--epochs", "3"]
+        "--grace-seconds", "81", "--heartbeat-timeout-s", "30", "--", "python", "train.py",
+        "--epochs", "3"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == math.ceil(80.4 + 15.0)
     amounts = {"cpu": "4000m", "memory": "3072Mi", "nvidia.com/gpu": "2"}
     assert container["resources"] == {"requests": amounts, "limits": amounts}
