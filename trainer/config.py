@@ -90,8 +90,9 @@ class CheckpointConfig(Section):
         None, description="commit every T seconds (> 0); auto: T = sqrt(2 * stall * MTBF), "
         "from the measured stall of a save and the experiment's failure history (null: off)")
     mtbf_seconds: float = Field(
-        6 * 3600.0, gt=0, description="every_seconds auto: the mean time between failures "
-        "assumed until the experiment has a failure history (and when run standalone)")
+        6 * 3600.0, gt=0, description="the mean time between failures of your machines, "
+        "assumed until the experiment has a failure history (and when run standalone); "
+        "given, it turns every_seconds to auto unless every_seconds is given too")
     on_epoch_end: bool = Field(True, description="commit at the end of each epoch")
     on_best: bool = Field(True, description="commit when evaluation gives a new best loss")
     keep_last: int = Field(3, ge=1, description="retention: the last K checkpoints")
@@ -121,6 +122,14 @@ class CheckpointConfig(Section):
             return v
         raise ValueError(f"config key 'checkpoint.every_seconds' must be a number of seconds "
                          f"above 0, {AUTO!r} (the interval sets itself) or null (off); got {v!r}")
+
+    @model_validator(mode="after")
+    def _mtbf_sets_the_interval(self) -> CheckpointConfig:
+        # Whoever knows how often their machines fail has said all the interval needs: one
+        # key, not two (T = sqrt(2 * stall * MTBF), the stall measured).
+        if "mtbf_seconds" in self.model_fields_set and "every_seconds" not in self.model_fields_set:
+            self.every_seconds = AUTO
+        return self
 
     @field_validator("heartbeat_seconds")
     @classmethod

@@ -61,6 +61,17 @@ def test_every_seconds_takes_a_positive_number_auto_or_null_and_refuses_the_rest
         config_from_dict({"checkpoint": {"mtbf_seconds": 0}})
 
 
+def test_a_config_that_gives_only_the_mtbf_gets_the_interval_that_sets_itself():
+    assert parse(CheckpointConfig, {"mtbf_seconds": 120}).every_seconds == "auto"
+    assert parse(CheckpointConfig, {"mtbf_seconds": 120, "every_seconds": 30}).every_seconds == 30
+    assert parse(CheckpointConfig, {"mtbf_seconds": 120, "every_seconds": None}).every_seconds \
+        is None  # said explicitly: off
+    assert parse(CheckpointConfig, {}).every_seconds is None  # the default: steps only
+    # The registered config (every key written out) reads back the same.
+    once = config_from_dict({"checkpoint": {"mtbf_seconds": 120}})
+    assert config_from_dict(once.model_dump()).checkpoint == once.checkpoint
+
+
 def _train(ckpt: CheckpointSession, steps: int) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
