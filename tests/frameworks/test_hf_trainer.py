@@ -42,10 +42,10 @@ def run_in(folder, **kw):
     return run_example(ex, folder.parent / "store", **kw)
 
 
-def trainer_files(store) -> dict:
+def trainer_files(store, experiment: str = EXAMPLE.experiment, run: str = EXAMPLE.run) -> dict:
     """The Trainer's files in the run's last checkpoint: the training state's bytes, and the
     log history (less the run's summary line of wall-clock figures)."""
-    part = final_state(store, EXAMPLE.experiment, EXAMPLE.run)["hf_trainer"]
+    part = final_state(store, experiment, run)["hf_trainer"]
     files = {rel.split("/", 1)[1]: t.numpy().tobytes() for rel, t in part["files"].items()}
     state = json.loads(files["trainer_state.json"])
     history = [e for e in state["log_history"] if "train_runtime" not in e]

@@ -54,14 +54,17 @@ class CheckpointCallback(TrainerCallback):
         self.files = FrameworkFiles("the Hugging Face Trainer")
         self.restored = False
 
-    def restore(self, output_dir: str) -> str | None:
+    def restore(self, output_dir: str, model: Any = None) -> str | None:
         """Restore the session; the `checkpoint-N` folder to pass as
-        `Trainer.train(resume_from_checkpoint=...)`, None to start fresh."""
+        `Trainer.train(resume_from_checkpoint=...)`, None to start fresh. `model` (the
+        Trainer's) is committed as the part `model` too: what the orchestrator's
+        `final_model` exports, and what a reader of the store finds without the Trainer."""
         if self.restored:
             raise ConfigError("the callback restored its checkpoint already; one restore "
                               "per process, before trainer.train()")
         self.files.home = Path(output_dir)
-        step = self.session.restore({PART: self.files})
+        parts = {PART: self.files, **({"model": model} if model is not None else {})}
+        step = self.session.restore(parts)
         self.restored = True
         return str(self.files.source) if step else None
 
@@ -70,7 +73,7 @@ class CheckpointCallback(TrainerCallback):
             raise ConfigError(
                 "CheckpointCallback: trainer.train() began before the callback restored the "
                 "run; call ckpt_trainer.integrations.hf.train(trainer), or pass "
-                "resume_from_checkpoint=callback.restore(args.output_dir) to trainer.train()")
+                "resume_from_checkpoint=callback.restore(args.output_dir, model) to trainer.train()")
         if state.max_steps and state.max_steps > 0:
             self.session.max_steps = state.max_steps
 
@@ -124,5 +127,5 @@ def train(trainer: Trainer, **session_args: Any):
     if callback.session.max_steps is None and trainer.args.max_steps > 0:
         callback.session.max_steps = trainer.args.max_steps  # a raised target trains on
     with callback.session:
-        resume = callback.restore(trainer.args.output_dir)
+        resume = callback.restore(trainer.args.output_dir, trainer.model)
         return trainer.train(resume_from_checkpoint=resume)

@@ -9,7 +9,8 @@ checkpoint of the run and passes it as Lightning's own `fit(ckpt_path=...)`, and
 process as a session does: 0 at the end, 143 after SIGTERM/SIGINT once the step it stopped
 at is committed. The session's arguments (`run`, `store`, `keep_last`, ...) pass through.
 To build the trainer with them yourself: `Trainer(plugins=[SessionCheckpointIO(cb)],
-callbacks=[cb])` with `cb = CheckpointCallback(...)`, and `cb.restore(...)` as `ckpt_path`.
+callbacks=[cb])` with `cb = CheckpointCallback(...)`, and `cb.restore(trainer, model)` as
+`ckpt_path`.
 
 Saves stay Lightning's (`ModelCheckpoint`, `Trainer.save_checkpoint`); a stop request and
 the last step add one, written to `<default_root_dir>/checkpoints/`, where restored
@@ -54,8 +55,10 @@ class CheckpointCallback(Callback):
         self.losses: list[float] = []  # each training step's, across attempts
         self._generators: dict[str, Any] | None = None  # to set at the first resumed batch
 
-    def restore(self, trainer: Trainer) -> str | None:
-        """Restore the session; the `.ckpt` to pass as `ckpt_path`, None to start fresh."""
+    def restore(self, trainer: Trainer, model: Any = None) -> str | None:
+        """Restore the session; the `.ckpt` to pass as `ckpt_path`, None to start fresh.
+        `model` (the LightningModule) is committed as the part `model` too: what the
+        orchestrator's `final_model` exports, and what a reader of the store finds."""
         if self.restored:
             raise ConfigError("the callback restored its checkpoint already; one restore "
                               "per process, before trainer.fit()")
@@ -63,7 +66,8 @@ class CheckpointCallback(Callback):
         self.files.home = Path(trainer.default_root_dir) / "checkpoints"
         if self.session.max_steps is None and trainer.max_steps > 0:
             self.session.max_steps = trainer.max_steps
-        step = self.session.restore({PART: self.files})
+        step = self.session.restore({PART: self.files,
+                                     **({"model": model} if model is not None else {})})
         self.restored = True
         if not step:
             return None
@@ -144,7 +148,8 @@ def fit(trainer: Trainer, model, *args: Any, **kwargs: Any) -> None:
                           "verified one); drop ckpt_path")
     with callback.session:
         try:
-            trainer.fit(model, *args, ckpt_path=callback.restore(trainer), **kwargs)
+            trainer.fit(model, *args, ckpt_path=callback.restore(trainer, model),
+                        **kwargs)
         except SIGTERMException:
             if not callback.session.stopped:
                 raise  # a stop this session did not commit: Lightning's own exit
