@@ -93,6 +93,8 @@ class CheckpointCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         step, session = state.global_step, self.session
         self.files.wrote(Path(args.output_dir) / f"checkpoint-{step}", step)
+        if step < 1:
+            return control  # before the first step: nothing trained, nothing to commit
         if step > session.loop.step:
             if session.step(step, loss=_last_loss(state, step)):
                 control.should_training_stop = True

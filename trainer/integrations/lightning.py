@@ -78,6 +78,8 @@ class CheckpointCallback(Callback):
         """Lightning wrote `path` at `step`: commit it (once per step); True: stop."""
         session = self.session
         self.files.wrote(path, step)
+        if step < 1:
+            return False  # before the first step (a save at the start): nothing trained
         loss = self.losses[-1] if self.losses else None
         if step > session.loop.step and session.step(step, loss=loss):
             self.trainer.should_stop = True  # SIGINT too, which Lightning leaves to us
