@@ -16,7 +16,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # shown when the install fails.
   log=.venv/pip-install.log
   echo "setup: installing the pinned stack into .venv (pip's log: $log)"
-  # constraints.txt pins the whole tree (the Dagster family in lockstep, torch 2.13.0 CPU).
+  # constraints.txt pins the whole tree (the Dagster family in lockstep, torch 2.13.0 CPU;
+  # the training frameworks of tests/frameworks/ come with the test extra).
   # The tree is byte-compiled after the install, on every core: where PYTHONDONTWRITEBYTECODE
   # is set no import writes a .pyc, so without them every process would compile every module
   # it imports; pip's own compiling is one file at a time on one core.

@@ -13,7 +13,8 @@ Each is imported on first use, so `import trainer` (and `python -m trainer --hel
 fast. The packages are layers, each looking only down: `base` (the vocabulary), `storage`
 (object stores), `checkpoints` (the commit protocol), `process` (signals, liveness, the
 orchestrator's contract), `ranks` (several ranks, sharding), `api` (the user API); above
-them the trainer's own loop (`loop`, `config`, `cli`).
+them the trainer's own loop (`loop`, `config`, `cli`) and `integrations` (the Hugging Face
+and Lightning Trainers on the user API, each imported only by its user).
 """
 
 import importlib

@@ -2,7 +2,8 @@
 as a part, and what a part's state weighs.
 
 A part is anything with `state_dict()`/`load_state_dict()`, or a dict of plain values
-(restored in place); `loop` and `rng` are the session's own.
+(restored in place); `loop` and `rng` are the session's own. torchdata's StatefulDataLoader
+is restored through `trainer.api.stateful_loader`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from ..base.errors import ConfigError
+from .stateful_loader import StatefulLoaderPart, is_stateful_loader
 
 OPTIMIZER_SIZE_WARNING = 10  # an optimizer state this many times the model's is worth a warning
 
@@ -82,6 +84,8 @@ def as_part(name: str, obj: Any) -> Any:
                           f"state ({', '.join(RESERVED_PARTS)}); rename your part")
     if isinstance(obj, dict):
         return DictPart(obj)
+    if is_stateful_loader(obj):
+        return StatefulLoaderPart(obj)
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return obj
     raise ConfigError(f"checkpoint part {name!r} is a {type(obj).__name__} without "

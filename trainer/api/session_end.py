@@ -110,6 +110,7 @@ class Ending:
         if self._exit_hooks:
             return
         self._exit_hooks = True
+        self._hooks_pid = os.getpid()
         at_interpreter_exit(self._at_exit)
         self._prev_excepthook, sys.excepthook = sys.excepthook, self._excepthook
 
@@ -123,8 +124,11 @@ class Ending:
             sys.excepthook = self._prev_excepthook
 
     def _at_exit(self) -> None:
-        """The script ended normally: close the session as the end of the block would."""
-        if self._finishing:
+        """The script ended normally: close the session as the end of the block would.
+        Not in a forked child (a DataLoader worker): it inherits the callback, and
+        multiprocessing runs threading's exit callbacks when the child ends, where closing
+        would commit, or fail for want of a step, from a copy of the script."""
+        if self._finishing or os.getpid() != self._hooks_pid:
             return
         code = self._finish(None)
         if code:  # the final commit failed; an atexit callback cannot set the status otherwise
