@@ -119,8 +119,8 @@ def test_a_background_save_that_failed_fails_the_next_step_even_when_it_ended_be
 
     def save_that_ends_at_once(self, step, meta):
         real_save(self, step, meta)
-        if self._thread is not None:
-            self._thread.join()  # the write failed before the step that started it returned
+        if self._job is not None:
+            self._job.result()  # the write failed before the step that started it returned
 
     monkeypatch.setattr(checkpointer_mod, "_save", failing)
     monkeypatch.setattr(checkpointer_mod.Checkpointer, "save", save_that_ends_at_once)
