@@ -186,6 +186,7 @@ def restart_torchrun(cfg: dict, kills: int, after_steps: int, timeout: float) ->
 
 
 def restart_ours(cfg: dict, kills: int, after_steps: int, timeout: float) -> list[float]:
+    from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
     from ckpt_assets.lifecycle.policy import PolicyConfig
     from ckpt_assets.lifecycle.settings import Setting
     from tests.daemon_harness import PROJECT_WORKSPACE, Daemon
@@ -199,7 +200,12 @@ def restart_ours(cfg: dict, kills: int, after_steps: int, timeout: float) -> lis
           "run.json; every other setting at its default")
     try:
         daemon.launch(cfg["run"], cfg, work)
-        return kill_each(store, cfg["run"], kills, after_steps, timeout)
+        out = kill_each(store, cfg["run"], kills, after_steps, timeout)
+        started = [m for r in daemon.runs(cfg["run"]) for e in daemon.instance.all_logs(r.run_id)
+                   if (m := e.user_message or "").startswith(PROCESS_STARTED)][1:]
+        print(f"      relaunches started by the warm standby: "
+              f"{sum(WARM_STARTED in m for m in started)} of {len(started)}")
+        return out
     finally:
         daemon.cli("stop", cfg["run"])
         daemon.stop()
