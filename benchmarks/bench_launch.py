@@ -1,136 +1,134 @@
-"""Fixed cost of `ckpt-assets launch`: from starting the command to its Dagster run existing.
+"""Launch to first step the README's way, beside the plain script's start.
 
-Before: the launch that spawned `dagster job launch -w workspace.yaml` (a second process that
-loads the workspace and starts a code server), run from that revision's own tree (`git
-archive`, default: the last revision whose cli.py did so). After: this tree's launch, which
-submits through the instance in-process (ckpt_assets.runs.submit). Both run as real processes
-against one temporary DAGSTER_HOME (the project's dagster.yaml: the run queue) and store,
-interleaved, each launch a new training run name, in two cases: the first launch (with
---config: it registers the run, and validating the config imports torch) and the launch of
-a registered run (registered by that tree's `register` beforehand, not timed). The run's
-existence is polled from here every 20 ms; "returned" is when the command exited.
+`dagster dev` (webserver + daemon, as the README starts it) runs from the repository root
+on a fresh DAGSTER_HOME made from the shipped `dagster_home/dagster.yaml` (the embedded
+default: SQLite, the run queue). As soon as it answers, the benchmark launches `--runs`
+training runs one after the other with `python -m ckpt_assets launch NAME --config FILE`
+(each a new training run: the command registers it, as a user's first launch of a run
+does), the first of them included: it meets a daemon and code server that have served
+nothing yet. Each is timed from starting the command to the trainer's first completed step
+(the trainer's own heartbeat time). Between launches, the same config runs as a plain
+script, `python -m trainer --config FILE` (no Dagster), timed the same way: process start
+-> first completed step. Each run finishes before the next one starts.
 
-    python benchmarks/bench_launch.py [--repeats 3] [--before REV]
+A figure, not a target. What it sets that a user would not: `heartbeat_seconds: 0` (a
+heartbeat every step, so the first step is seen when it happens), a short run (20 steps).
+
+    python benchmarks/bench_launch.py [--runs 4] [--step-s 0.05]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from io import BytesIO
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import dagster as dg  # noqa: E402
+from tests.browser_harness import start_dagster_dev  # noqa: E402
+from tests.daemon_harness import training_config  # noqa: E402
+from tests.polling import wait_for  # noqa: E402
+from trainer.checkpoints.repo import CheckpointRepo  # noqa: E402
+from trainer.storage import open_store  # noqa: E402
 
-from ckpt_assets.base.tags import PARTITION_TAG  # noqa: E402
-from tests.daemon_harness import fresh_instance, training_config  # noqa: E402
-
-POLL_S = 0.02
-# The subprocess submission, as cli.py spelled it: the newest commit that changed how often
-# it occurs removed it, and that commit's parent is the launch measured as "before".
-OLD_SUBMISSION = '"job", "launch"'
+TIMEOUT_S = 420
 
 
-def _git(*args: str) -> bytes:
-    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True).stdout
+def config(name: str, step_s: float) -> dict:
+    return training_config(name, max_steps=20, eval_every=0, task_args={"step_delay": step_s},
+                           checkpoint={"every_steps": 10, "heartbeat_seconds": 0})
 
 
-def before_revision() -> str:
-    removed = _git("log", "-1", "--format=%H", f"-S{OLD_SUBMISSION}", "--",
-                   "ckpt_assets/cli/main.py").decode().strip()
-    if not removed:
-        raise SystemExit("no revision of ckpt_assets/cli/main.py launches through `dagster job "
-                         "launch`; pass --before REV")
-    return f"{removed}^"
+def first_step(store: str, run: str) -> dict:
+    def stepped():
+        try:
+            hb = CheckpointRepo(open_store(store), "default", run).read_heartbeat()
+        except Exception:
+            return None
+        return hb if hb and int(hb.get("step", 0)) >= 1 else None
+    return wait_for(stepped, TIMEOUT_S, 0.02, f"{run}'s first step")
 
 
-def export_tree(rev: str, dest: Path) -> Path:
-    with tarfile.open(fileobj=BytesIO(_git("archive", "--format=tar", rev))) as tar:
-        tar.extractall(dest, filter="data")
-    if OLD_SUBMISSION not in (dest / "ckpt_assets" / "cli.py").read_text():
-        raise SystemExit(f"revision {rev}'s launch does not spawn `dagster job launch`")
-    return dest
-
-
-def _ckpt(root: Path, env: dict, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ckpt_assets", *args], cwd=root,
-                            env={**env, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+def launch(dev, name: str, work: Path, step_s: float) -> tuple[float, float, float]:
+    """(command start -> run exists, -> command returned, -> first step), seconds."""
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(config(name, step_s)))
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_assets", "launch", name, "--config",
+                             str(path)], cwd=ROOT, env=dev.env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-
-
-def time_launch(root: Path, name: str, config: Path, env: dict, instance: dg.DagsterInstance,
-                registered: bool) -> tuple[float, float]:
-    """(seconds until the run exists, seconds until the command returned)."""
-    if registered:
-        reg = _ckpt(root, env, "register", name, "--config", str(config))
-        if reg.wait() != 0:
-            raise SystemExit(f"register {name} from {root} failed:\n"
-                             f"{reg.stdout.read().decode()[-3000:]}")
-    start = time.perf_counter()
-    proc = _ckpt(root, env, "launch", name, *(() if registered else ("--config", str(config))))
-    exists = None
-    while exists is None:
-        if instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: name}), limit=1):
-            exists = time.perf_counter() - start
-        elif proc.poll() is not None:
-            raise SystemExit(f"launch of {name} from {root} exited {proc.returncode} without "
-                             f"a run:\n{proc.stdout.read().decode()[-3000:]}")
-        else:
-            time.sleep(POLL_S)
-    out = proc.communicate()[0]
+    exists = wait_for(lambda: dev.runs(name) and time.time(), TIMEOUT_S, 0.02,
+                      f"{name}'s Dagster run")
+    out = proc.communicate(timeout=TIMEOUT_S)[0]
+    returned = time.time()
     if proc.returncode != 0:
-        raise SystemExit(f"launch of {name} from {root} failed:\n{out.decode()[-3000:]}")
-    return exists, time.perf_counter() - start
+        raise SystemExit(f"ckpt-assets launch {name} exited {proc.returncode}:\n"
+                         f"{out.decode()[-3000:]}")
+    hb = first_step(dev.store, name)
+    wait_for(lambda: (rs := dev.runs(name)) and rs[-1].status.value == "SUCCESS", TIMEOUT_S,
+             0.2, f"{name}'s run to succeed", lambda: dev.log_tail(40))
+    return exists - t0, returned - t0, float(hb["time"]) - t0
 
 
-CASES = {"first launch (--config)": False, "launch of a registered run": True}
+def plain(name: str, work: Path, step_s: float) -> float:
+    """`python -m trainer --config FILE` on its own: process start -> first step."""
+    path, store = work / f"{name}.json", str(work / "plain-store")
+    path.write_text(json.dumps(config(name, step_s)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_", "DAGSTER_"))}
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(path), "--store",
+                             store], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    hb = first_step(store, name)
+    err = proc.communicate(timeout=TIMEOUT_S)[1]
+    if proc.returncode != 0:
+        raise SystemExit(f"the plain trainer exited {proc.returncode}:\n{err.decode()[-3000:]}")
+    return float(hb["time"]) - t0
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--before", default=None, help="revision of the subprocess launch")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=4, help="launches (the first included)")
+    ap.add_argument("--step-s", type=float, default=0.05, help="seconds per training step")
     args = ap.parse_args()
-    rev = args.before or before_revision()
-    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
-        work = Path(tmp)
-        roots = {"before": export_tree(rev, work / "before"), "after": ROOT}
-        _, env, instance = fresh_instance(work, str(work / "store"))
-        config = work / "train.json"
-        cfg = training_config("unused")
-        del cfg["run"]  # each launch names its own training run
-        config.write_text(json.dumps(cfg))
-        times = {(case, v): [] for case in CASES for v in roots}
-        for i in range(args.repeats):
-            for c, (case, registered) in enumerate(CASES.items()):
-                order = list(roots) if i % 2 == 0 else list(reversed(roots))
-                for variant in order:
-                    times[case, variant].append(time_launch(
-                        roots[variant], f"{variant}-{c}-{i}", config, env, instance, registered))
-        instance.dispose()
-    label = {"before": f"before ({_git('rev-parse', '--short', rev).decode().strip()}, "
-                       "dagster job launch)", "after": "after (in-process submit)"}
-    print(f"ckpt-assets launch -> its Dagster run exists: median of {args.repeats} "
-          "(min..max), seconds")
-    for case in CASES:
-        print(f"{case}:")
-        for variant in roots:
-            exists, done = zip(*times[case, variant], strict=True)
-            print(f"  {label[variant]:<40} run exists {statistics.median(exists):6.2f} "
-                  f"({min(exists):.2f}..{max(exists):.2f})   returned "
-                  f"{statistics.median(done):6.2f}")
-        before, after = (statistics.median(r[0] for r in times[case, v]) for v in roots)
-        print(f"  {'after / before':<40} {after / before:.2f} "
-              f"({before - after:.2f} s less)")
+    work = Path(tempfile.mkdtemp(prefix="bench_launch_"))
+    print(f"bench_launch: {os.cpu_count()} CPUs, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; `dagster dev` on the shipped "
+          "dagster.yaml; each run 20 steps of "
+          f"{args.step_s * 1000:.0f} ms, heartbeat_seconds 0 (set: to see the first step)")
+    t_dev = time.time()
+    dev, url = start_dagster_dev(work, str(work / "store"))
+    rows = []
+    try:
+        print(f"  dagster dev answered after {time.time() - t_dev:.1f} s; launching at once")
+        print(f"  {'launch':>6} {'run exists':>11} {'returned':>9} {'first step':>11}   "
+              f"{'plain script first step':>24}   ratio")
+        for i in range(args.runs):
+            exists, returned, first = launch(dev, f"launch-{i}", work, args.step_s)
+            alone = plain(f"plain-{i}", work, args.step_s)
+            rows.append((first, alone))
+            print(f"  {i + 1:>6} {exists:10.2f}s {returned:8.2f}s {first:10.2f}s   "
+                  f"{alone:23.2f}s   {first / alone:5.2f}", flush=True)
+    finally:
+        dev.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    first, alone = rows[0]
+    later = [f for f, _ in rows[1:]]
+    med_plain = statistics.median(a for _, a in rows)
+    print(f"ckpt-assets launch -> first step: first launch {first:.2f} s "
+          f"({first / med_plain:.2f} x the plain script's start)", end="")
+    if later:
+        print(f"; later launches median {statistics.median(later):.2f} s "
+              f"({statistics.median(later) / med_plain:.2f} x)", end="")
+    print(f"; plain `python -m trainer --config` -> first step median {med_plain:.2f} s")
     return 0
 
 

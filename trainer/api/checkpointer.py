@@ -26,6 +26,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -103,7 +104,10 @@ class Checkpointer:
             if async_save else []
         self._prepared = False
         self._snapshot: Snapshot | None = None
-        self._thread: threading.Thread | None = None
+        # One worker, kept: a save hands it its copy without starting a thread, which
+        # would wait on the training thread for the new thread's first run.
+        self._worker = ThreadPoolExecutor(1, "checkpoint") if async_save else None
+        self._job: Future | None = None  # the background save in flight, or not taken up
         self._error: BaseException | None = None
         self.last_saved_step: int | None = None
         self.on_commit = None  # callable(Manifest, stats dict), set by the loop
@@ -125,10 +129,8 @@ class Checkpointer:
         if self.async_save:
             snap = self._snapshot = take(state, owned_storages(self._optimizers))
             del state  # the snapshot holds copies or the fenced originals, nothing else
-            self._thread = threading.Thread(
-                target=self._persist_bg, name=f"checkpoint-step-{step}", daemon=False,
-                args=(step, snap, shards, meta, t0, time.perf_counter() - t0))
-            self._thread.start()
+            self._job = self._worker.submit(self._persist_bg, step, snap, shards, meta, t0,
+                                            time.perf_counter() - t0)
         else:
             self._persist(step, state, shards, meta, t0, None)
         self.last_saved_step = step
@@ -162,8 +164,7 @@ class Checkpointer:
         if self._prepared:
             return
         self._prepared = True
-        threading.Thread(target=self._prepare_buffers, name="checkpoint-buffers",
-                         daemon=True).start()
+        self._worker.submit(self._prepare_buffers)  # starts the worker, off any save
 
     def _prepare_buffers(self) -> None:
         on_a_helper_thread()
@@ -171,13 +172,27 @@ class Checkpointer:
 
     def _persist_bg(self, step: int, snap: Snapshot, shards: Shards | None, meta: dict,
                     t0: float, call_s: float) -> None:
+        """On the worker: the copy at the training thread's priority (a step may wait for
+        it at the fence), then the write on a thread of its own that steps back from
+        training (a thread's niceness cannot be lowered again, and the worker is kept)."""
         on_a_helper_thread()
         try:
             state = snap.copy(self._buffers)
             stall = call_s + snap.settled_fence_wait()
+            writer = threading.Thread(target=self._write_bg, name=f"checkpoint-step-{step}",
+                                      args=(step, state, shards, meta, t0, stall))
+            writer.start()
+            writer.join()
+        except BaseException as e:  # surfaced by the next step(), save() or wait()
+            self._error = e
+
+    def _write_bg(self, step: int, state: dict, shards: Shards | None, meta: dict, t0: float,
+                  stall: float) -> None:
+        on_a_helper_thread()
+        try:
             _yield_to_training()
             self._persist(step, state, shards, meta, t0, stall)
-        except BaseException as e:  # surfaced by the next step(), save() or wait()
+        except BaseException as e:
             self._error = e
 
     def _persist(self, step: int, state: dict, shards: Shards | None, meta: dict, t0: float,
@@ -230,25 +245,25 @@ class Checkpointer:
     @property
     def in_flight(self) -> bool:
         """A background save is still being copied or written."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._job is not None and not self._job.done()
 
     @property
     def unsettled(self) -> bool:
         """A background save was started and its end not yet taken up by `wait` (an error
         of it may still be to raise), however far it got."""
-        return self._thread is not None
+        return self._job is not None
 
     def raise_if_failed(self) -> None:
         """Raise the error of a background save that has ended (it fails the attempt with
         the error's own class: a store error is a storage failure). Never waits."""
-        if self._thread is not None and not self._thread.is_alive():
+        if self._job is not None and self._job.done():
             self.wait()
 
     def wait(self) -> None:
         """Block until a background save has finished; re-raise its error here."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._job is not None:
+            self._job.result()
+            self._job = None
             self._snapshot = None
         if self._error is not None:
             err, self._error = self._error, None

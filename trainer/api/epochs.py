@@ -5,7 +5,7 @@ whether the epoch's end-of-epoch work is still to do (`CheckpointSession.positio
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,9 @@ class EpochWalk:
     # (a last evaluation, an LR or best-score update), as the run's final checkpoint.
     last_epoch: bool = False
     resume_rng: dict[str, Any] | None = None  # the checkpoint's generators, set back by batches()
+    # Told when an epoch begins and when its last batch is handed out: the steps that must
+    # see the walk (the session's short path does not look at it).
+    moved: Callable[[], None] = lambda: None
 
 
 def position_of(loop, batches_per_epoch: int) -> Position:
@@ -86,6 +89,7 @@ def walk_epochs(loop, walk: EpochWalk, pos: Position, epochs: int) -> Iterator[i
                             "draws from the checkpoint's instead", epoch)
             loop.epoch_rng = RNGState().state_dict()
         walk.batches_due = True
+        walk.moved()
         yield epoch
     loop.epochs_done = max(epochs, pos.epoch)
 
@@ -97,5 +101,7 @@ def walk_batches(walk: EpochWalk) -> Iterator[int]:
         walk.resume_rng = None
     for batch in range(walk.first, walk.per_epoch):
         walk.last_batch = batch == walk.per_epoch - 1 and not walk.last_epoch
+        if walk.last_batch:
+            walk.moved()
         yield batch
     walk.last_batch = False

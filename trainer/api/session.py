@@ -62,6 +62,7 @@ from ..ranks.world import env_rank
 from .checkpointer import Checkpointer
 from .epochs import EpochWalk
 from .kept import Kept
+from .losses import SETTLE_STEPS, KeptLosses
 from .parts import (
     BEST_OF_LOSS,
     BEST_OF_METRIC,
@@ -119,6 +120,7 @@ class CheckpointSession(Opening, Ending, Walking):
         self._last_save_t = time.monotonic()
         self._last_beat = 0.0
         self._calm_until, self._quiet_until = 0, 0.0  # `step`'s short path: none yet
+        self._losses = KeptLosses()  # the short path's losses, not read yet
         self._beat: Heartbeat | None = None
         self._rank_beat: RankBeat | None = None  # several ranks: this one's, to its launcher
         self.ranks: Ranks | None = None
@@ -150,17 +152,22 @@ class CheckpointSession(Opening, Ending, Walking):
         loop = self.loop
         if step is None:
             step = loop.step + 1
-        # Most steps: the next one, a float loss, nothing due. Decided in a handful of
-        # operations from what the last full call worked out (`_calm_until`: the first step
-        # a step trigger fires; `_quiet_until`: when a time trigger or a progress report is
-        # due), so the call costs about a microsecond; anything else takes the full path.
+        # Most steps: the next one, a loss tensor or float, nothing due. Decided in a handful
+        # of operations from what the last full call worked out (`_calm_until`: the first
+        # step a step trigger fires; `_quiet_until`: when a time trigger or a progress report
+        # is due), so the call costs about a microsecond; anything else takes the full path.
+        # A tensor is kept unread: reading it would wait for the device (`trainer.api.losses`).
         if (type(step) is int and loop.step < step < self._calm_until and metrics is None
-                and not epoch_end and (loss is None or type(loss) is float and isfinite(loss))
-                and time.monotonic() < self._quiet_until and not self.stop.requested
-                and not self._beat.fenced):
+                and not epoch_end and time.monotonic() < self._quiet_until
+                and not self.stop.requested and not self._beat.fenced):
+            kind = type(loss)
+            if kind is torch.Tensor:
+                self._losses.items.append((step, loss, loss._version))
+            elif kind is float and isfinite(loss):
+                self._losses.items.append((step, loss, 0))
+            elif loss is not None:
+                return self._full_step(step, loss, metrics, epoch_end)
             self._beat.advance(step)
-            if loss is not None:
-                loop.losses.append(loss)
             loop.step = step
             return False
         return self._full_step(step, loss, metrics, epoch_end)
@@ -173,6 +180,7 @@ class CheckpointSession(Opening, Ending, Walking):
         if self._beat is not None:
             self._beat.advance(step)
         self._ck.raise_if_failed()  # a background save's error fails the attempt here
+        self._losses.settle(self.loop.losses, self._ck.last_saved_step)
         loss = self._checked_loss(step, loss)
         reasons = self._triggered(step, metrics, epoch_end)
         log.debug("step %d done loss %r", step, loss)
@@ -210,16 +218,19 @@ class CheckpointSession(Opening, Ending, Walking):
         step at which a step trigger fires, and until a time trigger or the heartbeat's
         progress report is due. Zero where every step must take the full path: before
         `restore`; from a background save's start until a step took up its end (its error
-        surfaces at the next step, however soon it ended); inside `epochs()`; with several
+        surfaces at the next step, however soon it ended); at an epoch's start or last
+        batch inside `epochs()` (the walk says so: `_walk_moved`); with several
         ranks (each step is agreed); with debug logging on (a line per step; switched on
         later, it is seen at the next full step, within `heartbeat_seconds`). Anything that
         moves these (a save, `epochs()`) sets `_calm_until` to 0: the next step plans again."""
         ck, c, done = self._ck, self.triggers, self.loop.step
-        if (ck is None or ck.unsettled or self._walk is not None or self.ranks is not None
-                or self._beat is None or log.isEnabledFor(logging.DEBUG)):
+        walk = self._walk
+        if (ck is None or ck.unsettled or self.ranks is not None or self._beat is None
+                or (walk is not None and (walk.batches_due or walk.last_batch))
+                or log.isEnabledFor(logging.DEBUG)):
             self._calm_until = 0
             return
-        due = MAX_STEP + 1
+        due = min(MAX_STEP + 1, done + SETTLE_STEPS)  # kept losses: read this often at least
         if c.every_steps:
             due = min(due, (done // c.every_steps + 1) * c.every_steps)
         if self.max_steps is not None:
@@ -311,6 +322,8 @@ class CheckpointSession(Opening, Ending, Walking):
         """Commit the parts as they are now, at the current step (once per step). `final`:
         this is the run's end (implied once the step reaches max_steps)."""
         loop = self.loop
+        # Before anything is committed: a diverged state must not be (`trainer.api.losses`).
+        self._losses.settle(loop.losses, self._ck.last_saved_step)
         final = final or (self.max_steps is not None and loop.step >= self.max_steps)
         is_best = reason == "best" or self._loss_is_best()
         # Filled by the parts as the checkpointer takes their state, before the manifest is

@@ -41,10 +41,15 @@ class Walking:
             raise ConfigError(f"epochs(): start is {start!r}; pass the first epoch's number, "
                               f"from 0 to epochs ({epochs})")
         pos = self.position(batches_per_epoch)
-        self._walk = EpochWalk(batches_per_epoch)
-        self._calm_until = 0  # every batch's step is checked against the walk
+        self._walk = EpochWalk(batches_per_epoch, moved=self._walk_moved)
+        self._calm_until = 0
         walk = walk_epochs(self.loop, self._walk, pos, epochs - start)
         return walk if not start else (epoch + start for epoch in walk)
+
+    def _walk_moved(self) -> None:
+        """An epoch began or its last batch is out: the next step takes the full path,
+        which checks the step against the walk (and commits an epoch's end)."""
+        self._calm_until = 0
 
     def batches(self, items: Iterable[Any] | None = None) -> Iterator[Any]:
         """The batch indices of the current epoch of `epochs()` still to train; or, given
