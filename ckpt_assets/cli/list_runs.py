@@ -21,7 +21,7 @@ from typing import Any
 import dagster as dg
 
 from ckpt_assets.base.names import PARTITIONS_NAME
-from ckpt_assets.base.queries import newest_training_run
+from ckpt_assets.base.queries import newest_training_runs
 from ckpt_assets.lifecycle.model import State
 from ckpt_assets.records.listing import (
     DEFAULT_EXPERIMENT,
@@ -30,11 +30,12 @@ from ckpt_assets.records.listing import (
     standalone_runs,
     standalone_summary,
 )
-from ckpt_assets.records.selection import open_partitions, recently_ended
+from ckpt_assets.records.selection import followed, open_partitions, recently_ended
 from trainer.base.errors import ConfigError
 from trainer.storage import ObjectStore, validate_name
 
 DEFAULT_LIMIT = 50
+BATCH = 50  # rows whose newest runs are read in one query
 CLOSED = frozenset({State.FINISHED, State.STOPPED_BY_POLICY, State.STOPPED_BY_USER})
 STATES = [*(s.value for s in State), STANDALONE]
 _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -86,33 +87,50 @@ class Filters:
         return self.states is None or bool(self.states & set(states))
 
 
+def _rows(instance: dg.DagsterInstance, store: ObjectStore, keys: list[str],
+          beats: dict) -> Iterator[dict[str, Any]]:
+    """The rows of `keys`, their newest runs read a batch at a time."""
+    for i in range(0, len(keys), BATCH):
+        batch = keys[i:i + BATCH]
+        newest = newest_training_runs(instance, batch)
+        for key in batch:
+            yield run_summary(instance, store, key, beats, newest.get(key))
+
+
 def _ended_rows(instance: dg.DagsterInstance, store: ObjectStore, keys: set[str],
-                shown: set[str], want: Filters) -> Iterator[dict[str, Any]]:
-    for key, run_id in recently_ended(instance, keys, want.since):
-        if key in shown:
-            continue
-        newest = newest_training_run(instance, key)
-        if newest is None or newest.run_id != run_id:
-            continue  # a newer run speaks for this training run
-        shown.add(key)
-        row = run_summary(instance, store, key)
-        if row["state"] in CLOSED and want.keeps(row):
-            yield row
+                shown: set[str], want: Filters, found: tuple[set[str], dict]
+                ) -> Iterator[dict[str, Any]]:
+    resumed, beats = found
+    scan = recently_ended(instance, keys, resumed, want.since)
+    while True:
+        batch = [c for _, c in zip(range(BATCH), scan, strict=False)]
+        if not batch:
+            return
+        ids: dict[str, str] = {}
+        for key, run_id in batch:  # each key's most recently changed ended run
+            ids.setdefault(key, run_id)
+        for row in _rows(instance, store, [k for k in ids if k not in shown], beats):
+            if row["dagster_run_id"] != ids[row["run"]] or row["run"] in shown:
+                continue  # a newer run speaks for this training run
+            shown.add(row["run"])
+            if row["state"] in CLOSED and want.keeps(row):
+                yield row
 
 
 def select(instance: dg.DagsterInstance, store: ObjectStore,
            want: Filters) -> tuple[list[dict[str, Any]], int]:
     """(the rows shown, how many runs are not shown)."""
     keys = set(instance.get_dynamic_partitions(PARTITIONS_NAME))
+    found = (followed(instance), instance.get_daemon_heartbeats())
     rows: list[dict[str, Any]] = []
     if want.wants({s.value for s in State} - CLOSED):
-        rows = [r for r in (run_summary(instance, store, k)
-                            for k in open_partitions(instance, keys))
+        rows = [r for r in _rows(instance, store, open_partitions(instance, keys, found[0]),
+                                 found[1])
                 if r["state"] not in CLOSED and want.keeps(r)]
     shown = {r["run"] for r in rows}
     if want.wants(CLOSED) and want.limit != 0:
         ended = 0
-        for row in _ended_rows(instance, store, keys, shown, want):
+        for row in _ended_rows(instance, store, keys, shown, want, found):
             rows.append(row)
             ended += 1
             if want.limit is not None and ended >= want.limit:
@@ -121,10 +139,10 @@ def select(instance: dg.DagsterInstance, store: ObjectStore,
     if want.wants({STANDALONE}) and want.since is None:
         experiments = want.experiments or {DEFAULT_EXPERIMENT, *(r["experiment"] for r in rows
                                                                  if r["experiment"])}
-        found = standalone_runs(store, experiments, keys)
-        cap = len(found) if want.limit is None else want.limit
-        rows += [standalone_summary(store, e, run) for e, run in found[:cap]]
-        hidden += max(0, len(found) - cap)
+        standalone = standalone_runs(store, experiments, keys)
+        cap = len(standalone) if want.limit is None else want.limit
+        rows += [standalone_summary(store, e, run) for e, run in standalone[:cap]]
+        hidden += max(0, len(standalone) - cap)
     return rows, hidden
 
 

@@ -136,11 +136,12 @@ def sweep_ended(instance: dg.DagsterInstance, store: StoreSource, settings: Resu
                 now: float, cursor: Cursor) -> tuple[Found, Cursor]:
     """The full sweep's share of ended runs: every ended run updated since the last sweep
     (how the failure sensors' misses are found, whatever the run's age), decided if it is
-    not, and resumed once due; then the tick's due resumes."""
-    found, cursor = due_resumes(instance, store, settings, now, cursor)
-    seen = {r.run_key for r in found.requests}
-    swept = Found(waiting=found.waiting)
-    swept.act_on(instance, ended_since(instance, cursor.ended_after), store, settings, now)
-    found.requests += [r for r in swept.requests if r.run_key not in seen]
-    return found, replace(cursor, swept_at=now, ended_after=now,
-                          waiting=tuple(sorted(swept.waiting)))
+    not, and resumed once due; and the back-offs it waits for. The sweep's window holds the
+    tick's (it starts earlier), so it is the one query for both."""
+    swept = {r.run_id: r for r in ended_since(instance, cursor.ended_after)}
+    others = [i for i in cursor.waiting if i not in swept]
+    waited = instance.get_runs(filters=dg.RunsFilter(run_ids=others)) if others else []
+    found = Found()
+    found.act_on(instance, iter([*swept.values(), *waited]), store, settings, now)
+    return found, replace(cursor, swept_at=now, ended_after=now, decided_after=now,
+                          waiting=tuple(sorted(found.waiting)))

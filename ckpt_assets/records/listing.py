@@ -39,10 +39,14 @@ def _row(run_key: str, experiment: str | None, max_steps: int | None) -> dict[st
             "max_steps": max_steps}
 
 
-def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
-    """One row of `ckpt-assets list`: the state, and the latest checkpoint from the store."""
+def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str,
+                beats: dict | None = None, newest: dg.DagsterRun | None = None
+                ) -> dict[str, Any]:
+    """One row of `ckpt-assets list`: the state, and the latest checkpoint from the store
+    (`beats`, `newest`: the instance's daemon heartbeats and the run's newest Dagster run,
+    when read already for many rows)."""
     reg = read_registration(store, run_key)
-    state = without_daemon(instance, run_state(instance, run_key))
+    state = without_daemon(instance, run_state(instance, run_key, newest=newest), beats=beats)
     out = {**_row(run_key, reg.experiment if reg else None, _config_goal(reg)),
            "registered": reg is not None, **state.to_dict()}
     if reg is None:

@@ -20,7 +20,12 @@ from datetime import UTC, datetime, timedelta
 import dagster as dg
 
 from ckpt_assets.base.queries import ACTIVE_STATUSES, ENDED_UNSUCCESSFULLY, is_training_run
-from ckpt_assets.base.tags import PARTITION_TAG, TAG_DECISION, TAG_PARENT_RUN_ID
+from ckpt_assets.base.tags import (
+    PARTITION_TAG,
+    TAG_DECISION,
+    TAG_PARENT_RUN_ID,
+    TAG_RESUMED_BY,
+)
 
 ENDED = (dg.DagsterRunStatus.SUCCESS, *ENDED_UNSUCCESSFULLY)
 PAGE = 200
@@ -37,14 +42,21 @@ def _runs(instance: dg.DagsterInstance, run_ids: list[str]) -> Iterator[dg.Dagst
         yield from instance.get_runs(filters=dg.RunsFilter(run_ids=run_ids[i:i + CHUNK]))
 
 
-def open_partitions(instance: dg.DagsterInstance, partitions: set[str]) -> list[str]:
+def followed(instance: dg.DagsterInstance) -> set[str]:
+    """The runs another run took over from (`ckpt/parent_run_id`: a resume, a relaunch):
+    none of them is its training run's newest run."""
+    return _tag_values(instance, TAG_PARENT_RUN_ID)
+
+
+def open_partitions(instance: dg.DagsterInstance, partitions: set[str],
+                    resumed: set[str]) -> list[str]:
     """The training runs (of `partitions`) that may be open: a training run queued to
-    canceling, or ended and not closed (neither decided `stop` nor resumed), or never
+    canceling, or ended and not closed (neither decided `stop` nor in `resumed`), or never
     launched. Their state, read from their newest run, says which are."""
     ended = set(instance.get_run_ids(dg.RunsFilter(statuses=list(ENDED_UNSUCCESSFULLY))))
     stopped = set(instance.get_run_ids(dg.RunsFilter(statuses=list(ENDED_UNSUCCESSFULLY),
                                                      tags={TAG_DECISION: "stop"})))
-    unclosed = sorted(ended - stopped - _tag_values(instance, TAG_PARENT_RUN_ID))
+    unclosed = sorted(ended - stopped - resumed)
     active = instance.get_runs(filters=dg.RunsFilter(statuses=list(ACTIVE_STATUSES)))
     found = {r.tags[PARTITION_TAG] for r in (*active, *_runs(instance, unclosed))
              if is_training_run(r) and r.tags[PARTITION_TAG] in partitions}
@@ -52,14 +64,15 @@ def open_partitions(instance: dg.DagsterInstance, partitions: set[str]) -> list[
     return sorted(found | never)
 
 
-def recently_ended(instance: dg.DagsterInstance, partitions: set[str],
+def recently_ended(instance: dg.DagsterInstance, partitions: set[str], resumed: set[str],
                    since: float | None = None) -> Iterator[tuple[str, str]]:
-    """(partition, run id) of each ended training run of `partitions`, the most recently
-    changed first, back to `since` (epoch seconds; None: all). A partition comes once per
-    ended run: only the one that is its newest run speaks for it."""
+    """(partition, run id) of ended training runs of `partitions`, the most recently changed
+    first, back to `since` (epoch seconds; None: all), those in `resumed` left out. A
+    partition may come more than once: only its newest run speaks for it."""
     for rec in _by_update_time(instance, since):
         run = rec.dagster_run
-        if run.tags.get(PARTITION_TAG) in partitions and is_training_run(run):
+        if (run.tags.get(PARTITION_TAG) in partitions and run.run_id not in resumed
+                and TAG_RESUMED_BY not in run.tags and is_training_run(run)):
             yield run.tags[PARTITION_TAG], run.run_id
 
 
