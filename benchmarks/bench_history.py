@@ -86,10 +86,19 @@ TARGETS = {"reconciler sweep": (0.050, 5), "reconciler tick": (0.010, None),
            "list (default)": (1.0, None)}
 
 
-def new_instance(where: Path) -> tuple[dg.DagsterInstance, CheckpointStore, Path]:
+def new_instance(where: Path, postgres=None) -> tuple[dg.DagsterInstance, CheckpointStore, Path]:
+    """The project's embedded instance (SQLite), or with `postgres` (a running server) the
+    team instance of deploy/postgres/dagster.yaml in a new database on it."""
     home = where / "dagster_home"
     home.mkdir(parents=True)
-    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    if postgres is None:
+        shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    else:
+        from tests.postgres_server import POSTGRES_INSTANCE_YAML
+
+        postgres.create_database("dagster")
+        os.environ.update(postgres.instance_env("dagster"))
+        shutil.copy(POSTGRES_INSTANCE_YAML, home / "dagster.yaml")
     instance = dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
     return instance, CheckpointStore(uri=str(where / "store")), home
 
@@ -394,32 +403,46 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--show-list", action="store_true",
                     help="print the default `list` output at the largest size")
+    ap.add_argument("--postgres", action="store_true",
+                    help="the team instance (deploy/postgres/dagster.yaml) on a PostgreSQL "
+                         "server started here for the run, fsync off, instead of SQLite")
     args = ap.parse_args()
     where = Path(tempfile.mkdtemp(prefix="bench-history-", dir=args.dir))
-    try:
-        os.environ["CKPT_STORE_URI"] = str(where / "store")
-        instance, cs, home = new_instance(where)
-        os.environ["DAGSTER_HOME"] = str(home)
-        print(f"instance: SQLite, the project's dagster.yaml, and a local store, under "
-              f"{where} ({'tmpfs' if str(where).startswith('/dev/shm') else 'disk'}); "
-              f"repeats {args.repeats}; load average at start "
-              f"{os.getloadavg()[0]:.2f}; {os.cpu_count()} cores", flush=True)
-        figs, done = {}, 0
-        for size in sorted(args.sizes):
-            t = time.perf_counter()
-            grow(instance, cs, done, size)
-            done = size
-            print(f"  grew to {size:,} training runs in {time.perf_counter() - t:.0f}s",
-                  flush=True)
-            figs[size] = measure(instance, cs, home, size, time.time(), args.repeats)
-        report(figs, sorted(args.sizes))
-        if args.show_list:
-            took, _, lines = figs[max(args.sizes)]["list"]["list (default)"]
-            print(f"\n`ckpt-assets list` at {max(args.sizes):,} training runs "
-                  f"({ms(took).strip()} in-process):")
-            print("\n".join(lines))
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        server = None
+        if args.postgres:
+            from tests.ports import free_port
+            from tests.postgres_server import running_postgres
+
+            server = stack.enter_context(running_postgres(free_port()))
+        stack.callback(shutil.rmtree, where, True)
+        run(args, where, server)
+
+
+def run(args, where: Path, server) -> None:
+    os.environ["CKPT_STORE_URI"] = str(where / "store")
+    instance, cs, home = new_instance(where, server)
+    os.environ["DAGSTER_HOME"] = str(home)
+    kind = "PostgreSQL (deploy/postgres/dagster.yaml)" if server else \
+        "SQLite (the project's dagster.yaml)"
+    print(f"instance: {kind}, and a local store, under "
+          f"{where} ({'tmpfs' if str(where).startswith('/dev/shm') else 'disk'}); "
+          f"repeats {args.repeats}; load average at start "
+          f"{os.getloadavg()[0]:.2f}; {os.cpu_count()} cores", flush=True)
+    figs, done = {}, 0
+    for size in sorted(args.sizes):
+        t = time.perf_counter()
+        grow(instance, cs, done, size)
+        done = size
+        print(f"  grew to {size:,} training runs in {time.perf_counter() - t:.0f}s",
+              flush=True)
+        figs[size] = measure(instance, cs, home, size, time.time(), args.repeats)
+    report(figs, sorted(args.sizes))
+    if args.show_list:
+        took, _, lines = figs[max(args.sizes)]["list"]["list (default)"]
+        print(f"\n`ckpt-assets list` at {max(args.sizes):,} training runs "
+              f"({ms(took).strip()} in-process):")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -119,16 +119,25 @@ class Found:
                 self.waiting.add(run.run_id)
 
 
+def _look(instance: dg.DagsterInstance, window: Iterator[dg.DagsterRun], cursor: Cursor,
+          store: StoreSource, settings: ResumeSettings, now: float) -> Found:
+    """Act on the runs of a window and on the back-offs the cursor waits for."""
+    runs = {r.run_id: r for r in window}
+    others = [i for i in cursor.waiting if i not in runs]
+    if others:
+        runs.update((r.run_id, r) for r in instance.get_runs(
+            filters=dg.RunsFilter(run_ids=others)))
+    found = Found()
+    found.act_on(instance, iter(runs.values()), store, settings, now)
+    return found
+
+
 def due_resumes(instance: dg.DagsterInstance, store: StoreSource, settings: ResumeSettings,
                 now: float, cursor: Cursor) -> tuple[Found, Cursor]:
     """The reconciler's every tick: the runs decided `resume` since its last tick, and the
     back-offs it waits for; each resume that is due is requested."""
-    decided = {r.run_id: r for r in ended_since(instance, cursor.decided_after,
-                                                 {TAG_DECISION: "resume"})}
-    others = [i for i in cursor.waiting if i not in decided]
-    waited = instance.get_runs(filters=dg.RunsFilter(run_ids=others)) if others else []
-    found = Found()
-    found.act_on(instance, iter([*decided.values(), *waited]), store, settings, now)
+    window = ended_since(instance, cursor.decided_after, {TAG_DECISION: "resume"})
+    found = _look(instance, window, cursor, store, settings, now)
     return found, replace(cursor, decided_after=now, waiting=tuple(sorted(found.waiting)))
 
 
@@ -138,10 +147,7 @@ def sweep_ended(instance: dg.DagsterInstance, store: StoreSource, settings: Resu
     (how the failure sensors' misses are found, whatever the run's age), decided if it is
     not, and resumed once due; and the back-offs it waits for. The sweep's window holds the
     tick's (it starts earlier), so it is the one query for both."""
-    swept = {r.run_id: r for r in ended_since(instance, cursor.ended_after)}
-    others = [i for i in cursor.waiting if i not in swept]
-    waited = instance.get_runs(filters=dg.RunsFilter(run_ids=others)) if others else []
-    found = Found()
-    found.act_on(instance, iter([*swept.values(), *waited]), store, settings, now)
+    found = _look(instance, ended_since(instance, cursor.ended_after), cursor, store,
+                  settings, now)
     return found, replace(cursor, swept_at=now, ended_after=now, decided_after=now,
                           waiting=tuple(sorted(found.waiting)))
