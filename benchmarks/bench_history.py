@@ -331,7 +331,6 @@ def close_fresh(instance) -> None:
 
 def measure(instance, cs, home: Path, size: int, built_at: float, repeats: int) -> dict:
     fig: dict = {"runs": instance.get_runs_count()}
-    fig["floors"] = floors(instance, repeats)
     fig["first"] = reconciler_first(instance, cs)
     fig["list"] = list_figures(home, cs, size <= 1000, repeats)
     quiet = built_at + OVERLAP_S + 2 - time.time()
@@ -339,6 +338,7 @@ def measure(instance, cs, home: Path, size: int, built_at: float, repeats: int) 
         print(f"  ({size}: waiting {quiet:.0f}s for the build to leave the reconciler's "
               "window)", flush=True)
         time.sleep(quiet)
+    fig["floors"] = floors(instance, repeats)  # the last two minutes hold no build now
     fig["steady"] = reconciler_steady(instance, cs, fig["first"][2], repeats)
     fig["sensors"] = sensors(instance, cs, repeats)
     close_fresh(instance)

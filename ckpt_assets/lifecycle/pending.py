@@ -68,13 +68,11 @@ class Cursor:
                            "waiting": sorted(self.waiting)})
 
 
-def ended_since(instance: dg.DagsterInstance, after: float | None,
-                tags: dict[str, str] | None = None) -> Iterator[dg.DagsterRun]:
-    """Failed or canceled runs (with `tags`) updated since OVERLAP_S before `after` (None:
-    all of them), newest first, a page at a time."""
+def ended_since(instance: dg.DagsterInstance, after: float | None) -> Iterator[dg.DagsterRun]:
+    """Failed or canceled runs updated since OVERLAP_S before `after` (None: all of them),
+    newest first, a page at a time."""
     since = None if after is None else datetime.fromtimestamp(after - OVERLAP_S, UTC)
-    filters = dg.RunsFilter(statuses=list(ENDED_UNSUCCESSFULLY), tags=tags or {},
-                            updated_after=since)
+    filters = dg.RunsFilter(statuses=list(ENDED_UNSUCCESSFULLY), updated_after=since)
     cursor = None
     while True:
         page = instance.get_runs(filters=filters, cursor=cursor, limit=PAGE)
@@ -135,8 +133,11 @@ def _look(instance: dg.DagsterInstance, window: Iterator[dg.DagsterRun], cursor:
 def due_resumes(instance: dg.DagsterInstance, store: StoreSource, settings: ResumeSettings,
                 now: float, cursor: Cursor) -> tuple[Found, Cursor]:
     """The reconciler's every tick: the runs decided `resume` since its last tick, and the
-    back-offs it waits for; each resume that is due is requested."""
-    window = ended_since(instance, cursor.decided_after, {TAG_DECISION: "resume"})
+    back-offs it waits for; each resume that is due is requested. The window is read by
+    status and update time alone (Dagster indexes both together) and the decision is told
+    by the tags: a query joined on the decision tag reads every run ever decided `resume`."""
+    window = (r for r in ended_since(instance, cursor.decided_after)
+              if r.tags.get(TAG_DECISION) == "resume")
     found = _look(instance, window, cursor, store, settings, now)
     return found, replace(cursor, decided_after=now, waiting=tuple(sorted(found.waiting)))
 
