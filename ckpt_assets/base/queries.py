@@ -42,6 +42,18 @@ def newest_training_run(instance: dg.DagsterInstance, partition: str) -> dg.Dags
     return None
 
 
+def newest_training_runs(instance: dg.DagsterInstance,
+                         partitions: list[str]) -> dict[str, dg.DagsterRun]:
+    """Each partition's newest training run, read in one query for all of them (a partition
+    without one is left out)."""
+    newest: dict[str, dg.DagsterRun] = {}
+    if partitions:
+        for run in instance.get_runs(filters=dg.RunsFilter(tags={PARTITION_TAG: partitions})):
+            if run.tags[PARTITION_TAG] not in newest and is_training_run(run):
+                newest[run.tags[PARTITION_TAG]] = run
+    return newest
+
+
 ACTIVE_STATUSES = (dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
                    dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED,
                    dg.DagsterRunStatus.CANCELING)

@@ -3,8 +3,11 @@
     register NAME --config FILE [--experiment E]   record the run's config, add the partition
     launch   NAME [--config FILE] [--experiment E] register if needed, queue a train_job run
                                                    (none if one is active: exit 0, says which)
-    list     [--json] [--experiment E]             runs: state, attempts, latest step/checkpoint
-                                                   (standalone runs too, found in the store)
+    list     [--json] [--state S] [--experiment E] [--since WHEN] [--limit N] [--all]
+                                                   runs: state, attempts, latest step and
+                                                   checkpoint; by default every open run and
+                                                   the 50 that ended last (standalone runs
+                                                   too, found in the store)
     lineage  NAME [--json] [--experiment E]        attempts, checkpoints (parent links), model
     run      NAME [--config FILE] [--experiment E] register if needed, train it in this
                                                    process (no daemon); exit with the
@@ -276,41 +279,16 @@ def cmd_run(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from ckpt_assets.base.names import PARTITIONS_NAME
-    from ckpt_assets.records.listing import (
-        DEFAULT_EXPERIMENT,
-        run_summary,
-        standalone_runs,
-        standalone_summary,
-    )
-    from trainer.storage import validate_name
+    from ckpt_assets.cli.list_runs import filters_of, not_shown, print_rows, select
 
-    for e in args.experiment:
-        validate_name(e, "experiment name")
-    store = store_of(args.store)
-    instance = _instance()
-    keys = sorted(instance.get_dynamic_partitions(PARTITIONS_NAME))
-    rows = [run_summary(instance, store, key) for key in keys]
-    experiments = {*args.experiment, DEFAULT_EXPERIMENT, *(r["experiment"] for r in rows
-                                                           if r["experiment"])}
-    rows += [standalone_summary(store, e, run)
-             for e, run in standalone_runs(store, experiments, set(keys))]
+    want = filters_of(args)
+    rows, hidden = select(_instance(), store_of(args.store), want)
     if args.json:
         print(strict_json.dumps(rows, indent=1))
+        if hidden:  # the rows stay one JSON document on stdout
+            print(not_shown(hidden, want), file=sys.stderr)
         return EXIT_OK
-    if not rows:
-        print("no training runs (register one: python -m ckpt_assets register NAME --config FILE)")
-        return EXIT_OK
-    header = ("RUN", "EXPERIMENT", "STATE", "ATTEMPTS", "STEP", "LATEST CHECKPOINT")
-    table = [header] + [(r["run"], r["experiment"] or "-", r["state"], str(r["attempts"]),
-                         f"{r['latest_step'] if r['latest_step'] is not None else '-'}"
-                         f"/{r['max_steps'] or '?'}", r["latest_checkpoint"] or "-")
-                        for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
-    for row, r in zip(table, [None, *rows], strict=True):
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
-        if r and r["detail"]:  # the reason, or what happens next, under the run's line
-            print(f"    {r['detail']}")
+    print_rows(rows, hidden, want)
     return EXIT_OK
 
 

@@ -63,11 +63,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     st.add_argument("--force", action="store_true",
                     help="also mark runs canceled whose run worker cannot be reached")
 
-    li = sub.add_parser("list", parents=[common], help="training runs with state, attempts and latest checkpoint")
-    li.add_argument("--json", action="store_true")
-    li.add_argument("--experiment", action="append", default=[],
-                    help="also look for standalone runs in this experiment (repeatable; "
-                         "the registered runs' experiments and 'default' always are)")
+    _list(sub, common)
 
     lg = sub.add_parser("lineage", parents=[common], help="attempts, checkpoints and final model of one run")
     lg.add_argument("name")
@@ -75,3 +71,35 @@ def parser(description: str) -> argparse.ArgumentParser:
     lg.add_argument("--experiment", default=None,
                     help="a standalone run's experiment (default: 'default')")
     return p
+
+
+def _list(sub, common: argparse.ArgumentParser) -> None:
+    li = sub.add_parser(
+        "list", parents=[common],
+        help="training runs with state, attempts and latest checkpoint",
+        description="By default: every open run, whatever its age (queued, training, "
+                    "stopping, terminating, deciding, waiting for back-off, resuming, not "
+                    "launched), then the 50 that ended last (finished, stopped by policy, "
+                    "stopped by user), newest first, then standalone runs found in the store; "
+                    "a last line counts the runs not shown.")
+    li.add_argument("--json", action="store_true", help="the rows as JSON (the count of "
+                    "runs not shown goes to stderr)")
+    li.add_argument("--state", action="append", default=[], metavar="STATE",
+                    help="only runs in this state (repeatable): not-launched, queued, "
+                         "training, stopping, terminating, deciding, waiting-for-back-off, "
+                         "resuming, finished, stopped-by-policy, stopped-by-user, standalone; "
+                         "the start of a state names all it starts (waiting, stopped)")
+    li.add_argument("--experiment", action="append", default=[], metavar="E",
+                    help="only runs of this experiment (repeatable), registered or "
+                         "standalone (default: registered runs of every experiment, "
+                         "standalone runs of 'default' and of the experiments shown)")
+    li.add_argument("--since", default=None, metavar="WHEN",
+                    help="only ended runs changed since WHEN: a duration back from now "
+                         "(90m, 12h, 7d, 2w) or a UTC date or time (2026-12-01, "
+                         "2026-12-01T08:00); open runs are shown whatever their age")
+    li.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="at most N ended runs, and N standalone runs (default 50; 0: open "
+                         "runs only)")
+    li.add_argument("--all", action="store_true",
+                    help="every run, no limit (reads each run: seconds on an instance of "
+                         "thousands)")

@@ -4,15 +4,18 @@
 from Dagster, which end CANCELED, not FAILED) see each ended training run once and hand it
 to `ckpt_assets.lifecycle.decision.consider`, which decides once. They launch nothing.
 `reconcile_training_runs` is the one launcher of resumes: on every loop of the daemon
-(every 5 s, one cheap query) it launches each decided resume that is due, at once or once
-its back-off ended; every 15 s it sweeps for what the failure sensors cannot see (failures
-from before they were enabled or whose tick errored, decided here at once, whatever their
-age) and for runs stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats
-without completing a step (stalled); `ckpt_assets.lifecycle.liveness` judges those and
-retires their trainer before the run is marked failed.
+(every 5 s) it launches each decided resume that is due, at once or once its back-off ended;
+every 15 s it sweeps for what the failure sensors cannot see (failures from before they
+were enabled or whose tick errored, decided here at once, whatever their age) and for runs
+stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats without completing
+a step (stalled); `ckpt_assets.lifecycle.liveness` judges those and retires their trainer
+before the run is marked failed. Both find ended runs by what changed since their last look
+(`ckpt_assets.lifecycle.pending`, the windows and back-offs kept in the cursor), never among
+the newest N runs: an old run that fails late is found, and a tick costs what changed, not
+the instance's history.
 
-One launcher, no time windows: Dagster launches a run_key once per sensor (not once across
-sensors), so a resume requested by two sensors would be launched twice. The failure
+One launcher, no race between sensors: Dagster launches a run_key once per sensor (not once
+across sensors), so a resume requested by two sensors would be launched twice. The failure
 sensors and the sweep may both decide a run; the decision is created once in the store, and
 only the reconciler turns it into a run.
 """
@@ -23,24 +26,16 @@ import time
 
 import dagster as dg
 
-from ckpt_assets.base.clock import iso, parse_time
 from ckpt_assets.base.queries import is_training_run
-from ckpt_assets.base.tags import (
-    PARTITION_TAG,
-    TAG_DECISION,
-    TAG_NO_RESUME,
-    TAG_RESUME_AT,
-    TAG_RESUMED_BY,
-)
+from ckpt_assets.base.tags import PARTITION_TAG, TAG_PARENT_RUN_ID
 from ckpt_assets.base.view import RunView
 from ckpt_assets.defs.jobs import train_job
 from ckpt_assets.defs.resources import CheckpointStore
-from ckpt_assets.lifecycle.decision import consider, due_resume
+from ckpt_assets.lifecycle.decision import consider
 from ckpt_assets.lifecycle.liveness import judge, read_beat, retire
 from ckpt_assets.lifecycle.lost_worker import end_lost_attempt, lost_worker
+from ckpt_assets.lifecycle.pending import Cursor, due_resumes, sweep_ended
 from ckpt_assets.lifecycle.settings import ResumeSettings
-
-LOOKBACK_RUNS = 200
 
 # The daemon runs its sensor loop at most every DAEMON_LOOP_S (Dagster's floor) and skips a
 # sensor whose last tick started less than its minimum interval ago. A tick starts a few
@@ -111,8 +106,8 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
     timeout) or stalled (heartbeating, but no step within the stall limit), and mark the run
     failed; the failure sensor, or the next sweep, resumes it by the same policy."""
     notes = []
-    for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]),
-                                 limit=LOOKBACK_RUNS):
+    # Every STARTED run, however many: they are what runs now, not the instance's history.
+    for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
         if not is_training_run(run):
             continue
         if lost_worker(run) is not None:  # its worker is known dead: no heartbeat to wait for
@@ -136,25 +131,6 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
     return notes
 
 
-def due_resumes(instance: dg.DagsterInstance, store: CheckpointStore,
-                settings: ResumeSettings, now: float) -> list[dg.RunRequest]:
-    """The decided resumes that are due: one query for runs decided `resume` and not yet
-    resumed, then only those due now (no back-off, or one that ended) are considered."""
-    runs = instance.get_runs(filters=dg.RunsFilter(
-        statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED],
-        tags={TAG_DECISION: "resume"}), limit=LOOKBACK_RUNS)
-    requests = []
-    for run in runs:
-        due = parse_time(run.tags.get(TAG_RESUME_AT))
-        if (TAG_RESUMED_BY in run.tags or TAG_NO_RESUME in run.tags
-                or (due is not None and now < due)):  # launched, withdrawn, or not due
-            continue
-        req = due_resume(instance, run, store, settings, now)
-        if req is not None:
-            requests.append(req)
-    return requests
-
-
 @dg.sensor(
     name="reconcile_training_runs",
     job=train_job,
@@ -168,32 +144,31 @@ def reconcile_training_runs(context: dg.SensorEvaluationContext,
                             checkpoint_store: CheckpointStore):
     instance, now = context.instance, time.time()
     settings = ResumeSettings.from_env()
-    last = parse_time(context.cursor) if context.cursor else None
+    cursor = Cursor.parse(context.cursor)
+    last = cursor.swept_at
     if last is not None and 0 <= now - last < RECONCILE_EVERY_S:
-        requests = due_resumes(instance, checkpoint_store, settings, now)
-        if not requests:
+        found, cursor = due_resumes(instance, checkpoint_store, settings, now, cursor)
+        context.update_cursor(cursor.dump())
+        if not found.requests:
             return dg.SkipReason("no resume due; the full sweep runs every "
                                  f"{RECONCILE_EVERY_S:.0f}s")
-        context.log.info("; ".join(f"launching resume of {r.partition_key}" for r in requests))
-        return requests
-    context.update_cursor(iso(now))
-    return _sweep(context, instance, checkpoint_store, settings, now)
+        context.log.info("; ".join(f"launching resume of {r.partition_key}"
+                                   for r in found.requests))
+        return found.requests
+    return _sweep(context, instance, checkpoint_store, settings, now, cursor)
 
 
 def _sweep(context, instance: dg.DagsterInstance, store: CheckpointStore,
-           settings: ResumeSettings, now: float):
-    requests, notes = [], fail_silent_runs(instance, store, settings, now)
-    ended = instance.get_run_records(filters=dg.RunsFilter(
-        statuses=[dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]), limit=LOOKBACK_RUNS)
-    for rec in ended:
-        req = due_resume(instance, rec.dagster_run, store, settings, now)
-        if req is not None:
-            requests.append(req)
-            notes.append(f"{rec.dagster_run.run_id[:8]}: launching resume of {req.partition_key}")
-    if not requests:
+           settings: ResumeSettings, now: float, cursor: Cursor):
+    notes = fail_silent_runs(instance, store, settings, now)
+    found, cursor = sweep_ended(instance, store, settings, now, cursor)
+    context.update_cursor(cursor.dump())
+    notes += [f"{r.tags.get(TAG_PARENT_RUN_ID, '')[:8]}: launching resume of {r.partition_key}"
+              for r in found.requests]
+    if not found.requests:
         return dg.SkipReason("; ".join(notes) or "nothing to reconcile")
     context.log.info("; ".join(notes))
-    return requests
+    return found.requests
 
 
 SENSORS = [resume_failed_training, resume_terminated_training, reconcile_training_runs]

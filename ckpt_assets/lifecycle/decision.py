@@ -169,6 +169,15 @@ def due_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSou
     """The resume of one ended training run, decided once (`consider`), if it is due now:
     at once, or once its back-off ended; never once a stop withdrew it. Asked by the one
     sensor that launches resumes, so its run_key is launched once."""
+    out = resume_or_wait(instance, run, store, settings, now)
+    return out if isinstance(out, dg.RunRequest) else None
+
+
+def resume_or_wait(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
+                   settings: ResumeSettings | None = None,
+                   now: float | None = None) -> dg.RunRequest | float | None:
+    """`due_resume`'s request; or, for a resume whose back-off has not ended, the time it
+    ends (the reconciler waits for it by run id); or None: nothing to launch, ever."""
     rec = consider(instance, run, store, settings)
     if rec is None or not rec.resume:
         return None
@@ -176,5 +185,5 @@ def due_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSou
     if RunView.of(current).stop_requested:
         return None  # the resume was withdrawn by a stop
     if rec.resume_at is not None and (time.time() if now is None else now) < rec.resume_at:
-        return None  # a back-off, not over yet
+        return rec.resume_at  # a back-off, not over yet
     return resume_request(current, rec, store)

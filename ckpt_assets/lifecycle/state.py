@@ -69,11 +69,13 @@ class RunState:
 
 
 def run_state(instance: dg.DagsterInstance, partition: str, now: float | None = None,
-              decided: dg.DagsterRun | None = None) -> RunState:
+              decided: dg.DagsterRun | None = None,
+              newest: dg.DagsterRun | None = None) -> RunState:
     """The training run's state, read from its newest Dagster run (and, for one that ended
     undecided, its attempt's own record of how it ended). A read: it changes nothing.
-    `decided`: that run as its decider just tagged it, read in its stead."""
-    run = newest_training_run(instance, partition)
+    `decided`: that run as its decider just tagged it, read in its stead; `newest`: the
+    newest run, when read already (`queries.newest_training_runs`)."""
+    run = newest if newest is not None else newest_training_run(instance, partition)
     if decided is not None and run is not None and run.run_id == decided.run_id:
         run = decided
     if run is None:
@@ -163,9 +165,10 @@ RERUN_HINT = "python -m ckpt_assets run {run}"  # ckpt_assets.cli.run_here: resu
 
 
 def daemon_running(instance: dg.DagsterInstance, daemon_type: str,
-                   now: float | None = None) -> bool:
-    """Whether a dagster-daemon running `daemon_type` beat within DAEMON_SILENT_AFTER_S."""
-    beat = instance.get_daemon_heartbeats().get(daemon_type)
+                   now: float | None = None, beats: dict | None = None) -> bool:
+    """Whether a dagster-daemon running `daemon_type` beat within DAEMON_SILENT_AFTER_S
+    (`beats`: the instance's daemon heartbeats, when read already)."""
+    beat = (instance.get_daemon_heartbeats() if beats is None else beats).get(daemon_type)
     now = time.time() if now is None else now
     return beat is not None and now - beat.timestamp <= DAEMON_SILENT_AFTER_S
 
@@ -181,17 +184,18 @@ def queue_running(instance: dg.DagsterInstance) -> bool:
 
 
 def without_daemon(instance: dg.DagsterInstance, state: RunState,
-                   now: float | None = None) -> RunState:
-    """`state`, its detail rewritten when what comes next needs a daemon that is not running."""
+                   now: float | None = None, beats: dict | None = None) -> RunState:
+    """`state`, its detail rewritten when what comes next needs a daemon that is not running
+    (`beats`: the instance's daemon heartbeats, read once for many states)."""
     failed = state.ended and state.state in (State.DECIDING, State.WAITING, State.RESUMING)
-    if failed and not daemon_running(instance, SENSOR_DAEMON, now):
+    if failed and not daemon_running(instance, SENSOR_DAEMON, now, beats):
         rerun = RERUN_HINT.format(run=state.training_run)
         how = f" {state.outcome}" if state.outcome else ""
         return replace(state, detail=(
             f"attempt {state.attempt} ended{how}, which is resumed, but no daemon is running: "
             f"run `dagster-daemon run` (or `dagster dev`), or resume it here with `{rerun}`"))
     if state.state in (State.QUEUED, State.RESUMING) and not state.ended \
-            and not daemon_running(instance, QUEUE_DAEMON, now):
+            and not daemon_running(instance, QUEUE_DAEMON, now, beats):
         return replace(state, detail=(
             f"{state.detail}; no daemon is running: it stays queued until `dagster-daemon run` "
             "(or `dagster dev`) dequeues it"))

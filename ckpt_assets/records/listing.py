@@ -4,7 +4,8 @@ Registered runs are the `training_runs` partitions. Standalone runs (a script's
 `CheckpointSession` or `python -m trainer`, never launched through Dagster) exist only in
 the store: `standalone_runs` finds them by their pointer
 (`<experiment>/<run>/checkpoints/latest.json`) in the experiments it is asked about (the
-store has no index of experiments; listing one reads the keys under it).
+store has no index of experiments; an experiment's folder is read one level deep, and a row
+reads its run's pointer and latest manifest, never the list of its checkpoints).
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ def _row(run_key: str, experiment: str | None, max_steps: int | None) -> dict[st
             "max_steps": max_steps}
 
 
-def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str) -> dict[str, Any]:
-    """One row of `ckpt-assets list`: the state, and the latest checkpoint from the store."""
+def run_summary(instance: dg.DagsterInstance, store: ObjectStore, run_key: str,
+                beats: dict | None = None, newest: dg.DagsterRun | None = None
+                ) -> dict[str, Any]:
+    """One row of `ckpt-assets list`: the state, and the latest checkpoint from the store
+    (`beats`, `newest`: the instance's daemon heartbeats and the run's newest Dagster run,
+    when read already for many rows)."""
     reg = read_registration(store, run_key)
-    state = without_daemon(instance, run_state(instance, run_key))
+    state = without_daemon(instance, run_state(instance, run_key, newest=newest), beats=beats)
     out = {**_row(run_key, reg.experiment if reg else None, _config_goal(reg)),
            "registered": reg is not None, **state.to_dict()}
     if reg is None:
@@ -66,16 +71,17 @@ def standalone_summary(store: ObjectStore, experiment: str, run_key: str) -> dic
 def standalone_runs(store: ObjectStore, experiments: Iterable[str],
                     known: set[str]) -> list[tuple[str, str]]:
     """(experiment, run) of each run with a pointer in `experiments` whose name is not in
-    `known` (the registered runs) and that has no registration of its own."""
-    suffix = f"/{CHECKPOINTS}/{POINTER}"
+    `known` (the registered runs) and that has no registration of its own. Reads each
+    experiment's folder one level deep and each unknown run's pointer, never the
+    checkpoints beneath."""
     found = []
     for experiment in sorted(set(experiments)):
         if not is_segment(experiment):
             continue
-        for key in store.list(experiment):
-            parts = key.split("/")
-            if len(parts) == 4 and key.endswith(suffix) and parts[1] not in known:
-                found.append((experiment, parts[1]))
+        for run in store.children(experiment):
+            if (run not in known and is_segment(run)
+                    and store.exists(f"{experiment}/{run}/{CHECKPOINTS}/{POINTER}")):
+                found.append((experiment, run))
     return [(e, r) for e, r in found if _unregistered(store, r)]
 
 

@@ -193,6 +193,16 @@ def test_listing_is_recursive_sorted_and_stops_at_the_prefix_boundary(backend):
     assert store.list("run1/step-1") == ["run1/step-1/model.pt"]
 
 
+def test_a_folders_children_are_the_names_one_level_below_it_and_nothing_deeper(backend):
+    store = backend.store
+    for key in ("exp/run1/checkpoints/latest.json", "exp/run1/checkpoints/step-1/model.pt",
+                "exp/run2/heartbeat.json", "exp/notes.txt", "exp10/run3/x.pt"):
+        store.put_new(key, b"x")
+    assert store.children("exp") == ["notes.txt", "run1", "run2"]
+    assert store.children("exp/run1") == ["checkpoints"]
+    assert store.children("nope") == []
+
+
 def test_a_deleted_object_is_gone_from_reads_and_listings_and_its_siblings_stay(backend):
     store = backend.store
     store.put_new("run1/step-2/model.pt", b"x")

@@ -262,6 +262,13 @@ class ObjectStore(ABC):
     def list(self, prefix: str) -> list[str]:
         """Keys under `prefix` + '/', recursively, as full keys, sorted."""
 
+    def children(self, prefix: str) -> list[str]:
+        """The names one level under `prefix` + '/' (objects and folders alike), sorted: a
+        folder read without reading everything beneath it (the backends answer that
+        natively; this is the fallback)."""
+        cut = len(prefix) + 1
+        return sorted({key[cut:].split("/", 1)[0] for key in self.list(prefix)})
+
     @abstractmethod
     def delete(self, key: str) -> None: ...
 

@@ -293,6 +293,14 @@ class LocalStore(ObjectStore):
         except FileNotFoundError:
             return []
 
+    def children(self, prefix: str) -> list[str]:
+        try:
+            with self._dir(validate_key(prefix).split("/")) as dfd:
+                # Dot names are temp files of writes in flight and locks, as in list().
+                return sorted(n for n in os.listdir(dfd) if not n.startswith("."))
+        except FileNotFoundError:
+            return []
+
     def delete(self, key: str) -> None:
         parts, name = self._split(key)
         with self._io("delete", key):

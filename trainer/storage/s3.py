@@ -303,6 +303,19 @@ class S3Store(ObjectStore):
                 out.extend(obj["Key"][strip:] for obj in page.get("Contents", ()))
         return sorted(out)
 
+    def children(self, prefix: str) -> list[str]:
+        base = self._full(prefix) + "/"
+        out: set[str] = set()
+        with self._guard("list", self.uri_for(prefix)):
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base, Delimiter="/"
+            )
+            for page in pages:
+                out.update(p["Prefix"][len(base):].rstrip("/")
+                           for p in page.get("CommonPrefixes", ()))
+                out.update(obj["Key"][len(base):] for obj in page.get("Contents", ()))
+        return sorted(out)
+
     def delete(self, key: str) -> None:
         with self._guard("delete", self.uri_for(key)):
             self._client.delete_object(Bucket=self.bucket, Key=self._full(key))
