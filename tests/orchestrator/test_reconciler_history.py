@@ -104,8 +104,8 @@ def test_an_old_run_failing_undecided_after_hundreds_of_newer_runs_ended_is_deci
 def test_a_back_off_decided_before_hundreds_of_newer_resumes_is_launched_once_due(
         instance, store, monkeypatch):
     monkeypatch.setenv("CKPT_BACKOFF_BASE_S", "30")
-    # The second failure in a row at step 20 (failed_run's): a 30 s back-off.
-    budget = {"transient": 1, "resumed_from_step": 20, "high_step": 20}
+    # Again at step 20 (failed_run's), the step the run had reached: a 30 s back-off.
+    budget = {"transient": 0, "resumed_from_step": 20, "high_step": 20, "failures": 1}
     old = failed_run(instance, exit_code=5, failure_class="storage_unavailable",
                      tags={TAG_BUDGET: json.dumps(budget)})
     assert isinstance(_evaluate(sensors.resume_failed_training, instance, old, store),
