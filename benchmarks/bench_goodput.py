@@ -329,9 +329,10 @@ class CkptAssetsJob(Job):
 
     def decisions(self) -> list[str]:
         """Every resume decision, in the sensors' and the step's own words, oldest first."""
-        return [f"attempt {md.get('attempt', '?')}: {md['reason']}"
-                for md, _ in partition_events(self.daemon.instance, RUN, STATE)
+        said = [md for md, _ in partition_events(self.daemon.instance, RUN, STATE)
                 if md.get("reason")]
+        return [f"{n}. {'in its run' if md.get('relaunched_in_run') else 'new run'}: "
+                f"{md['reason']}" for n, md in enumerate(said, 1)]
 
 
 class RunRetriesJob(Job):

@@ -5,8 +5,10 @@ whose config says `checkpoint.every_seconds: auto` sets its checkpoint interval 
 (`trainer.base.interval`: T = sqrt(2 * stall * MTBF)).
 
 The experiment's training runs are the runs registered in it (the store's registry names
-each run's experiment); their Dagster runs, one per attempt, give the wall time trained
-(start to end, or to now for one still going) and how each ended. The failures counted are
+each run's experiment); their Dagster runs give the wall time trained (start to end, or to
+now for one still going) and how each ended; a trainer that died and was relaunched inside
+its Dagster run (`ckpt_assets.attempt.in_run`, recorded as the partition's state) is an
+attempt and a failure of its own. The failures counted are
 the interruptions a checkpoint protects against: preemptions, kills, storage outages and
 crash loops. A bug, bad input, divergence or a stop on request end a run; a shorter interval
 would not have saved work. MTBF = wall time / failures; until the experiment has a failure,
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 
+from ckpt_assets.base.events import STATE, partition_events
 from ckpt_assets.base.queries import is_training_run
 from ckpt_assets.base.registration import REGISTRY_PREFIX
 from ckpt_assets.base.tags import PARTITION_TAG, TAG_FAILURE_KIND
@@ -81,6 +84,20 @@ def interruption(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
     return failure_of(instance, run, None).kind in INTERRUPTIONS
 
 
+def relaunched_in_run(instance: dg.DagsterInstance, partition: str,
+                      exclude_run_id: str | None = None) -> int:
+    """How many of `partition`'s trainers were interrupted and relaunched inside their
+    Dagster run (each such relaunch records the partition's state, with its failure kind)."""
+    count = 0
+    for md, rec in partition_events(instance, partition, STATE):
+        if md.get("relaunched_in_run") and rec.run_id != exclude_run_id:
+            try:
+                count += Kind(md.get("failure_kind")) in INTERRUPTIONS
+            except ValueError:
+                continue
+    return count
+
+
 def failure_history(instance: dg.DagsterInstance, runs: list[str], *,
                     exclude_run_id: str | None = None, now: float | None = None
                     ) -> FailureHistory:
@@ -99,7 +116,8 @@ def failure_history(instance: dg.DagsterInstance, runs: list[str], *,
         end = rec.end_time if rec.end_time is not None else now
         wall += max(0.0, end - rec.start_time)
         failures += interruption(instance, run)
-    return FailureHistory(attempts, failures, wall)
+    relaunched = sum(relaunched_in_run(instance, run, exclude_run_id) for run in runs)
+    return FailureHistory(attempts + relaunched, failures + relaunched, wall)
 
 
 def experiment_mtbf(instance: dg.DagsterInstance, store: ObjectStore, experiment: str,

@@ -16,6 +16,7 @@ from ckpt_assets.base.registration import register_training_run
 from ckpt_assets.base.tags import TAG_FAILURE_KIND, TAG_NO_RESUME
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.failure_history import experiment_mtbf, failure_history
+from ckpt_assets.lifecycle.state import RunState, State, state_observation
 from tests.dagster_runs import lost_worker_run, started_run
 from trainer import CheckpointSession
 from trainer.base.errors import ConfigError
@@ -177,6 +178,18 @@ def test_the_orchestrators_mtbf_counts_the_experiments_interruptions_over_its_tr
             auto.observe(0.02, write_s=2.0)
         assert intervals[0].every_seconds == intervals[1].every_seconds  # 6 h either way
         assert intervals[2].every_seconds < intervals[1].every_seconds
+
+
+def test_a_trainer_relaunched_inside_its_dagster_run_is_a_failure_of_the_history(store):
+    with dg.DagsterInstance.ephemeral() as instance:
+        _ended(instance, "a", 2, None, dg.DagsterRunStatus.SUCCESS)
+        for kind in (Kind.KILLED, Kind.PREEMPTED, Kind.BUG):  # a bug is never relaunched
+            relaunch = RunState("a", State.TRAINING, "relaunched", "r1", 2)
+            instance.report_runless_asset_event(state_observation(
+                relaunch, {"relaunched_in_run": True, "failure_kind": kind.value}))
+        history = failure_history(instance, ["a"])
+        assert (history.attempts, history.failures) == (3, 2)
+        assert history.mtbf(6 * HOUR).seconds == pytest.approx(HOUR, abs=60)
 
 
 def test_an_attempt_is_told_the_mtbf_only_when_its_interval_may_set_itself(store, tmp_path):
