@@ -17,11 +17,15 @@ p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM itself afte
 p.add_argument("--until", type=int, default=30, help="open-ended loop: leave at this step")
 p.add_argument("--no-steps", action="store_true", help="the loop never runs")
 p.add_argument("--continue-finished", action="store_true")
+p.add_argument("--max-steps", type=int, default=None)
+p.add_argument("--calls-per-batch", type=int, default=1,
+               help="ckpt.step() calls per batch, counting for themselves (more than one: a bug)")
 args = p.parse_args()
 torch.set_num_threads(1)
 
 ckpt = CheckpointSession(run="edge", experiment="e", store=args.store, every_steps=5,
-                         seed=args.seed, continue_finished=args.continue_finished)
+                         seed=args.seed, continue_finished=args.continue_finished,
+                         max_steps=args.max_steps)
 x = torch.randn(64, 3)  # drawn before restore: other data in every unseeded process
 y = x.sum(1, keepdim=True)
 model = torch.nn.Linear(3, 1)
@@ -33,7 +37,11 @@ while not args.no_steps:  # open-ended: no max_steps, the loop decides when it i
     opt.zero_grad()
     loss.backward()
     opt.step()
-    ckpt.step(step, loss=loss)
+    if args.calls_per_batch == 1:
+        ckpt.step(step, loss=loss)
+    else:  # the bug: each call counts a step of its own
+        for _ in range(args.calls_per_batch):
+            ckpt.step(loss=loss)
     if step == args.sigterm_at:
         os.kill(os.getpid(), signal.SIGTERM)  # the next step() commits and exits 143
     if step % args.until == 0:

@@ -60,6 +60,14 @@ def test_continuing_a_finished_run_is_an_explicit_act_that_trains_past_its_end(t
     assert "resumed from" in more.stderr and "left the loop at step 46" in more.stdout
 
 
+def test_a_step_past_max_steps_exits_2_and_names_step_called_twice_per_batch(tmp_path):
+    res = run(tmp_path, "--max-steps", "20", "--until", "20", "--calls-per-batch", "2")
+    assert res.returncode == Outcome.BAD_INPUT.exit_code == 2, res.stderr
+    assert "step 21 is past max_steps=20" in res.stderr
+    assert "more than once per optimizer step (twice per batch" in res.stderr
+    assert "left the loop" not in res.stdout and "Traceback" not in res.stderr
+
+
 def _interrupted_then_resumed(store: Path, *args: str) -> subprocess.CompletedProcess:
     first = run(store, "--sigterm-at", "7", *args)
     assert first.returncode == Outcome.PREEMPTED.exit_code, first.stderr

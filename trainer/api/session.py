@@ -249,7 +249,18 @@ class CheckpointSession(Opening, Ending, Walking):
         if step > MAX_STEP:
             raise ConfigError(f"step {step} is above {MAX_STEP}, the highest step a "
                               "checkpoint name holds")
+        self._refuse_past_the_end(step)
         return int(step)
+
+    def _refuse_past_the_end(self, step: int) -> None:
+        """A step past `max_steps` is a loop that counts otherwise than the session: most
+        often `step()` called twice per batch, which would train half the batches it says."""
+        if self.max_steps is not None and step > self.max_steps:
+            raise ConfigError(
+                f"step {step} is past max_steps={self.max_steps}, the run's last step: is "
+                "ckpt.step() called more than once per optimizer step (twice per batch, or "
+                "per micro-batch)? Call it once per optimizer step; to train longer, raise "
+                "max_steps. Nothing was committed for this step")
 
     def _checked_loss(self, step: int, loss: float | torch.Tensor | None) -> float | None:
         if loss is None:
