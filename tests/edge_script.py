@@ -17,17 +17,26 @@ p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM itself afte
 p.add_argument("--until", type=int, default=30, help="open-ended loop: leave at this step")
 p.add_argument("--no-steps", action="store_true", help="the loop never runs")
 p.add_argument("--continue-finished", action="store_true")
+p.add_argument("--seed-torch", action="store_true", help="seed torch alone, first thing")
+p.add_argument("--numpy-split", action="store_true",
+               help="draw from NumPy's unseeded generator before restore (a split, say)")
 p.add_argument("--max-steps", type=int, default=None)
 p.add_argument("--calls-per-batch", type=int, default=1,
                help="ckpt.step() calls per batch, counting for themselves (more than one: a bug)")
 args = p.parse_args()
 torch.set_num_threads(1)
+if args.seed_torch:
+    torch.manual_seed(0)
 
 ckpt = CheckpointSession(run="edge", experiment="e", store=args.store, every_steps=5,
                          seed=args.seed, continue_finished=args.continue_finished,
                          max_steps=args.max_steps)
 x = torch.randn(64, 3)  # drawn before restore: other data in every unseeded process
 y = x.sum(1, keepdim=True)
+if args.numpy_split:
+    import numpy as np
+
+    x, y = x[np.random.permutation(64)], y  # drawn before restore, from an unseeded NumPy
 model = torch.nn.Linear(3, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 step = ckpt.restore(model=model, optimizer=opt)

@@ -83,6 +83,20 @@ def test_a_resume_of_a_script_that_seeds_nothing_names_the_attempt_and_says_how_
     assert "than attempt 1" in second.stderr and ADVICE in second.stderr
 
 
+def test_a_resume_of_a_script_that_never_draws_from_numpy_or_python_random_says_nothing_of_them(
+        tmp_path):
+    second = _interrupted_then_resumed(tmp_path, "--seed-torch")
+    assert "generator" not in second.stderr, second.stderr
+
+
+def test_a_resume_of_a_script_that_drew_from_unseeded_numpy_before_restore_warns_naming_it(
+        tmp_path):
+    second = _interrupted_then_resumed(tmp_path, "--seed-torch", "--numpy-split")
+    assert "attempt 2 began with other random generator states (numpy) than attempt 1" \
+        in second.stderr, second.stderr
+    assert ADVICE in second.stderr
+
+
 def test_a_resume_of_a_script_seeded_through_the_session_warns_of_nothing(tmp_path):
     second = _interrupted_then_resumed(tmp_path, "--seed", "3")
     assert "generator" not in second.stderr, second.stderr
