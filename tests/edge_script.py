@@ -20,6 +20,8 @@ p.add_argument("--continue-finished", action="store_true")
 p.add_argument("--seed-torch", action="store_true", help="seed torch alone, first thing")
 p.add_argument("--numpy-split", action="store_true",
                help="draw from NumPy's unseeded generator before restore (a split, say)")
+p.add_argument("--unsavable", action="store_true",
+               help="a dict part holding a file handle, which cannot be pickled")
 p.add_argument("--max-steps", type=int, default=None)
 p.add_argument("--calls-per-batch", type=int, default=1,
                help="ckpt.step() calls per batch, counting for themselves (more than one: a bug)")
@@ -39,7 +41,8 @@ if args.numpy_split:
     x, y = x[np.random.permutation(64)], y  # drawn before restore, from an unseeded NumPy
 model = torch.nn.Linear(3, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-step = ckpt.restore(model=model, optimizer=opt)
+parts = {"stats": {"loss": 0.0, "log": open(os.devnull, "w")}} if args.unsavable else {}
+step = ckpt.restore(model=model, optimizer=opt, **parts)
 while not args.no_steps:  # open-ended: no max_steps, the loop decides when it is done
     step += 1
     loss = torch.nn.functional.mse_loss(model(x), y)

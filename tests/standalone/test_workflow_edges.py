@@ -68,6 +68,14 @@ def test_a_step_past_max_steps_exits_2_and_names_step_called_twice_per_batch(tmp
     assert "left the loop" not in res.stdout and "Traceback" not in res.stderr
 
 
+def test_a_part_that_cannot_be_pickled_exits_2_naming_part_and_key_and_leaves_no_folder(tmp_path):
+    res = run(tmp_path, "--unsavable")
+    assert res.returncode == Outcome.BAD_INPUT.exit_code, res.stderr
+    assert "part 'stats', key 'log' holds a TextIOWrapper" in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) < 5, res.stderr
+    assert checkpoints(tmp_path) == []
+
+
 def _interrupted_then_resumed(store: Path, *args: str) -> subprocess.CompletedProcess:
     first = run(store, "--sigterm-at", "7", *args)
     assert first.returncode == Outcome.PREEMPTED.exit_code, first.stderr

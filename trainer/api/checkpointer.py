@@ -35,9 +35,11 @@ from ..base.errors import CheckpointError
 from ..checkpoints.commit import Pending
 from ..checkpoints.manifest import Manifest
 from ..checkpoints.repo import CheckpointRepo
+from ..checkpoints.retention import delete_checkpoint
 from ..process.signals import on_a_helper_thread
 from ..ranks.distributed import RNG_PART, Ranks, rank_file, rederive_rngs
 from ..ranks.sharded import SHARDED_META, ShardedParts, Shards
+from .parts import UNPICKLABLE, unsavable_error
 from .snapshot import HostBuffers, Snapshot, owned_storages, owned_tensors, take
 
 log = logging.getLogger("trainer.checkpoint")
@@ -123,7 +125,10 @@ class Checkpointer:
         state = {name: part.state_dict() for name, part in self._mine()}
         shards = self._shards()
         if self.async_save:
-            snap = self._snapshot = take(state, owned_storages(self._optimizers))
+            try:
+                snap = self._snapshot = take(state, owned_storages(self._optimizers))
+            except UNPICKLABLE as e:  # its copy of a value that cannot be copied
+                raise (unsavable_error(state, step, e) or e) from None
             del state  # the snapshot holds copies or the fenced originals, nothing else
             self._thread = threading.Thread(
                 target=self._persist_bg, name=f"checkpoint-step-{step}", daemon=False,
@@ -192,12 +197,7 @@ class Checkpointer:
             meta[SHARDED_META] = self.sharded.names
             meta.setdefault("part_bytes", {}).update(shards.sizes)
         filename = STATE_FILE if self.ranks is None else rank_file(self.ranks.rank)
-        if self.repo.store.native_files:
-            with self.repo.write_path(pending, filename) as path:
-                _save(state, path)
-        else:  # S3: serialize straight into the multipart upload
-            with self.repo.write_file(pending, filename) as w:
-                _save(state, w)
+        self._write_state(pending, filename, state)
         if self.ranks is not None and not self._gathered(pending, meta):
             return None  # rank 0 commits what every rank wrote
         # Synchronous: the stall up to the manifest (the pointer's move is left out).
@@ -213,6 +213,22 @@ class Checkpointer:
         if self.on_commit:
             self.on_commit(manifest, stats)
         return manifest
+
+    def _write_state(self, pending: Pending, filename: str, state: dict) -> None:
+        try:
+            if self.repo.store.native_files:
+                with self.repo.write_path(pending, filename) as path:
+                    _save(state, path)
+            else:  # S3: serialize straight into the multipart upload
+                with self.repo.write_file(pending, filename) as w:
+                    _save(state, w)
+        except UNPICKLABLE as e:
+            if (refused := unsavable_error(state, pending.step, e)) is None:
+                raise
+            # A checkpoint without a manifest does not exist: what it left is removed.
+            delete_checkpoint(self.repo.layout, pending.name, only_partial=True)
+            self.repo.store.delete(self.repo.key(pending.name, filename))  # its empty folder
+            raise refused from None
 
     def _gathered(self, pending: Pending, meta: dict[str, Any]) -> bool:
         """Wait until every rank's file of `pending` is durable; on rank 0 (True) add their
