@@ -128,6 +128,7 @@ class CheckpointSession(Opening, Ending, Walking):
         self._finishing = False
         self._prev_excepthook = None
         self._part_kinds: dict[str, str] = {}
+        self._loaders: list = []  # the ResumableLoader parts (`batches()` ends their epochs)
         self._sizes: dict[str, int] = {}
         self._size_warned = False
         self._walk: EpochWalk | None = None

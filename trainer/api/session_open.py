@@ -43,6 +43,7 @@ from ..ranks.sharded import ShardedParts
 from ..ranks.world import env_rank
 from ..storage import open_store
 from .checkpointer import Checkpointer, RNGState
+from .data import ResumableLoader
 from .kept import KEPT_PART
 from .parts import (
     Measured,
@@ -134,6 +135,7 @@ class Opening:
                                   "keep(); rename your part")
             wrapped[KEPT_PART] = self._kept
         self._part_kinds = {name: kind_of(obj) for name, obj in all_parts.items()}
+        self._loaders = [obj for obj in all_parts.values() if isinstance(obj, ResumableLoader)]
         return sharded, {name: Measured(part, name, self._sizes_of_save)
                          for name, part in wrapped.items()}
 
