@@ -22,6 +22,8 @@ p.add_argument("--numpy-split", action="store_true",
                help="draw from NumPy's unseeded generator before restore (a split, say)")
 p.add_argument("--unsavable", action="store_true",
                help="a dict part holding a file handle, which cannot be pickled")
+p.add_argument("--kill-after-loop", action="store_true",
+               help="SIGKILL itself after the loop, before the post-loop work")
 p.add_argument("--max-steps", type=int, default=None)
 p.add_argument("--calls-per-batch", type=int, default=1,
                help="ckpt.step() calls per batch, counting for themselves (more than one: a bug)")
@@ -41,6 +43,8 @@ if args.numpy_split:
     x, y = x[np.random.permutation(64)], y  # drawn before restore, from an unseeded NumPy
 model = torch.nn.Linear(3, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
+phase = "training"  # kept: the post-loop work sets it
+ckpt.keep(globals(), "phase")
 parts = {"stats": {"loss": 0.0, "log": open(os.devnull, "w")}} if args.unsavable else {}
 step = ckpt.restore(model=model, optimizer=opt, **parts)
 while not args.no_steps:  # open-ended: no max_steps, the loop decides when it is done
@@ -59,3 +63,7 @@ while not args.no_steps:  # open-ended: no max_steps, the loop decides when it i
     if step % args.until == 0:
         break
 print(f"left the loop at step {step}", flush=True)
+if args.kill_after_loop:
+    os.kill(os.getpid(), signal.SIGKILL)
+phase = "evaluated"  # the post-loop work: a last evaluation, a test pass
+print("post-loop work done", flush=True)

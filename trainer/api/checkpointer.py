@@ -33,7 +33,7 @@ import torch
 
 from ..base.errors import CheckpointError
 from ..checkpoints.commit import Pending
-from ..checkpoints.manifest import Manifest
+from ..checkpoints.manifest import END_AGAIN, Manifest
 from ..checkpoints.repo import CheckpointRepo
 from ..checkpoints.retention import delete_checkpoint
 from ..process.signals import on_a_helper_thread
@@ -119,7 +119,7 @@ class Checkpointer:
         fence, is the save's stall (`blocking_seconds`)."""
         t0 = time.perf_counter()
         self.wait()
-        if self.last_saved_step == step:
+        if self.last_saved_step == step and not meta.get(END_AGAIN):
             return  # two triggers fired on one step: one checkpoint
         log.debug("saving step %d", step)
         state = {name: part.state_dict() for name, part in self._mine()}
@@ -190,7 +190,7 @@ class Checkpointer:
         """Write and commit `state`; `stall`: the training thread's wait for a background
         save (None: this save is synchronous, the training thread waits for all of it)."""
         w0 = time.perf_counter()
-        pending = self.repo.begin(step, self.attempt)
+        pending = self.repo.begin(step, self.attempt, end=meta.get(END_AGAIN) is True)
         if shards is not None:  # a collective: every rank saves the same step
             self.sharded.write(self.repo, pending, self.ranks, shards.state,
                                background=stall is not None)

@@ -39,7 +39,7 @@ from ..base.errors import (
     PointerConflictError,
 )
 from ..base.interval import SaveInterval
-from ..checkpoints.manifest import MAX_STEP, Manifest
+from ..checkpoints.manifest import END_AGAIN, MAX_STEP, Manifest
 from ..checkpoints.records import CheckpointRecord, Lineage
 from ..checkpoints.repo import CheckpointRepo
 from ..config import CheckpointConfig, parse
@@ -137,6 +137,7 @@ class CheckpointSession(Opening, Ending, Walking):
         # attempt or the one it resumed from (close() re-commits a resumed, unfinished end).
         self._last_final = False
         self._last_ours = False
+        self._held_best = False  # the last step of max_steps was a new best: close() commits it
 
     # -- the per-step call -----------------------------------------------------------------
     def step(self, step: int | None = None, *, loss: float | torch.Tensor | None = None,
@@ -253,16 +254,6 @@ class CheckpointSession(Opening, Ending, Walking):
         self._refuse_past_the_end(step)
         return int(step)
 
-    def _refuse_past_the_end(self, step: int) -> None:
-        """A step past `max_steps` is a loop that counts otherwise than the session: most
-        often `step()` called twice per batch, which would train half the batches it says."""
-        if self.max_steps is not None and step > self.max_steps:
-            raise ConfigError(
-                f"step {step} is past max_steps={self.max_steps}, the run's last step: is "
-                "ckpt.step() called more than once per optimizer step (twice per batch, or "
-                "per micro-batch)? Call it once per optimizer step; to train longer, raise "
-                "max_steps. Nothing was committed for this step")
-
     def _checked_loss(self, step: int, loss: float | torch.Tensor | None) -> float | None:
         if loss is None:
             return None
@@ -295,7 +286,7 @@ class CheckpointSession(Opening, Ending, Walking):
         if c.on_epoch_end and (epoch_end or (self._walk is not None and self._walk.last_batch)):
             reasons.append("epoch_end")
         if self.max_steps is not None and step >= self.max_steps:
-            reasons.append("final")
+            reasons = self._at_the_last_step(reasons)
         return reasons
 
     def _heartbeat(self, step: int) -> None:
@@ -321,10 +312,10 @@ class CheckpointSession(Opening, Ending, Walking):
     @ends_like_the_block
     def save(self, reason: str = "manual", *, final: bool = False) -> None:
         """Commit the parts as they are now, at the current step (once per step). `final`:
-        this is the run's end (implied once the step reaches max_steps)."""
+        this is the run's end (`close()` commits it; several ranks at max_steps)."""
         loop = self.loop
-        final = final or (self.max_steps is not None and loop.step >= self.max_steps)
-        is_best = reason == "best" or self._loss_is_best()
+        final = final or self._ends_at_this_step()
+        is_best, self._held_best = reason == "best" or self._held_best or self._loss_is_best(), False
         # Filled by the parts as the checkpointer takes their state, before the manifest is
         # written; a new dict per save, since a background commit may still hold the last.
         self._sizes = {}
@@ -334,9 +325,11 @@ class CheckpointSession(Opening, Ending, Walking):
                 "config": self._config_ref, "part_bytes": self._sizes, "final": final,
                 "max_steps": self.max_steps, "rng_identity": self._rng_record(),
                 **self._interval.meta()}
-        if self._ck.last_saved_step != loop.step:
+        # The end at a step this attempt committed already, not as the end: a second name.
+        again = final and not self._last_final and self._ck.last_saved_step == loop.step
+        if self._ck.last_saved_step != loop.step or again:
             self._last_final, self._last_ours = final, True
-        self._ck.save(loop.step, meta)
+        self._ck.save(loop.step, {**meta, END_AGAIN: True} if again else meta)
         if final and self.ranks is not None:
             # Several ranks: the final commit's collectives run on the group, so it is done
             # before step() returns (a script may destroy the process group next).
