@@ -69,6 +69,7 @@ def test_a_step_past_max_steps_exits_2_and_names_step_called_twice_per_batch(tmp
     assert "step 21 is past max_steps=20" in res.stderr
     assert "more than once per optimizer step (twice per batch" in res.stderr
     assert "left the loop" not in res.stdout and "Traceback" not in res.stderr
+    assert final_kept(tmp_path)["final"] is False  # unfinished: the script never ended
 
 
 def test_a_part_that_cannot_be_pickled_exits_2_naming_part_and_key_and_leaves_no_folder(tmp_path):

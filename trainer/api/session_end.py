@@ -98,8 +98,8 @@ class Ending:
                 f"run {self.experiment}/{self.run} at step {self.loop.step}, committed by "
                 "all ranks together, cannot be: call ckpt.close() (or leave the `with` "
                 "block) before dist.destroy_process_group(), or pass max_steps (its last "
-                "step is committed as the end while the group exists). The run resumes "
-                f"from its last checkpoint, step {self._ck.last_saved_step}")
+                "step is committed as the end while the group exists). Started again, the "
+                f"run resumes from its last checkpoint, at step {self._ck.last_saved_step or 0}")
 
     def _ends_at_this_step(self) -> bool:
         """A save now is the run's end without close(): several ranks at max_steps."""
