@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 
 import pytest
 import torch
@@ -149,6 +150,20 @@ def test_parts_the_session_cannot_save_are_refused_as_bad_input(tmp_path, parts,
         ckpt.restore(**parts)
     assert exc.value.code == Outcome.BAD_INPUT.exit_code
     assert message in caplog.text
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_value_that_cannot_be_pickled_is_refused_at_its_save_naming_part_and_key(
+        tmp_path, caplog, async_save):
+    values = {"ok": 1, "nested": {"lock": threading.Lock()}}
+    ckpt = _session(tmp_path, async_save=async_save)
+    with caplog.at_level(logging.ERROR, "trainer"), pytest.raises(SystemExit) as exc, ckpt:
+        ckpt.restore(model=_parts()[0], values=values)
+        for step in range(1, 6):
+            ckpt.step(step)
+    assert exc.value.code == Outcome.BAD_INPUT.exit_code
+    assert "part 'values', key 'nested', key 'lock' holds a lock" in caplog.text
+    assert not list((tmp_path / "e" / "r" / "checkpoints").glob("step-*"))
 
 
 def test_unknown_or_out_of_range_triggers_are_refused_with_the_key_named(tmp_path):
