@@ -127,12 +127,14 @@ def test_a_checkpoint_is_final_when_marked_or_when_this_attempts_session_finishe
 
 # -- the final flag the session writes ------------------------------------------------------
 
-def _train(store, steps: range, **kw) -> CheckpointSession:
+def _train(store, steps: range, lost: bool = False, **kw) -> CheckpointSession:
+    """A session over `steps`; `lost`: its process dies after the loop, before its end."""
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with CheckpointSession(run="r", experiment="e", store=str(store), install_signals=False,
-                           heartbeat_seconds=60, keep_last=10, **kw) as ckpt:
+    ckpt = CheckpointSession(run="r", experiment="e", store=str(store), install_signals=False,
+                             heartbeat_seconds=60, keep_last=10, **kw)
+    with contextlib.nullcontext(ckpt) if lost else ckpt:
         ckpt.restore(model=model, optimizer=opt)
         for step in steps:
             loss = model(torch.ones(1, 2)).pow(2).sum()
@@ -140,6 +142,11 @@ def _train(store, steps: range, **kw) -> CheckpointSession:
             loss.backward()
             opt.step()
             ckpt.step(step, loss=loss.item())
+    if lost:  # no end: what a killed process leaves (its exit hooks never run)
+        ckpt._finishing = True
+        ckpt._drop_exit_hooks()
+        ckpt._ck.close()
+        ckpt._stop_heartbeat()
     return ckpt
 
 
@@ -148,15 +155,17 @@ def _finals(store) -> dict[int, bool]:
     return {(m := repo.read_manifest(n)).step: m.meta["final"] for n in repo.committed()}
 
 
-def test_only_the_checkpoint_at_max_steps_or_at_the_sessions_normal_end_is_final(tmp_path):
+def test_only_the_checkpoint_the_sessions_normal_end_commits_is_final(tmp_path):
     _train(tmp_path / "a", range(1, 21), max_steps=20, every_steps=5)
     assert _finals(tmp_path / "a") == {5: False, 10: False, 15: False, 20: True}
+    _train(tmp_path / "c", range(1, 21), lost=True, max_steps=20, every_steps=5)
+    assert _finals(tmp_path / "c") == {5: False, 10: False, 15: False}  # max_steps reached
     _train(tmp_path / "b", range(1, 13), every_steps=5)  # no max_steps: the end declares it
     assert _finals(tmp_path / "b") == {5: False, 10: False, 12: True}
 
 
 def test_an_end_that_no_session_marked_final_is_committed_final_by_the_next_one(tmp_path):
-    _train(tmp_path, range(1, 11), every_steps=5)  # a trigger committed step 10, not final
+    _train(tmp_path, range(1, 11), lost=True, every_steps=5)  # a trigger committed step 10
     assert _finals(tmp_path) == {5: False, 10: False}
     _train(tmp_path, range(11, 11), every_steps=5)  # resumed at the end: nothing to train
     repo = CheckpointRepo(open_store(str(tmp_path)), "e", "r")

@@ -142,7 +142,7 @@ import torch
 from trainer import CheckpointSession
 
 with CheckpointSession(run="r", experiment="e", store=sys.argv[1], dataset=sys.argv[2],
-                       every_steps=1, heartbeat_seconds=60) as ckpt:
+                       every_steps=1, heartbeat_seconds=60, continue_finished=True) as ckpt:
     start = ckpt.restore(model=torch.nn.Linear(2, 2))
     print("resumed after step", start)
     for step in range(start + 1, start + 3):
@@ -185,7 +185,7 @@ def test_an_own_loop_session_exits_2_on_a_fifo_added_later_and_keeps_what_it_com
     assert first.returncode == 0, first.stderr
     repo = CheckpointRepo(open_store(str(store)), "e", "r")
     committed = repo.committed()
-    assert len(committed) == 2
+    assert len(committed) == 3  # steps 1 and 2, and step 2 again as the end
     _fifo(d)
     res = _session_script(tmp_path, store, d)
     assert res.returncode == 2, res.stderr

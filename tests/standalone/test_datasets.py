@@ -90,9 +90,9 @@ def test_a_session_refuses_to_resume_on_a_changed_dataset_and_keeps_its_checkpoi
     _thousand_files(root)
     store = str(tmp_path / "store")
 
-    def session():
+    def session(**kw):
         return CheckpointSession(run="r", store=store, dataset=str(root), install_signals=False,
-                                 heartbeat_seconds=60, every_steps=1)
+                                 heartbeat_seconds=60, every_steps=1, **kw)
 
     with session() as ckpt:
         ckpt.restore(model=torch.nn.Linear(2, 2))
@@ -100,7 +100,7 @@ def test_a_session_refuses_to_resume_on_a_changed_dataset_and_keeps_its_checkpoi
         ckpt.step(2)
     committed = ckpt.repo.committed()
     (root / "shard-00" / "sample-0000.bin").write_bytes(b"changed")
-    again = session()
+    again = session(continue_finished=True)  # past the end: a finished run trains nothing
     with pytest.raises(SystemExit) as exc, again:
         again.restore(model=torch.nn.Linear(2, 2))
     assert exc.value.code == Outcome.BAD_INPUT.exit_code

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import threading
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def test_a_plain_dict_part_is_restored_in_place(tmp_path):
         values["hidden"] = torch.arange(3.0)
         ckpt.step(5)
     mine = {"tokens_seen": -1}
-    with _session(tmp_path) as ckpt:
+    with _session(tmp_path, continue_finished=True) as ckpt:
         ckpt.restore(model=_parts()[0], values=mine)
     assert mine["tokens_seen"] == 123 and torch.equal(mine["hidden"], torch.arange(3.0))
 
@@ -100,7 +101,7 @@ def test_a_new_best_metric_commits_and_the_pointer_remembers_it(tmp_path):
     ptr = _repo(tmp_path).read_pointer()
     assert ptr.best.checkpoint.startswith("step-000000003")
     reasons = [_repo(tmp_path).read_manifest(n).meta["reason"] for n in _repo(tmp_path).committed()]
-    assert reasons == ["best", "best"]
+    assert reasons == ["best", "best", "final"]  # the end: step 3 again, as the block left it
 
 
 def test_a_stop_request_commits_the_current_step_and_exits_143_deaf_to_a_repeated_sigterm(
@@ -149,6 +150,20 @@ def test_parts_the_session_cannot_save_are_refused_as_bad_input(tmp_path, parts,
         ckpt.restore(**parts)
     assert exc.value.code == Outcome.BAD_INPUT.exit_code
     assert message in caplog.text
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_value_that_cannot_be_pickled_is_refused_at_its_save_naming_part_and_key(
+        tmp_path, caplog, async_save):
+    values = {"ok": 1, "nested": {"lock": threading.Lock()}}
+    ckpt = _session(tmp_path, async_save=async_save)
+    with caplog.at_level(logging.ERROR, "trainer"), pytest.raises(SystemExit) as exc, ckpt:
+        ckpt.restore(model=_parts()[0], values=values)
+        for step in range(1, 6):
+            ckpt.step(step)
+    assert exc.value.code == Outcome.BAD_INPUT.exit_code
+    assert "part 'values', key 'nested', key 'lock' holds a lock" in caplog.text
+    assert not list((tmp_path / "e" / "r" / "checkpoints").glob("step-*"))
 
 
 def test_unknown_or_out_of_range_triggers_are_refused_with_the_key_named(tmp_path):
@@ -277,7 +292,7 @@ def test_without_the_best_metric_in_the_metrics_the_best_checkpoint_follows_the_
     # Retention kept the best besides the last; only commits at a new low were marked best.
     kept = {m.step: m.meta["is_best"] for m in _committed(tmp_path)}
     assert kept == {4: True, 6: False}
-    assert [m.meta["reason"] for m in _committed(tmp_path)] == ["interval", "interval"]
+    assert [m.meta["reason"] for m in _committed(tmp_path)] == ["interval", "final"]
 
 
 def test_once_the_metrics_name_the_best_metric_it_decides_and_the_loss_no_longer_counts(tmp_path):

@@ -67,7 +67,8 @@ def test_a_sharded_model_and_optimizer_resume_bitwise_through_dcp(tmp_path, one_
     assert set(read_whole(ckpt.repo, manifest)) == {"model", "optimizer"}
 
     resumed, resumed_opt = _sharded(seed=1)  # other initial weights: the checkpoint wins
-    with _session(tmp_path, async_save=async_save) as again:
+    # The first attempt's end is final: continuing past it is asked for.
+    with _session(tmp_path, async_save=async_save, continue_finished=True) as again:
         _train(resumed, resumed_opt, 6, again,
                again.restore(model=resumed, optimizer=resumed_opt))
     ref_model, ref_opt = _sharded()

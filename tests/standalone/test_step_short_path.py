@@ -75,13 +75,14 @@ def test_progress_reports_and_time_saves_come_when_due_and_a_manual_save_restart
     assert ckpt.loop.losses == pytest.approx([0.1 * s for s in range(1, 26)])
 
 
-def test_step_triggers_and_the_final_step_commit_on_their_step(tmp_path, clock):
+def test_step_triggers_commit_on_their_step_and_the_last_step_at_close(tmp_path, clock):
     ckpt = session(tmp_path, every_steps=4, max_steps=10)
     ckpt.restore(model=torch.nn.Linear(2, 2))
     for step in range(1, 11):
         ckpt.step(step, loss=0.5)
-    assert committed(ckpt) == [(4, "interval"), (8, "interval"), (10, "final")]
+    assert committed(ckpt) == [(4, "interval"), (8, "interval")]
     ckpt.close()
+    assert committed(ckpt) == [(4, "interval"), (8, "interval"), (10, "final")]
 
 
 def test_a_stop_requested_between_quiet_steps_commits_the_next_step_and_stops(tmp_path, clock):

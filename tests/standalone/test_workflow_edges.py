@@ -11,10 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.trainer_proc import ROOT
 from trainer.base.outcomes import Outcome
 from trainer.base.rng_identity import ADVICE
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +63,54 @@ def test_continuing_a_finished_run_is_an_explicit_act_that_trains_past_its_end(t
     assert "resumed from" in more.stderr and "left the loop at step 46" in more.stdout
 
 
+def test_a_step_past_max_steps_exits_2_and_names_step_called_twice_per_batch(tmp_path):
+    res = run(tmp_path, "--max-steps", "20", "--until", "20", "--calls-per-batch", "2")
+    assert res.returncode == Outcome.BAD_INPUT.exit_code == 2, res.stderr
+    assert "step 21 is past max_steps=20" in res.stderr
+    assert "more than once per optimizer step (twice per batch" in res.stderr
+    assert "left the loop" not in res.stdout and "Traceback" not in res.stderr
+    assert final_kept(tmp_path)["final"] is False  # unfinished: the script never ended
+
+
+def test_a_part_that_cannot_be_pickled_exits_2_naming_part_and_key_and_leaves_no_folder(tmp_path):
+    res = run(tmp_path, "--unsavable")
+    assert res.returncode == Outcome.BAD_INPUT.exit_code, res.stderr
+    assert "part 'stats', key 'log' holds a TextIOWrapper" in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) < 5, res.stderr
+    assert checkpoints(tmp_path) == []
+
+
+def final_kept(store: Path) -> dict:
+    """The kept values of the checkpoint the run's pointer names, and whether it is final."""
+    repo = CheckpointRepo(open_store(str(store)), "e", "edge")
+    manifest = repo.read_manifest(repo.read_pointer().checkpoint)
+    state = torch.load(repo.layout.store.local_path(repo.key(manifest.name, "state.pt")),
+                       weights_only=True)
+    return {**state["kept"], "final": manifest.meta["final"], "step": manifest.step}
+
+
+def test_a_run_killed_after_its_last_step_before_the_scripts_end_is_not_finished_and_resumes(
+        tmp_path):
+    killed = run(tmp_path, "--seed", "0", "--max-steps", "20", "--until", "20",
+                 "--kill-after-loop")
+    assert killed.returncode == -9 and "left the loop at step 20" in killed.stdout
+    again = run(tmp_path, "--seed", "0", "--max-steps", "20", "--until", "20")
+    assert again.returncode == 0, again.stderr
+    assert "already finished" not in again.stderr and "resumed from" in again.stderr
+    assert "post-loop work done" in again.stdout
+    assert final_kept(tmp_path) == {"phase": "evaluated", "final": True, "step": 20}
+
+
+def test_a_run_whose_last_step_was_a_trigger_is_finished_with_the_values_its_script_ended_with(
+        tmp_path):
+    first = run(tmp_path, "--seed", "0", "--until", "20")  # every_steps=5: 20 is a trigger
+    assert first.returncode == 0 and "post-loop work done" in first.stdout, first.stderr
+    assert final_kept(tmp_path) == {"phase": "evaluated", "final": True, "step": 20}
+    again = run(tmp_path, "--seed", "0", "--until", "20")
+    assert again.returncode == 0 and "already finished at step 20" in again.stderr
+    assert "post-loop work done" not in again.stdout
+
+
 def _interrupted_then_resumed(store: Path, *args: str) -> subprocess.CompletedProcess:
     first = run(store, "--sigterm-at", "7", *args)
     assert first.returncode == Outcome.PREEMPTED.exit_code, first.stderr
@@ -73,6 +124,20 @@ def test_a_resume_of_a_script_that_seeds_nothing_names_the_attempt_and_says_how_
     second = _interrupted_then_resumed(tmp_path)
     assert "attempt 2 began with other random generator states (torch" in second.stderr
     assert "than attempt 1" in second.stderr and ADVICE in second.stderr
+
+
+def test_a_resume_of_a_script_that_never_draws_from_numpy_or_python_random_says_nothing_of_them(
+        tmp_path):
+    second = _interrupted_then_resumed(tmp_path, "--seed-torch")
+    assert "generator" not in second.stderr, second.stderr
+
+
+def test_a_resume_of_a_script_that_drew_from_unseeded_numpy_before_restore_warns_naming_it(
+        tmp_path):
+    second = _interrupted_then_resumed(tmp_path, "--seed-torch", "--numpy-split")
+    assert "attempt 2 began with other random generator states (numpy) than attempt 1" \
+        in second.stderr, second.stderr
+    assert ADVICE in second.stderr
 
 
 def test_a_resume_of_a_script_seeded_through_the_session_warns_of_nothing(tmp_path):

@@ -34,11 +34,13 @@ import torch
 
 from ..base.errors import CheckpointError
 from ..checkpoints.commit import Pending
-from ..checkpoints.manifest import Manifest
+from ..checkpoints.manifest import END_AGAIN, Manifest
 from ..checkpoints.repo import CheckpointRepo
+from ..checkpoints.retention import delete_checkpoint
 from ..process.signals import on_a_helper_thread
 from ..ranks.distributed import RNG_PART, Ranks, rank_file, rederive_rngs
 from ..ranks.sharded import SHARDED_META, ShardedParts, Shards
+from .parts import UNPICKLABLE, unsavable_error
 from .snapshot import HostBuffers, Snapshot, owned_storages, owned_tensors, take
 
 log = logging.getLogger("trainer.checkpoint")
@@ -121,13 +123,16 @@ class Checkpointer:
         fence, is the save's stall (`blocking_seconds`)."""
         t0 = time.perf_counter()
         self.wait()
-        if self.last_saved_step == step:
+        if self.last_saved_step == step and not meta.get(END_AGAIN):
             return  # two triggers fired on one step: one checkpoint
         log.debug("saving step %d", step)
         state = {name: part.state_dict() for name, part in self._mine()}
         shards = self._shards()
         if self.async_save:
-            snap = self._snapshot = take(state, owned_storages(self._optimizers))
+            try:
+                snap = self._snapshot = take(state, owned_storages(self._optimizers))
+            except UNPICKLABLE as e:  # its copy of a value that cannot be copied
+                raise (unsavable_error(state, step, e) or e) from None
             del state  # the snapshot holds copies or the fenced originals, nothing else
             self._job = self._worker.submit(self._persist_bg, step, snap, shards, meta, t0,
                                             time.perf_counter() - t0)
@@ -200,19 +205,14 @@ class Checkpointer:
         """Write and commit `state`; `stall`: the training thread's wait for a background
         save (None: this save is synchronous, the training thread waits for all of it)."""
         w0 = time.perf_counter()
-        pending = self.repo.begin(step, self.attempt)
+        pending = self.repo.begin(step, self.attempt, end=meta.get(END_AGAIN) is True)
         if shards is not None:  # a collective: every rank saves the same step
             self.sharded.write(self.repo, pending, self.ranks, shards.state,
                                background=stall is not None)
             meta[SHARDED_META] = self.sharded.names
             meta.setdefault("part_bytes", {}).update(shards.sizes)
         filename = STATE_FILE if self.ranks is None else rank_file(self.ranks.rank)
-        if self.repo.store.native_files:
-            with self.repo.write_path(pending, filename) as path:
-                _save(state, path)
-        else:  # S3: serialize straight into the multipart upload
-            with self.repo.write_file(pending, filename) as w:
-                _save(state, w)
+        self._write_state(pending, filename, state)
         if self.ranks is not None and not self._gathered(pending, meta):
             return None  # rank 0 commits what every rank wrote
         # Synchronous: the stall up to the manifest (the pointer's move is left out).
@@ -228,6 +228,22 @@ class Checkpointer:
         if self.on_commit:
             self.on_commit(manifest, stats)
         return manifest
+
+    def _write_state(self, pending: Pending, filename: str, state: dict) -> None:
+        try:
+            if self.repo.store.native_files:
+                with self.repo.write_path(pending, filename) as path:
+                    _save(state, path)
+            else:  # S3: serialize straight into the multipart upload
+                with self.repo.write_file(pending, filename) as w:
+                    _save(state, w)
+        except UNPICKLABLE as e:
+            if (refused := unsavable_error(state, pending.step, e)) is None:
+                raise
+            # A checkpoint without a manifest does not exist: what it left is removed.
+            delete_checkpoint(self.repo.layout, pending.name, only_partial=True)
+            self.repo.store.delete(self.repo.key(pending.name, filename))  # its empty folder
+            raise refused from None
 
     def _gathered(self, pending: Pending, meta: dict[str, Any]) -> bool:
         """Wait until every rank's file of `pending` is durable; on rank 0 (True) add their

@@ -141,6 +141,14 @@ class ResumableLoader:
         if me == self._live:
             self._ran_out = True
 
+    def epoch_taken(self) -> None:
+        """The loop took the epoch's last batch and will not ask for the end: `zip` stops at
+        its shorter input without asking the longer one whether it is done. The epoch is
+        over, so the next `iter()` begins the next one, not the same one again as after a
+        peek. The session calls this at the end of each epoch of `batches()`."""
+        if self._begun and self.epoch_finished:
+            self._ran_out = True
+
     def batches(self) -> Iterator[Any]:
         """An endless stream of batches across epochs (for step-based loops)."""
         while True:

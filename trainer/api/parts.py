@@ -9,6 +9,7 @@ is restored through `trainer.api.stateful_loader`.
 from __future__ import annotations
 
 import math
+import pickle
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from .stateful_loader import StatefulLoaderPart, is_stateful_loader
 OPTIMIZER_SIZE_WARNING = 10  # an optimizer state this many times the model's is worth a warning
 
 RESERVED_PARTS = ("loop", "rng")
+# What pickling raises for a value it cannot pickle (a lambda: AttributeError).
+UNPICKLABLE = (pickle.PicklingError, TypeError, AttributeError)
 # What the best score measures: an evaluation metric (`best_metric`), or, while the metrics
 # never name it, the training loss of the committed checkpoints.
 BEST_OF_METRIC, BEST_OF_LOSS = "metric", "loss"
@@ -142,6 +145,41 @@ def tensor_bytes(state: Any) -> int:
         elif isinstance(obj, list | tuple):
             stack.extend(obj)
     return total
+
+
+def unsavable(state: dict[str, Any]) -> str | None:
+    """Where in a checkpoint's state (part, then keys) the first value sits that cannot be
+    pickled, and its type; None if each one can. Asked only after a save failed, so its
+    cost (a pickle of each value that is not a tensor) never touches a save that works."""
+    stack: list[tuple[str, Any]] = [(f"part {name!r}", value)
+                                    for name, value in reversed(list(state.items()))]
+    while stack:
+        where, obj = stack.pop()
+        if isinstance(obj, torch.Tensor | int | float | str | bool | None):
+            continue
+        if isinstance(obj, dict):
+            stack.extend((f"{where}, key {k!r}", v) for k, v in reversed(list(obj.items())))
+        elif isinstance(obj, list | tuple):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(obj))))
+        else:
+            try:
+                pickle.dumps(obj)
+            except Exception:  # whatever pickling raises names this value
+                return f"{where} holds a {type(obj).__name__}"
+    return None
+
+
+def unsavable_error(state: dict[str, Any], step: int, error: Exception) -> ConfigError | None:
+    """The error naming the value a save at `step` failed on (`error`), or None when no value
+    of `state` is to blame."""
+    where = unsavable(state)
+    if where is None:
+        return None
+    return ConfigError(
+        f"the checkpoint of step {step} cannot be saved: {where}, which cannot be pickled "
+        f"({error}). Keep numbers, strings, tensors and lists or dicts of them in a "
+        "checkpoint part (a file handle or a lock belongs outside it); nothing was "
+        "committed for this step")
 
 
 def human_bytes(n: int) -> str:

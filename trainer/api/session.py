@@ -39,7 +39,7 @@ from ..base.errors import (
     PointerConflictError,
 )
 from ..base.interval import SaveInterval
-from ..checkpoints.manifest import MAX_STEP, Manifest
+from ..checkpoints.manifest import END_AGAIN, MAX_STEP, Manifest
 from ..checkpoints.records import CheckpointRecord, Lineage
 from ..checkpoints.repo import CheckpointRepo
 from ..config import CheckpointConfig, parse
@@ -130,6 +130,7 @@ class CheckpointSession(Opening, Ending, Walking):
         self._finishing = False
         self._prev_excepthook = None
         self._part_kinds: dict[str, str] = {}
+        self._loaders: list = []  # the ResumableLoader parts (`batches()` ends their epochs)
         self._sizes: dict[str, int] = {}
         self._size_warned = False
         self._walk: EpochWalk | None = None
@@ -138,6 +139,7 @@ class CheckpointSession(Opening, Ending, Walking):
         # attempt or the one it resumed from (close() re-commits a resumed, unfinished end).
         self._last_final = False
         self._last_ours = False
+        self._held_best = False  # the last step of max_steps was a new best: close() commits it
 
     # -- the per-step call -----------------------------------------------------------------
     def step(self, step: int | None = None, *, loss: float | torch.Tensor | None = None,
@@ -260,6 +262,7 @@ class CheckpointSession(Opening, Ending, Walking):
         if step > MAX_STEP:
             raise ConfigError(f"step {step} is above {MAX_STEP}, the highest step a "
                               "checkpoint name holds")
+        self._refuse_past_the_end(step)
         return int(step)
 
     def _checked_loss(self, step: int, loss: float | torch.Tensor | None) -> float | None:
@@ -294,7 +297,7 @@ class CheckpointSession(Opening, Ending, Walking):
         if c.on_epoch_end and (epoch_end or (self._walk is not None and self._walk.last_batch)):
             reasons.append("epoch_end")
         if self.max_steps is not None and step >= self.max_steps:
-            reasons.append("final")
+            reasons = self._at_the_last_step(reasons)
         return reasons
 
     def _heartbeat(self, step: int) -> None:
@@ -320,12 +323,12 @@ class CheckpointSession(Opening, Ending, Walking):
     @ends_like_the_block
     def save(self, reason: str = "manual", *, final: bool = False) -> None:
         """Commit the parts as they are now, at the current step (once per step). `final`:
-        this is the run's end (implied once the step reaches max_steps)."""
+        this is the run's end (`close()` commits it; several ranks at max_steps)."""
         loop = self.loop
         # Before anything is committed: a diverged state must not be (`trainer.api.losses`).
         self._losses.settle(loop.losses, self._ck.last_saved_step)
-        final = final or (self.max_steps is not None and loop.step >= self.max_steps)
-        is_best = reason == "best" or self._loss_is_best()
+        final = final or self._ends_at_this_step()
+        is_best, self._held_best = reason == "best" or self._held_best or self._loss_is_best(), False
         # Filled by the parts as the checkpointer takes their state, before the manifest is
         # written; a new dict per save, since a background commit may still hold the last.
         self._sizes = {}
@@ -335,9 +338,11 @@ class CheckpointSession(Opening, Ending, Walking):
                 "config": self._config_ref, "part_bytes": self._sizes, "final": final,
                 "max_steps": self.max_steps, "rng_identity": self._rng_record(),
                 **self._interval.meta()}
-        if self._ck.last_saved_step != loop.step:
+        # The end at a step this attempt committed already, not as the end: a second name.
+        again = final and not self._last_final and self._ck.last_saved_step == loop.step
+        if self._ck.last_saved_step != loop.step or again:
             self._last_final, self._last_ours = final, True
-        self._ck.save(loop.step, meta)
+        self._ck.save(loop.step, {**meta, END_AGAIN: True} if again else meta)
         if final and self.ranks is not None:
             # Several ranks: the final commit's collectives run on the group, so it is done
             # before step() returns (a script may destroy the process group next).

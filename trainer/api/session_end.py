@@ -14,6 +14,7 @@ import sys
 from typing import Self
 
 from ..base.errors import (
+    ConfigError,
     NothingCommittedError,
     PointerConflictError,
 )
@@ -52,10 +53,13 @@ class Ending:
         if not self.stopped and self.loop.step > 0:
             if self._ck.last_saved_step == self.loop.step and not (
                     self._last_final or self._last_ours):
-                # Resumed from an end that no one marked final (a run without max_steps
-                # whose last session was lost): this attempt commits it as the end.
+                # Resumed from an end that no one marked final (a session lost after its
+                # last step): this attempt commits it as the end.
                 self._ck.last_saved_step = None
-            if self._ck.last_saved_step != self.loop.step:
+            if self._ck.last_saved_step != self.loop.step or not self._last_final:
+                # The run's end, with every part (kept values too) as the script left it
+                # after its post-loop work; at a step committed already, a second time.
+                self._refuse_an_end_without_the_group()
                 self.save("final", final=True)
         self._ck.close()
         self._stop_heartbeat()
@@ -63,6 +67,44 @@ class Ending:
             self.reporter.send(Finished(self.loop.step, dict(self.loop.metrics)))
             metrics = f": {self.loop.metrics}" if self.loop.metrics else ""
             self._say(f"training finished at step {self.loop.step}{metrics}")
+
+    def _refuse_past_the_end(self, step: int) -> None:
+        """A step past `max_steps` is a loop that counts otherwise than the session: most
+        often `step()` called twice per batch, which would train half the batches it says."""
+        if self.max_steps is not None and step > self.max_steps:
+            raise ConfigError(
+                f"step {step} is past max_steps={self.max_steps}, the run's last step: is "
+                "ckpt.step() called more than once per optimizer step (twice per batch, or "
+                "per micro-batch)? Call it once per optimizer step; to train longer, raise "
+                "max_steps. Nothing was committed for this step")
+
+    def _at_the_last_step(self, reasons: list[str]) -> list[str]:
+        """What the step at max_steps commits. Nothing on one process: the run ends when the
+        script does, so close() commits this step as the end after the post-loop work (a
+        last evaluation, a test pass, the best model saved), and a kill before it resumes
+        from the last trigger. Several ranks commit it as the end now, while their process
+        group exists: a script destroys it after its loop, and the end is collective."""
+        if self.ranks is not None:
+            return [*reasons, "final"]
+        self._held_best = "best" in reasons
+        return []
+
+    def _refuse_an_end_without_the_group(self) -> None:
+        """Several ranks commit the end together, over their process group: once the script
+        destroyed it, no rank can, and writing alone each would take itself for rank 0."""
+        if self.ranks is not None and not self.ranks.alive:
+            raise ConfigError(
+                f"the process group was destroyed before the session ended, so the end of "
+                f"run {self.experiment}/{self.run} at step {self.loop.step}, committed by "
+                "all ranks together, cannot be: call ckpt.close() (or leave the `with` "
+                "block) before dist.destroy_process_group(), or pass max_steps (its last "
+                "step is committed as the end while the group exists). Started again, the "
+                f"run resumes from its last checkpoint, at step {self._ck.last_saved_step or 0}")
+
+    def _ends_at_this_step(self) -> bool:
+        """A save now is the run's end without close(): several ranks at max_steps."""
+        return (self.ranks is not None and self.max_steps is not None
+                and self.loop.step >= self.max_steps)
 
     def __enter__(self) -> Self:
         self._in_block = True

@@ -43,6 +43,7 @@ from ..ranks.sharded import ShardedParts
 from ..ranks.world import env_rank
 from ..storage import open_store
 from .checkpointer import Checkpointer, RNGState
+from .data import ResumableLoader
 from .default_store import default_store, from_scratch_words
 from .kept import KEPT_PART
 from .parts import (
@@ -87,7 +88,7 @@ class Opening:
             self._install_exit_hooks()
         if self._ck is not None:
             raise ConfigError("restore() was called twice; call it once, after every part exists")
-        drawn = rng_identity.torch_drawn()  # before the checkpoint's generators are set
+        drawn = rng_identity.drawn()  # before the checkpoint's generators are set
         all_parts = {**(parts or {}), **named}
         sharded, wrapped = self._wrap_parts(all_parts)
         self.ranks = self._join_ranks()
@@ -135,6 +136,7 @@ class Opening:
                                   "keep(); rename your part")
             wrapped[KEPT_PART] = self._kept
         self._part_kinds = {name: kind_of(obj) for name, obj in all_parts.items()}
+        self._loaders = [obj for obj in all_parts.values() if isinstance(obj, ResumableLoader)]
         return sharded, {name: Measured(part, name, self._sizes_of_save)
                          for name, part in wrapped.items()}
 
@@ -244,7 +246,8 @@ class Opening:
         self._drop_exit_hooks()
         raise SystemExit(Outcome.SUCCESS.exit_code)
 
-    def _compare_generators(self, manifest: Manifest | None, attempt: int, drawn: bool) -> None:
+    def _compare_generators(self, manifest: Manifest | None, attempt: int,
+                            drawn: set[str]) -> None:
         """Name a resumed attempt whose generators began elsewhere than the first
         attempt's (`trainer.base.rng_identity`); a fresh start is the first attempt."""
         if manifest is None:
@@ -256,11 +259,8 @@ class Opening:
         self._rng_first = first
         names = rng_identity.differing(first["identity"], self._rng_start, drawn)
         if names and self.leads:
-            loud, msg = rng_identity.warning_for(attempt, first["attempt"], names)
-            if loud:
-                self.reporter.log(msg, logging.WARNING)
-            else:
-                self._say(msg)
+            self.reporter.log(rng_identity.warning_for(attempt, first["attempt"], names),
+                              logging.WARNING)
 
     def _rng_record(self) -> dict[str, Any]:
         """What each checkpoint records of the generators: this attempt's start and the

@@ -15,6 +15,7 @@ from typing import Any
 from ..base.errors import (
     ConfigError,
 )
+from .data import ResumableLoader
 from .epochs import EpochWalk, Position, position_of, walk_batches, walk_epochs
 from .kept import Kept
 
@@ -54,18 +55,48 @@ class Walking:
     def batches(self, items: Iterable[Any] | None = None) -> Iterator[Any]:
         """The batch indices of the current epoch of `epochs()` still to train; or, given
         the epoch's `items` (`enumerate(range(0, n, bptt))`, a list of batches), those
-        items from the one the epoch continues with."""
+        items from the one the epoch continues with; or, given a `ResumableLoader` part, its
+        batches (it continues the restored epoch itself)."""
         if self._walk is None:
             raise ConfigError("batches() goes inside `for epoch in ckpt.epochs(epochs, "
                               "batches_per_epoch)`, which knows where the epoch continues")
         if self._kept is not None:
             self._kept.after_prologue(resumed_inside=self._walk.first > 0)
-        indices = walk_batches(self._walk)
+        indices = self._ending_loaders_epochs(walk_batches(self._walk))
         if items is None:
             return indices
+        if isinstance(items, ResumableLoader):
+            return self._loader_batches(indices, items)
         # The indices first: zip asks them for each next item, so they see the epoch's end.
         return (item for _, item in zip(indices, itertools.islice(items, self._walk.first, None),
                                         strict=False))
+
+    def _ending_loaders_epochs(self, indices: Iterator[int]) -> Iterator[int]:
+        """The epoch's batch indices; at their end, the epoch of each `ResumableLoader` part
+        that handed out its last batch is over (`zip(ckpt.batches(), loader)` never asks the
+        loader for its end, which would otherwise take the next `iter()` for a peek's)."""
+        yield from indices
+        for loader in self._loaders:
+            loader.epoch_taken()
+
+    def _loader_batches(self, indices: Iterator[int], loader: ResumableLoader) -> Iterator[Any]:
+        """The batches of a `ResumableLoader` part, which continues the restored epoch by
+        itself, checked to stand where the epoch continues."""
+        if loader not in self._loaders:
+            raise ConfigError("batches(loader): pass the ResumableLoader to restore() as a "
+                              "part, so that it resumes where the epoch continues")
+        walk = self._walk
+        batches: Iterator[Any] = iter(())  # none left: the epoch's end-of-epoch work is due
+        if walk.first < walk.per_epoch:
+            batches = iter(loader)
+            if loader.position != walk.first or len(loader) != walk.per_epoch:
+                raise ConfigError(
+                    f"batches(loader): the loader stands at batch {loader.position} of "
+                    f"{len(loader)}, the epoch continues at {walk.first} of {walk.per_epoch}: "
+                    "pass len(loader) as epochs()'s batches_per_epoch, and take the epoch's "
+                    "batches from batches(loader) alone")
+        for _, batch in zip(indices, batches, strict=False):
+            yield batch
 
     def keep(self, where: Any, *names: str) -> None:
         """Checkpoint the plain values `names` where they live, a dict (a script's

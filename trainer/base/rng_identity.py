@@ -8,10 +8,11 @@ that: it sets the generators back only for what is drawn after it.
 
 The session takes `identity()` when it is created (after its own `seed=`, before
 `restore`), records it with every checkpoint next to the first attempt's, and on a resume
-`differing()` names the generators whose states differ from the first attempt's. Torch's
-difference matters only if the script drew from it before `restore` (`torch_drawn`: its
-state is then no longer the one its seed gives); Python's and NumPy's cannot be judged
-that way, so their difference is said more quietly (they are often left unseeded and unused).
+`differing()` names the generators whose states differ from the first attempt's and that
+the script drew from before `restore` (`drawn`): a generator nobody drew from gave nothing
+away, however it was seeded. Torch's state then differs from the one its seed gives;
+Python's and NumPy's Mersenne Twisters stand at the end of their key block after any
+seeding (entropy or a number) until the first draw.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-ADVICE = "seed torch before building data and model, or pass seed= before them"
-# The generators whose difference is a warning; the others' is an info line.
-LOUD = ("torch",)
+ADVICE = ("seed them before building data and model, or pass seed= to a CheckpointSession "
+          "created before them")
+# Where a freshly seeded Mersenne Twister stands (Python's and NumPy's), before any draw:
+# its key block's end (NumPy seeded from entropy: one before it).
+_FRESH_POS = (623, 624)
 
 
 def _digest(*parts: bytes) -> str:
@@ -46,31 +49,33 @@ def identity() -> dict[str, Any]:
 
 
 def torch_drawn() -> bool:
-    """Was torch's default generator drawn from since it was seeded? Asked just before the
-    restore sets it: a generator nobody drew from gave nothing away."""
+    """Was torch's default generator drawn from since it was seeded?"""
     fresh = torch.Generator().manual_seed(torch.initial_seed()).get_state()
     return not torch.equal(torch.get_rng_state(), fresh)
 
 
-def differing(first: dict[str, Any], now: dict[str, Any], drawn: bool = True) -> list[str]:
-    """The generators whose state at this attempt's start is not the first attempt's;
-    torch only if this attempt `drawn` from it before its restore."""
-    names = [g for g in ("torch", "numpy", "python")
-             if g in first and g in now and first[g] != now[g]]
-    if "torch" in names and not drawn:
-        names.remove("torch")
+def drawn() -> set[str]:
+    """The generators drawn from since they were seeded. Asked just before the restore sets
+    them: a generator nobody drew from gave nothing away."""
+    names = {"torch"} if torch_drawn() else set()
+    if random.getstate()[1][-1] not in _FRESH_POS:
+        names.add("python")
+    if np.random.get_state()[2] not in _FRESH_POS:
+        names.add("numpy")
     return names
 
 
-def warning_for(attempt: int, first_attempt: int, names: list[str]) -> tuple[bool, str]:
-    """(loud, message) naming this attempt and the generators that differ."""
-    loud = any(n in LOUD for n in names)
+def differing(first: dict[str, Any], now: dict[str, Any], drawn: set[str]) -> list[str]:
+    """The generators whose state at this attempt's start is not the first attempt's, and
+    that this attempt `drawn` from before its restore."""
+    return [g for g in ("torch", "numpy", "python")
+            if g in first and g in now and first[g] != now[g] and g in drawn]
+
+
+def warning_for(attempt: int, first_attempt: int, names: list[str]) -> str:
+    """The warning naming this attempt, the generators that differ, and what to do."""
     which = ", ".join(names)
-    if loud:
-        return True, (f"attempt {attempt} began with other random generator states ({which}) "
-                      f"than attempt {first_attempt}: whatever the script drew before "
-                      "restore() (weights, data, a split) differs from the first attempt's, "
-                      f"and the run continues on it; {ADVICE}")
-    return False, (f"attempt {attempt} began with other {which} generator states than attempt "
-                   f"{first_attempt} (unseeded); if the script draws from them before "
-                   "restore(), seed them too")
+    return (f"attempt {attempt} began with other random generator states ({which}) than "
+            f"attempt {first_attempt}: whatever the script drew from them before restore() "
+            "(weights, data, a split) differs from the first attempt's, and the run "
+            f"continues on it; {ADVICE}")

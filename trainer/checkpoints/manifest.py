@@ -25,17 +25,23 @@ FORMAT_VERSION = 1
 # Checkpoint names carry the step in nine digits (so that they sort by name): the highest
 # step a run can reach.
 MAX_STEP = 10**9 - 1
-_NAME_RE = re.compile(r"step-([0-9]{9})-a([0-9]{1,9})")
+_NAME_RE = re.compile(r"step-([0-9]{9})-a([0-9]{1,9})(-end)?")
+# The run's end at a step its attempt committed already (a trigger fired on the last step,
+# before the script's post-loop work): committed again, as the script left it, under the
+# step's name and this suffix, since a committed checkpoint is never rewritten.
+END_SUFFIX = "-end"
+END_AGAIN = "end_again"  # the meta key that asks the checkpointer for that name
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def checkpoint_name(step: int, attempt: int) -> str:
-    return f"step-{step:09d}-a{attempt}"
+def checkpoint_name(step: int, attempt: int, end: bool = False) -> str:
+    return f"step-{step:09d}-a{attempt}{END_SUFFIX if end else ''}"
 
 
-def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
+def parse_checkpoint_name(name: str) -> tuple[int, int, bool] | None:
+    """(step, attempt, end) of a checkpoint's name, in the order checkpoints follow."""
     m = _NAME_RE.fullmatch(name) if isinstance(name, str) else None
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    return (int(m.group(1)), int(m.group(2)), m.group(3) is not None) if m else None
 
 
 def file_entry(w: WrittenObject) -> dict[str, Any]:

@@ -184,8 +184,8 @@ class CheckpointRepo:
         return max(ptr.attempt if ptr else 0, highest_attempt(self.layout)) + 1
 
     # -- writing ------------------------------------------------------------------------
-    def begin(self, step: int, attempt: int) -> Pending:
-        return Pending(checkpoint_name(step, attempt), step, attempt)
+    def begin(self, step: int, attempt: int, end: bool = False) -> Pending:
+        return Pending(checkpoint_name(step, attempt, end), step, attempt)
 
     def write_file(self, pending: Pending,
                    filename: str) -> AbstractContextManager[HashingWriter]:

@@ -41,7 +41,7 @@ def read_manifest(layout: RunLayout, name: str) -> Manifest:
     if m.name != name:
         raise CheckpointError(f"manifest {where} names {m.name!r}, not {name!r}")
     parsed = parse_checkpoint_name(name)
-    if parsed and parsed != (m.step, m.attempt):
+    if parsed and parsed[:2] != (m.step, m.attempt):
         raise CheckpointError(f"manifest {where} says step {m.step}, attempt {m.attempt}; "
                               f"its name says otherwise (it is corrupt)")
     if m.experiment is not None and (m.experiment, m.run) != (layout.experiment, layout.run):
@@ -160,7 +160,7 @@ def scan(layout: RunLayout) -> list[str]:
         # A later attempt supersedes an earlier one whatever their steps: an earlier
         # attempt's newer step can only be a save that lost the race for the pointer.
         return [n for _, n in sorted(zip(order, names, strict=True),
-                                     key=lambda t: (t[0][1], t[0][0]), reverse=True)]
+                                     key=lambda t: (t[0][1], t[0][0], t[0][2]), reverse=True)]
     return list(reversed(names))
 
 

@@ -84,6 +84,12 @@ class Ranks:
     def leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def alive(self) -> bool:
+        """The process group still exists: a script destroys it after its loop, and with it
+        the session's own group."""
+        return dist.is_initialized()
+
     def agree(self, *flags: bool) -> tuple[bool, ...]:
         """Each flag true on any rank, on every rank."""
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
