@@ -38,7 +38,8 @@ import torch  # noqa: E402
 
 from tests.polling import wait_for  # noqa: E402
 from trainer import CheckpointSession  # noqa: E402
-from trainer.api.checkpointer import Checkpointer, load_verified_state  # noqa: E402
+from trainer.api.checkpointer import Checkpointer  # noqa: E402
+from trainer.api.state_files import load_verified_state  # noqa: E402
 from trainer.checkpoints.repo import CheckpointRepo  # noqa: E402
 from trainer.storage import open_store  # noqa: E402
 

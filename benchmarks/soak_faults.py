@@ -56,7 +56,7 @@ from ckpt_assets.lifecycle.liveness import judge  # noqa: E402
 from ckpt_assets.lifecycle.settings import ResumeSettings  # noqa: E402
 from tests.polling import WaitTimeout, wait_for  # noqa: E402
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
-from trainer.api.checkpointer import load_verified_state  # noqa: E402
+from trainer.api.state_files import load_verified_state  # noqa: E402
 from trainer.base.errors import CheckpointError  # noqa: E402
 from trainer.base.outcomes import Outcome  # noqa: E402
 from trainer.checkpoints.layout import POINTER  # noqa: E402

@@ -140,7 +140,7 @@ def sharded_final(store: Path, experiment: str, run: str) -> tuple[dict, list[di
 
 def state_files(manifest) -> list[str]:
     """The files of a checkpoint's state besides its shards: one per rank, or one alone."""
-    from trainer.api.checkpointer import STATE_FILE
+    from trainer.api.state_files import STATE_FILE
     from trainer.ranks.distributed import rank_file
 
     world = manifest.meta.get("world_size")

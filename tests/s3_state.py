@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.api.checkpointer import load_verified_state
+from trainer.api.state_files import load_verified_state
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store
 

@@ -111,7 +111,7 @@ def load_checkpoint_state(store: ObjectStore, experiment: str, run: str,
             f"training run {experiment}/{run} has no valid checkpoint in {store.uri}"
             + (f" ({len(skipped)} failed verification)" if skipped else "")
             + "; materialize model_checkpoint first")
-    from trainer.api.checkpointer import load_rank_state  # imports torch: only when loading
+    from trainer.api.state_files import load_rank_state  # imports torch: only when loading
     from trainer.ranks.dcp_storage import is_sharded, read_whole
 
     # As one rank reads it: every part, whichever rank of a multi-rank save wrote it, and

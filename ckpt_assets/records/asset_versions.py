@@ -168,7 +168,7 @@ class VersionedRepo:
                 "re-materialize the asset for this partition") from e
         if fmt == "json":
             return json.loads(data), m
-        from trainer.api.checkpointer import safe_torch_load
+        from trainer.api.state_files import safe_torch_load
 
         return safe_torch_load(io.BytesIO(data), self.layout.uri(name, filename)), m
 

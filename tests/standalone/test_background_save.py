@@ -18,8 +18,9 @@ from torch import nn
 import trainer.api.checkpointer as checkpointer_mod
 from tests.trainer_proc import assert_bitwise_equal
 from trainer import CheckpointSession
-from trainer.api.checkpointer import Checkpointer, RNGState, load_verified_state
+from trainer.api.checkpointer import Checkpointer, RNGState
 from trainer.api.snapshot import HostBuffers
+from trainer.api.state_files import load_verified_state
 from trainer.base.outcomes import Outcome
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.storage import open_store

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.trainer_proc import ROOT, run_trainer, write_config
-from trainer.api.checkpointer import load_verified_state
 from trainer.api.session import CheckpointSession
+from trainer.api.state_files import load_verified_state
 from trainer.base.errors import ConfigError
 from trainer.base.outcomes import Outcome
 from trainer.checkpoints.manifest import MAX_STEP

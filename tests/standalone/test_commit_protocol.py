@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from trainer.api.checkpointer import Checkpointer, load_verified_state
+from trainer.api.checkpointer import Checkpointer
+from trainer.api.state_files import load_verified_state
 from trainer.base.errors import (
     CheckpointError,
     InvalidNameError,

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import trainer.storage.local as local_mod
-from trainer.api.checkpointer import STATE_FILE, Checkpointer
+from trainer.api.checkpointer import Checkpointer
+from trainer.api.state_files import STATE_FILE
 from trainer.base.errors import CheckpointError, PointerConflictError, StorageError
 from trainer.checkpoints.layout import POINTER
 from trainer.checkpoints.manifest import MANIFEST, checkpoint_name

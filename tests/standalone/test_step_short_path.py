@@ -160,8 +160,9 @@ def test_loss_tensors_of_quiet_steps_are_read_together_at_the_next_full_step_in_
     assert ckpt.loop.losses == [losses[0]]  # step 1 took the full path; 2..9 are kept unread
     ckpt.step(loss=torch.tensor(0.5))  # step 10 commits: every loss is read first
     assert ckpt.loop.losses == pytest.approx(losses + [0.5])
-    ckpt.close()
-    resumed = CheckpointSession(run="r", store=str(tmp_path), install_signals=False)
+    ckpt.close()  # the run's end: final
+    resumed = CheckpointSession(run="r", store=str(tmp_path), install_signals=False,
+                                continue_finished=True)
     assert resumed.restore(model=model) == 10
     assert resumed.loop.losses == pytest.approx(losses + [0.5])  # the checkpoint's history
     resumed.close()
