@@ -125,8 +125,10 @@ def decide(failure: AttemptEnd, used: Budget = Budget(),
                         f"{where}, over the budget of {cfg.max_transient}; fix the cause, "
                         "then launch the run again", budget=budget)
     if advanced:
-        return Decision(True, kind, f"resumed at once: {kind} after progress to step {step} "
-                        f"(budget of {cfg.max_transient} failures without progress untouched)",
+        progress = (f"after progress to step {step}" if step is not None
+                    else "before its first checkpoint (a first failure: given the doubt)")
+        return Decision(True, kind, f"resumed at once: {kind} {progress} (budget of "
+                        f"{cfg.max_transient} failures without progress untouched)",
                         budget=budget)
     return Decision(True, kind, f"resumed {_backoff_words(budget, cfg)}: {kind} failure "
                     f"{budget.transient} of {cfg.max_transient} {where}",

@@ -15,16 +15,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import random
-import signal
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
+from tests.frameworks.interrupted import kill_stop_finish, port_changes
 from tests.standalone.test_examples_standalone import Example, latest, run_example
-from tests.trainer_proc import ROOT, assert_bitwise_equal, final_state
+from tests.trainer_proc import assert_bitwise_equal, final_state
 
 pytest.importorskip("transformers", reason="an optional extra: pip install -e '.[hf]'")
 pytestmark = pytest.mark.slow
@@ -32,7 +30,6 @@ pytestmark = pytest.mark.slow
 STEPS = 60
 EXAMPLE = Example(("examples/hf_trainer/train.py", "--steps", str(STEPS)), None, None, "hf",
                   "tiny-gpt2", STEPS)
-HERE = ROOT / "examples" / "hf_trainer"
 # Files whose bytes are the training state; training_args.bin names the output folder.
 STATE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth")
 
@@ -77,23 +74,8 @@ def uninterrupted(tmp_path_factory) -> dict:
 
 def test_a_hf_trainer_killed_by_sigkill_then_stopped_by_sigterm_resumes_from_the_store_to_the_uninterrupted_runs_bytes(
         uninterrupted, tmp_path):
-    rng = random.Random("frameworks/hf_trainer")
-    kill_at = rng.randint(16, 29)  # after the first save (15), before the second
-    term_at = rng.randint(kill_at + 1, STEPS - 2)
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    where = f"SIGKILL at step {kill_at}, SIGTERM at step {term_at}"
-
-    killed = run_in(tmp_path / "out1", gate_at=kill_at, sig=signal.SIGKILL, gate_dir=gate)
-    assert killed.returncode == -signal.SIGKILL, f"{where}\n{killed.log}"
-    assert killed.committed == [15], f"{where}\n{killed.log}"
-    termed = run_in(tmp_path / "out2", gate_at=term_at, sig=signal.SIGTERM, gate_dir=gate)
-    assert "at step 15 " in termed.log, f"{where}\n{termed.log}"
-    assert termed.returncode == 143, f"{where}\n{termed.log}"
-    assert termed.committed[-1] == term_at, f"{where}\n{termed.log}"
-    last = run_in(tmp_path / "out3")
-    assert last.returncode == 0, f"{where}\n{last.log}"
-    assert f"at step {term_at} " in last.log, f"{where}\n{last.log}"
+    where = kill_stop_finish(lambda n, **kw: run_in(tmp_path / f"out{n}", **kw),
+                             "frameworks/hf_trainer", (16, 29), STEPS, tmp_path / "gate")
     assert latest(tmp_path / "store", EXAMPLE)[1] == STEPS
 
     resumed = trainer_files(tmp_path / "store")
@@ -102,8 +84,4 @@ def test_a_hf_trainer_killed_by_sigkill_then_stopped_by_sigterm_resumes_from_the
 
 
 def test_the_hf_trainer_port_changes_at_most_3_lines_of_the_original_script():
-    out = subprocess.run(["diff", str(HERE / "original.py"), str(HERE / "train.py")],
-                         capture_output=True, text=True, check=False).stdout
-    changed = [line for line in out.splitlines() if line.startswith(("<", ">"))]
-    print(f"diff examples/hf_trainer/original.py train.py: {len(changed)} changed lines")
-    assert 0 < len(changed) <= 3, out
+    assert 0 < port_changes("hf_trainer") <= 3

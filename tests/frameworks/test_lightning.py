@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import random
-import signal
-import subprocess
 
 import pytest
 import torch
 
+from tests.frameworks.interrupted import kill_stop_finish, port_changes
 from tests.standalone.test_examples_standalone import Example, latest, run_example
-from tests.trainer_proc import ROOT, assert_bitwise_equal, final_state
+from tests.trainer_proc import assert_bitwise_equal, final_state
 
 pytest.importorskip("lightning", reason="an optional extra: pip install -e '.[lightning]'")
 pytest.importorskip("torchdata", reason="an optional extra: pip install -e '.[torchdata]'")
@@ -30,7 +28,6 @@ pytestmark = pytest.mark.slow
 STEPS = 60
 EXAMPLE = Example(("examples/lightning/train.py", "--steps", str(STEPS)), None, None,
                   "lightning", "sine", STEPS)
-HERE = ROOT / "examples" / "lightning"
 
 
 def run_in(folder, **kw):
@@ -62,23 +59,8 @@ def uninterrupted(tmp_path_factory) -> dict:
 
 def test_a_lightning_trainer_killed_by_sigkill_then_stopped_by_sigterm_resumes_from_the_store_to_the_uninterrupted_runs_bytes(
         uninterrupted, tmp_path):
-    rng = random.Random("frameworks/lightning")
-    kill_at = rng.randint(16, 29)  # after the first save (15), before the second
-    term_at = rng.randint(kill_at + 1, STEPS - 2)
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    where = f"SIGKILL at step {kill_at}, SIGTERM at step {term_at}"
-
-    killed = run_in(tmp_path / "out1", gate_at=kill_at, sig=signal.SIGKILL, gate_dir=gate)
-    assert killed.returncode == -signal.SIGKILL, f"{where}\n{killed.log}"
-    assert killed.committed == [15], f"{where}\n{killed.log}"
-    termed = run_in(tmp_path / "out2", gate_at=term_at, sig=signal.SIGTERM, gate_dir=gate)
-    assert "at step 15 " in termed.log, f"{where}\n{termed.log}"
-    assert termed.returncode == 143, f"{where}\n{termed.log}"
-    assert termed.committed[-1] == term_at, f"{where}\n{termed.log}"
-    last = run_in(tmp_path / "out3")
-    assert last.returncode == 0, f"{where}\n{last.log}"
-    assert f"at step {term_at} " in last.log, f"{where}\n{last.log}"
+    where = kill_stop_finish(lambda n, **kw: run_in(tmp_path / f"out{n}", **kw),
+                             "frameworks/lightning", (16, 29), STEPS, tmp_path / "gate")
     assert latest(tmp_path / "store", EXAMPLE)[1] == STEPS
 
     resumed = lightning_state(tmp_path / "store")
@@ -87,8 +69,4 @@ def test_a_lightning_trainer_killed_by_sigkill_then_stopped_by_sigterm_resumes_f
 
 
 def test_the_lightning_port_changes_at_most_3_lines_of_the_original_script():
-    out = subprocess.run(["diff", str(HERE / "original.py"), str(HERE / "train.py")],
-                         capture_output=True, text=True, check=False).stdout
-    changed = [line for line in out.splitlines() if line.startswith(("<", ">"))]
-    print(f"diff examples/lightning/original.py train.py: {len(changed)} changed lines")
-    assert 0 < len(changed) <= 3, out
+    assert 0 < port_changes("lightning") <= 3

@@ -104,6 +104,8 @@ def test_a_chain_that_never_commits_is_given_the_doubt_once_then_spends_its_budg
         resumed.append((d.resume, d.delay_s))
         used = d.budget
     assert resumed == [(True, 0), (True, 10), (True, 20), (True, 40), (False, 0)]
+    first = decide(f(exit_code=-9, last_committed_step=None), Budget())
+    assert first.reason.startswith("resumed at once: killed before its first checkpoint")
     assert "without a checkpoint yet" in d.reason
 
 
