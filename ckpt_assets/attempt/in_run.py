@@ -60,10 +60,10 @@ from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.base.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
 from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.ended import liveness_outcome
-from ckpt_assets.lifecycle.model import Event, move
+from ckpt_assets.lifecycle.model import Event
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings
-from ckpt_assets.lifecycle.state import RunState, State, state_observation
+from ckpt_assets.lifecycle.transition import transition
 from trainer.base.outcomes import Outcome
 
 # The trainer ended and nothing says its run worker is about to: a relaunch here is safe.
@@ -149,20 +149,20 @@ def relaunch_words(ended: AttemptEnd, decision: Decision) -> str:
 
 
 def record_relaunch(context, ended: AttemptEnd, decision: Decision) -> None:
-    """Carry the used budget on the run (a later sensor resume continues the count) and
-    say what happens, in the run's log and as the partition's state."""
-    # The new attempt's start: liveness judges its trainer from it, not from the run's.
-    context.instance.add_run_tags(context.run.run_id, {
-        TAG_BUDGET: decision.budget.to_tag(), TAG_ATTEMPT: str(ended.attempt + 1),
-        TAG_ATTEMPT_STARTED_AT: iso(time.time() + decision.delay_s)})
+    """The move `relaunched in its run`: carry the used budget on the run (a later sensor
+    resume continues the count) and say what happens, in the run's log and as the
+    partition's state."""
     words = relaunch_words(ended, decision)
+    # The new attempt's start: liveness judges its trainer from it, not from the run's.
+    transition(context.instance, ended.training_run, Event.RELAUNCHED_IN_RUN,
+               lambda w: w.tag(context.run.run_id, {
+                   TAG_BUDGET: decision.budget.to_tag(), TAG_ATTEMPT: str(ended.attempt + 1),
+                   TAG_ATTEMPT_STARTED_AT: iso(time.time() + decision.delay_s)}),
+               context=context, detail=words,
+               extra={"relaunched_in_run": True, "failure_class": ended.outcome.value,
+                      "failure_kind": decision.kind.value, "reason": decision.reason,
+                      "delay_s": float(decision.delay_s), "budget": decision.budget.to_tag()})
     context.log.warning(words)
-    context.log_event(state_observation(
-        RunState(ended.training_run, move(State.TRAINING, Event.RELAUNCHED_IN_RUN).next, words,
-                 context.run.run_id, ended.attempt + 1),
-        {"relaunched_in_run": True, "failure_class": ended.outcome.value,
-         "failure_kind": decision.kind.value, "reason": decision.reason,
-         "delay_s": float(decision.delay_s), "budget": decision.budget.to_tag()}))
 
 
 def serve_backoff(decision: Decision, sleep=time.sleep) -> None:

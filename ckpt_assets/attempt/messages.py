@@ -43,6 +43,7 @@ from ckpt_assets.base.tags import (
     TAG_RESUMED_BY,
 )
 from ckpt_assets.lifecycle.decision_record import mirror_tags, read_decision
+from ckpt_assets.lifecycle.transition import Writes, put_back
 from ckpt_assets.mlflow.tracking import MlflowTracker
 from trainer.base.errors import CheckpointError, StorageError, TrainerError
 from trainer.base.outcomes import Outcome, signal_name
@@ -247,7 +248,7 @@ def attempt_failure(ended: AttemptEnd, report: AttemptReport) -> dg.Failure:
     return dg.Failure(description=failure_description(ended), metadata=md, allow_retries=False)
 
 
-def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log,
+def link_resume(w: Writes, run: dg.DagsterRun, log,
                 store: ObjectStore | None = None) -> str | None:
     """A resume run, once it runs, links itself and the failed run it resumes both ways.
 
@@ -258,7 +259,7 @@ def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log,
     where its decision's tags are put back if Dagster's rewrite of the ended run dropped
     them (`lifecycle.decision_record`). Returns the parent's run id; best-effort (never
     fails the step)."""
-    parent_id = run.tags.get(TAG_PARENT_RUN_ID)
+    parent_id, instance = run.tags.get(TAG_PARENT_RUN_ID), w.instance
     if not parent_id:
         return None
     try:
@@ -266,7 +267,7 @@ def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log,
         if parent is not None and store is not None and TAG_DECISION not in parent.tags:
             rec = read_decision(store, run.tags.get(PARTITION_TAG, ""), parent_id)
             if rec is not None:
-                instance.add_run_tags(parent_id, mirror_tags(rec))
+                put_back(instance, parent_id, mirror_tags(rec))
                 parent = instance.get_run_by_id(parent_id)
         reason = parent.tags.get(TAG_DECISION_REASON, "") if parent is not None else ""
         attempt = run.tags.get(TAG_ATTEMPT, "?")
@@ -276,7 +277,7 @@ def link_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, log,
                 f": {reason}" if reason else ""),
             {"resumes": dg.MetadataValue.dagster_run(parent_id)})
         if parent is not None and parent.tags.get(TAG_RESUMED_BY) != run.run_id:
-            instance.add_run_tags(parent_id, {TAG_RESUMED_BY: run.run_id})
+            w.tag(parent_id, {TAG_RESUMED_BY: run.run_id})
             report_engine_event(instance, parent, f"resumed by run {run.run_id}, attempt {attempt}",
                                 {"resumed_by": dg.MetadataValue.dagster_run(run.run_id)})
     except Exception as e:  # a missing or unwritable parent record must not stop training

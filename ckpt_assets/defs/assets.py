@@ -63,9 +63,9 @@ from ckpt_assets.defs.io_managers import CHECKPOINT_KEY, LoadedCheckpoint
 from ckpt_assets.defs.partitions import training_runs
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource, TrainerResource, git_commit
 from ckpt_assets.lifecycle.ended import named_end
-from ckpt_assets.lifecycle.model import Event, move
+from ckpt_assets.lifecycle.model import Event
 from ckpt_assets.lifecycle.settings import ResumeSettings
-from ckpt_assets.lifecycle.state import RunState, State, run_state, state_observation
+from ckpt_assets.lifecycle.transition import transition
 from ckpt_assets.mlflow.tracking import MlflowTracker
 from ckpt_assets.records.history import history_metadata, loss_history
 from ckpt_assets.runs.training_run import TrainingRunConfig, attempt_number, resolve_registration
@@ -142,8 +142,11 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
     ids = AttemptIds(attempt_number(context, repo), context.run.run_id,
                      context.run.tags.get(TAG_ROOT_RUN_ID) or context.run.run_id, git_commit())
     dataset = DatasetRecord.from_dict(training_dataset)
-    link_resume(context.instance, context.run, context.log, store)
-    context.log_event(state_observation(run_state(context.instance, reg.run)))
+    # The move `attempt started`, from the run as it stood before Dagster started it
+    # (NOT_STARTED reads as QUEUED does, and, unlike it, needs no launch origin).
+    transition(context.instance, reg.run, Event.ATTEMPT_STARTED,
+               lambda w: link_resume(w, context.run, context.log, store),
+               run=context.run.with_status(dg.DagsterRunStatus.NOT_STARTED), context=context)
     # Before this attempt commits anything: what earlier attempts committed unseen.
     seen = record_unseen_checkpoints(context, repo, reg.run)
     # The step's, for every attempt it runs: the deployment's, with the run's own keys.
@@ -163,9 +166,8 @@ def model_checkpoint(context: dg.AssetExecutionContext, config: TrainingRunConfi
             ids = replace(ids, attempt=_next_attempt(repo, ended.attempt))
     finally:
         warm.close()
-    context.log_event(state_observation(RunState(
-        reg.run, move(State.TRAINING, Event.FINISHED).next, f"attempt {ended.attempt} trained to step "
-        f"{ended.last_committed_step}", context.run.run_id, ended.attempt)))
+    transition(context.instance, reg.run, Event.FINISHED, context=context,
+               detail=f"attempt {ended.attempt} trained to step {ended.last_committed_step}")
     # The run's history across attempts, on the output people open last.
     yield _final_output(repo, ended, tracker, context, history_metadata(
         context.instance, reg.run, seen, context.log))

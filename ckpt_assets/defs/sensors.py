@@ -32,8 +32,9 @@ from ckpt_assets.base.view import RunView
 from ckpt_assets.defs.jobs import train_job
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.decision import consider
+from ckpt_assets.lifecycle.ended import lost_worker
 from ckpt_assets.lifecycle.liveness import judge, read_beat, retire
-from ckpt_assets.lifecycle.lost_worker import end_lost_attempt, lost_worker
+from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
 from ckpt_assets.lifecycle.pending import Cursor, due_resumes, sweep_ended
 from ckpt_assets.lifecycle.settings import ResumeSettings
 

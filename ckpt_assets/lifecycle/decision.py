@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from dataclasses import asdict
+from typing import Any
 
 import dagster as dg
 
@@ -37,16 +38,12 @@ from ckpt_assets.base.tags import (
     TAG_RESUME_FROM,
 )
 from ckpt_assets.base.view import RunView
-from ckpt_assets.lifecycle.decision_record import (
-    DecisionRecord,
-    create_once,
-    mirror_tags,
-    read_decision,
-)
+from ckpt_assets.lifecycle.decision_record import DecisionRecord, mirror_tags, read_decision
 from ckpt_assets.lifecycle.ended import failure_of, run_repo, stop_reason_text
+from ckpt_assets.lifecycle.model import Event
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings
-from ckpt_assets.lifecycle.state import report_state
+from ckpt_assets.lifecycle.transition import Writes, put_back, transition
 from trainer.base.outcomes import Kind
 
 RESUME_KEY_PREFIX = "resume-"
@@ -70,9 +67,10 @@ def decision_of(run: dg.DagsterRun, store: StoreSource) -> DecisionRecord | None
 
 def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
            decision: Decision, store: StoreSource) -> tuple[DecisionRecord, bool]:
-    """Create the decision once (`decision_record.create_once`), and, if this call made it,
-    say it where people look: the failed run's tags, its own log in words, the partition's
-    new state. Returns (the decision that holds, whether this call made it)."""
+    """Create the decision once (`decision_record.create_once`): the move `decided: ...` of
+    the run as it ended (`run`); if this call made it, say it where people look: the failed
+    run's tags, its own log in words, the partition's new state. Returns (the decision that
+    holds, whether this call made it)."""
     # Rounded down: a decision time in the future would look not yet due.
     decided = math.floor(time.time() * 1000) / 1000
     rec = DecisionRecord(
@@ -80,35 +78,45 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
         failure.outcome.value, decision.reason, decided,
         decided + decision.delay_s if decision.resume and decision.delay_s > 0 else None,
         decision.budget.to_tag(), failure.attempt, failure.last_committed_step)
-    rec, created = create_once(store.open(), rec)
-    if created:
-        mirror = mirror_tags(rec)
-        instance.add_run_tags(run.run_id, mirror)
+
+    def create(w: Writes) -> tuple[DecisionRecord, bool]:
+        made, created = w.decide(store.open(), rec)
+        if not created:
+            w.unmoved()  # another decider was first: its move is the one recorded
+            return made, created
+        mirror = mirror_tags(made)
+        w.tag(run.run_id, mirror)
         _say(instance, run.with_tags({**run.tags, **mirror}), failure, decision)
-    return rec, created
+        return made, created
+
+    event = (Event.DECIDED_STOP if not decision.resume else
+             Event.DECIDED_BACKOFF if decision.delay_s > 0 else Event.DECIDED_RESUME)
+    return transition(instance, failure.training_run, event, create, run=run,
+                      extra=_facts(run, failure, decision)).result
 
 
-def _say(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
-         decision: Decision) -> None:
-    run_key = f"{RESUME_KEY_PREFIX}{run.run_id}"
-    facts = to_metadata({
+def _facts(run: dg.DagsterRun, failure: AttemptEnd, decision: Decision) -> dict[str, Any]:
+    return to_metadata({
         "failed_run_id": run.run_id, "decision": "resume" if decision.resume else "stop",
         "reason": decision.reason, "failure_kind": decision.kind.value,
         "exit_code": failure.exit_code, "failure_class": failure.outcome.value,
         "last_committed_step": failure.last_committed_step, "attempt": failure.attempt,
         "delay_s": float(decision.delay_s), "budget": asdict(decision.budget),
-        "resume_run_key": run_key if decision.resume else None})
+        "resume_run_key": f"{RESUME_KEY_PREFIX}{run.run_id}" if decision.resume else None})
+
+
+def _say(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
+         decision: Decision) -> None:
     # In words, in the failed run's own log, where whoever opens that run looks first. The
     # resume's run id does not exist yet (the daemon assigns it at launch): the resume links
     # back to this run, and tags it `ckpt/resumed_by`, once it starts.
     try:
-        report_engine_event(instance, run, decision_words(decision, run_key), facts)
+        report_engine_event(instance, run,
+                            decision_words(decision, f"{RESUME_KEY_PREFIX}{run.run_id}"),
+                            _facts(run, failure, decision))
     except Exception:  # the record is what the sensors act on; this is for people
         logging.getLogger(__name__).warning("could not log the resume decision on run %s",
                                             run.run_id, exc_info=True)
-    # The state from `run` as decided, not read back: Dagster may drop tags written while it
-    # rewrites an ended run's record (docs/lifecycle.md), and the mirror is put back later.
-    report_state(instance, failure.training_run, facts, decided=run)
 
 
 def resume_request(run: dg.DagsterRun, rec: DecisionRecord,
@@ -135,6 +143,8 @@ def _decide(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource
             settings: ResumeSettings,
             ended_as: dg.DagsterRunStatus | None) -> tuple[DecisionRecord, bool]:
     failure = failure_of(instance, run, store, ended_as)
+    # The run as it ended: its record may not say so yet (`consider`).
+    run = run.with_status(ended_as) if ended_as is not None else run
     view = RunView.of(run)
     if view.stop_requested:
         decision = Decision(False, Kind.STOPPED_BY_USER, stop_reason_text(view.stop_reason))
@@ -159,7 +169,7 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSourc
     if rec is None:
         rec, _ = _decide(instance, run, store, settings or ResumeSettings.from_env(), ended_as)
     elif TAG_DECISION not in newest.tags:  # the mirror was dropped by a concurrent rewrite
-        instance.add_run_tags(run.run_id, mirror_tags(rec))
+        put_back(instance, run.run_id, mirror_tags(rec))
     return rec
 
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 import dagster as dg
 
 from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.process_group import AttemptProcesses
 from ckpt_assets.base.registration import read_registration
 from ckpt_assets.base.store import StoreSource
 from ckpt_assets.base.tags import TAG_HEARTBEAT_LOST, TAG_STALLED
@@ -106,3 +107,20 @@ def committed_step(store: StoreSource, partition: str) -> int | None:
     except Exception:  # an unreadable store must not stop the decision; the step is a hint
         return None
     return ptr.step if ptr and ptr.checkpoint else None
+
+
+def lost_worker(run: dg.DagsterRun) -> AttemptProcesses | None:
+    """`run`'s processes if it is STARTED and its run worker is known dead (it ran on this
+    machine and its process is gone); None otherwise (a worker elsewhere is the heartbeat's
+    to judge). Seeing it is a read, done by anyone; ending it is `lifecycle.lost_worker`'s."""
+    if run.status != dg.DagsterRunStatus.STARTED:
+        return None
+    procs = AttemptProcesses.of_run(run)
+    if procs is None or procs.ended or not procs.worker_gone():
+        return None
+    return procs
+
+
+def lost_words(procs: AttemptProcesses) -> str:
+    return (f"its run worker (pid {procs.worker.pid}) is gone: the attempt ended without "
+            f"recording how its training process exited (its output: {procs.output})")

@@ -39,12 +39,13 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from ckpt_assets.base.dagster_private import report_engine_event
 from ckpt_assets.base.process_group import KILL_WAIT_S, POLL_S, group_members
 from ckpt_assets.base.store import StoreSource
 from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.ended import LIVENESS_TAGS, run_repo
+from ckpt_assets.lifecycle.model import Event, NotAMove
 from ckpt_assets.lifecycle.settings import ResumeSettings
+from ckpt_assets.lifecycle.transition import Writes, transition
 from trainer.base.outcomes import Outcome
 from trainer.base.process_id import ProcessId
 from trainer.checkpoints.records import Beat
@@ -110,8 +111,19 @@ def judge(beat: Beat | None, run_id: str, started: float, now: float,
 def retire(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
            beat: Beat | None, verdict: Verdict, settings: ResumeSettings) -> str:
     """Tag, fence and stop the trainer of `run`, then mark the run failed (the module's
-    docstring says why in this order); returns what was done, in words."""
-    instance.add_run_tags(run.run_id, {LIVENESS_TAGS[verdict.outcome]: verdict.reason})
+    docstring says why in this order): the move `trainer silent`; returns what was done, in
+    words (nothing, when the run ended meanwhile: no row moves it then)."""
+    try:
+        return transition(instance, RunView.of(run).partition, Event.TRAINER_SILENT,
+                          lambda w: _retire(w, run, store, beat, verdict, settings),
+                          run=run).result
+    except NotAMove as e:
+        return f"not retired: {e}"
+
+
+def _retire(w: Writes, run: dg.DagsterRun, store: StoreSource, beat: Beat | None,
+            verdict: Verdict, settings: ResumeSettings) -> str:
+    w.tag(run.run_id, {LIVENESS_TAGS[verdict.outcome]: verdict.reason})
     view = RunView.of(run)
     attempt, partition = view.attempt, view.partition
     fenced, words = fence(store, partition, attempt)
@@ -120,21 +132,21 @@ def retire(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
     # The grace lets a fenced trainer end cleanly; one not fenced could commit in it.
     grace = settings.stop_grace_s if fenced else None
     stopped = stop_trainer(beat.process, grace) if beat else None
-    done.append(stopped or request_termination(instance, run))
+    done.append(stopped or request_termination(w, run))
     if not fenced:  # e.g. the frozen trainer held the pointer's lock until it was killed
         done.append(f"then: {fence(store, partition, attempt)[1]}")
     words = "; ".join(done)
     # The verdict stays the tag written before acting (what the decision reads); what was
     # done about it goes to the run's own log, which is appended to, never rewritten: the
     # moment the trainer is gone its run worker writes the run's tags too.
-    current = instance.get_run_by_id(run.run_id)
+    current = w.instance.get_run_by_id(run.run_id)
     # Its run worker may have failed it already (the trainer it waits for is gone); one
     # asked to terminate is CANCELING, and marked failed all the same: the resume must not
     # wait on a worker that may never answer.
     if current is not None and not current.is_finished:
-        instance.report_run_failed(current, f"{words}: marking the run failed")
+        w.fail(current, f"{words}: marking the run failed")
     else:
-        report_engine_event(instance, run, f"retired: {words}", {})
+        w.instance.report_engine_event(f"retired: {words}", dagster_run=run)
     return words
 
 
@@ -202,10 +214,10 @@ def _gone(proc: ProcessId, targets: list[tuple[str, int]], wait_s: float) -> boo
         time.sleep(POLL_S)
 
 
-def request_termination(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str:
+def request_termination(w: Writes, run: dg.DagsterRun) -> str:
     """Ask the attempt's launcher to end it (a trainer on another machine)."""
     try:
-        asked = instance.run_launcher.terminate(run.run_id)
+        asked = w.terminate_run(run.run_id)
     except Exception as e:
         return f"its launcher could not be asked to terminate it ({type(e).__name__}: {e})"
     return ("its launcher was asked to terminate it" if asked else

@@ -1,38 +1,25 @@
-"""An attempt whose run worker died without recording how its trainer exited.
+"""An attempt whose run worker died without recording how its trainer exited, ended.
 
-Seeing it is a read (`lost_worker`: the run's recorded processes say its worker ran on this
-machine and is gone), done by anyone: `list`, `lineage`, the state check. Ending it is an
-event with owners (`end_lost_attempt`): the reconciler's sweep, and a launch by hand of the
-same training run (`ckpt-assets run`, `launch`, the `new_training_run` job), which must
-chain onto it as its resume would. The run is failed (the failure sensors then decide) and
-what its attempt left running is asked to stop (the trainer commits and exits 143).
+Seeing it is a read (`lifecycle.ended.lost_worker`: the run's recorded processes say its
+worker ran on this machine and is gone), done by anyone: `list`, `lineage`, the state check.
+Ending it is the move `run worker lost`, owned here (`end_lost_attempt`) and asked for by the
+reconciler's sweep and by a launch by hand of the same training run (`ckpt-assets run`,
+`launch`, the `new_training_run` job), which must chain onto it as its resume would. The run
+is failed (the failure sensors then decide) and what its attempt left running is asked to
+stop (the trainer commits and exits 143).
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import suppress
 
 import dagster as dg
 
-from ckpt_assets.base.process_group import AttemptProcesses
-from ckpt_assets.base.tags import TAG_WORKER_LOST
-
-
-def lost_worker(run: dg.DagsterRun) -> AttemptProcesses | None:
-    """`run`'s processes if it is STARTED and its run worker is known dead (it ran on this
-    machine and its process is gone); None otherwise (a worker elsewhere is the heartbeat's
-    to judge)."""
-    if run.status != dg.DagsterRunStatus.STARTED:
-        return None
-    procs = AttemptProcesses.of_run(run)
-    if procs is None or procs.ended or not procs.worker_gone():
-        return None
-    return procs
-
-
-def lost_words(procs: AttemptProcesses) -> str:
-    return (f"its run worker (pid {procs.worker.pid}) is gone: the attempt ended without "
-            f"recording how its training process exited (its output: {procs.output})")
+from ckpt_assets.base.tags import PARTITION_TAG, TAG_WORKER_LOST
+from ckpt_assets.lifecycle.ended import lost_words, lost_worker
+from ckpt_assets.lifecycle.model import Event, NotAMove
+from ckpt_assets.lifecycle.transition import Writes, transition
 
 
 def end_lost_attempt(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dg.DagsterRun:
@@ -42,7 +29,12 @@ def end_lost_attempt(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dg.Dag
     if procs is None:
         return run
     msg = lost_words(procs)
-    instance.add_run_tags(run.run_id, {TAG_WORKER_LOST: msg})
-    instance.report_run_failed(run, msg)
-    procs.stop(0.0, logging.getLogger(__name__), wait=False)
+
+    def end(w: Writes) -> None:
+        w.tag(run.run_id, {TAG_WORKER_LOST: msg})
+        w.fail(run, msg)
+        procs.stop(0.0, logging.getLogger(__name__), wait=False)
+
+    with suppress(NotAMove):  # e.g. stopped for good meanwhile: the stop ends it
+        transition(instance, run.tags[PARTITION_TAG], Event.WORKER_LOST, end, run=run)
     return instance.get_run_by_id(run.run_id) or run

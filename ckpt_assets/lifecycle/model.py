@@ -2,10 +2,12 @@
 
 A Kubernetes-style controller in one table. Each row is (state, event) -> next state, the
 one module that acts on that event (its owner: nobody else makes that change), and what
-it records. An owner asks `move` for its row and records the row's next state, so the state
-it writes is the table's; everyone else reads the state (`lifecycle.state.run_state`,
-derived from the runs and never stored, so it cannot go stale). A write to a run outside
-the owners fails tests/project/test_write_owners.py. docs/lifecycle.md is generated from `TABLE`
+it records. An owner moves a run only through `lifecycle.transition.transition`, which
+derives the run's state, takes the row for it here (none: the owner does not act), makes
+the owner's writes and records the row's next state; everyone else reads the state
+(`lifecycle.state.run_state`, derived from the runs and never stored, so it cannot go
+stale). A write outside `transition`, or a move by a module that is not the event's owner,
+fails tests/project/test_write_owners.py. docs/lifecycle.md is generated from `TABLE`
 (tests/orchestrator/test_lifecycle_model.py keeps the two equal).
 """
 
@@ -103,10 +105,15 @@ TABLE: tuple[Transition, ...] = (
     Transition(S.TERMINATING, E.WORKER_LOST, S.DECIDING, "lifecycle.lost_worker",
                "ckpt/worker_lost; the run failed; the decision names it terminated"),
     Transition(S.TERMINATING, E.STOP_REQUESTED, S.STOPPING, *_STOP),
+    Transition(S.STOPPING, E.STOP_REQUESTED, S.STOPPING, *_STOP),
     Transition(S.DECIDING, E.DECIDED_RESUME, S.RESUMING, _DECIDE, _DECIDED),
     Transition(S.DECIDING, E.DECIDED_BACKOFF, S.WAITING, _DECIDE, _DECIDED),
     Transition(S.DECIDING, E.DECIDED_STOP, S.STOPPED_BY_POLICY, _DECIDE, _DECIDED),
     Transition(S.DECIDING, E.STOP_REQUESTED, S.STOPPED_BY_USER, *_STOP),
+    # Ended and already stopped by what the run shows (a stop for good; an outcome the
+    # policy never resumes): the decision only records it.
+    Transition(S.STOPPED_BY_USER, E.DECIDED_STOP, S.STOPPED_BY_USER, _DECIDE, _DECIDED),
+    Transition(S.STOPPED_BY_POLICY, E.DECIDED_STOP, S.STOPPED_BY_POLICY, _DECIDE, _DECIDED),
     Transition(S.WAITING, E.BACKOFF_DUE, S.RESUMING, "defs.sensors",
                "nothing new: the reconciler requests the resume once due"),
     Transition(S.WAITING, E.STOP_REQUESTED, S.STOPPED_BY_USER, *_STOP),

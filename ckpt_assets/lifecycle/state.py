@@ -28,7 +28,6 @@ promises what nobody will do, and says what to run instead.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,8 +38,7 @@ from ckpt_assets.base.clock import iso
 from ckpt_assets.base.events import MODEL_CHECKPOINT_KEY, STATE
 from ckpt_assets.base.queries import newest_training_run
 from ckpt_assets.base.view import RunView
-from ckpt_assets.lifecycle.ended import failure_of
-from ckpt_assets.lifecycle.lost_worker import lost_words, lost_worker
+from ckpt_assets.lifecycle.ended import failure_of, lost_words, lost_worker
 from ckpt_assets.lifecycle.model import State
 from trainer.base.outcomes import Outcome
 
@@ -247,22 +245,3 @@ def _state_metadata(state: RunState) -> dict[str, Any]:
             # A link to the run the state is about.
             **({"dagster_run": dg.MetadataValue.dagster_run(state.dagster_run_id)}
                if state.dagster_run_id else {})}
-
-
-def report_state(instance: dg.DagsterInstance, partition: str,
-                 extra: dict[str, Any] | None = None,
-                 decided: dg.DagsterRun | None = None) -> RunState | None:
-    """Derive the partition's state now and record it as an observation (with `extra`
-    metadata), and a state that ends the run as the partition's `training_run_state` check.
-    Best-effort: it is what people read, never what a decision rests on."""
-    try:
-        state = run_state(instance, partition, decided=decided)
-        instance.report_runless_asset_event(state_observation(state, extra))
-        if state.state in STOPPED or state.state == State.FINISHED:
-            instance.report_runless_asset_event(state_check_evaluation(state))
-        return state
-    except Exception:  # an event-log hiccup must not fail a sensor tick or a stop
-        # ... but it must not pass unseen: the partition's events then lack this state.
-        logging.getLogger(__name__).warning(
-            "could not record the state of training run %s", partition, exc_info=True)
-        return None

@@ -9,8 +9,8 @@ A run that already ended with a resume still pending (a backed-off resume the re
 launches later, or a failure not decided yet) is withdrawn as well: without that, a stop
 issued during the back-off would be undone by the reconciler minutes later.
 
-Used by the `stop_training_run` job (ckpt_assets.defs.jobs) and by `ckpt-assets stop`. The
-partition's new state ("stopping" or "stopped by user") is recorded on it as an observation.
+Used by the `stop_training_run` job (ckpt_assets.defs.jobs) and by `ckpt-assets stop`: the
+move `stopped by user` of the lifecycle table, made through `lifecycle.transition`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from ckpt_assets.base.tags import (
     TAG_STOP_REASON,
 )
 from ckpt_assets.lifecycle.ended import stop_reason_text
-from ckpt_assets.lifecycle.state import report_state
+from ckpt_assets.lifecycle.model import Event, NotAMove
+from ckpt_assets.lifecycle.transition import Writes, transition
 
 # What happened to one run (StopAction.action):
 CANCELED = "canceled from the queue"
@@ -67,56 +68,62 @@ def stop_request(instance: dg.DagsterInstance, run_id: str) -> str | None:
 def stop_training_run(instance: dg.DagsterInstance, partition: str, reason: str | None = None,
                       *, force: bool = False) -> list[StopAction]:
     """Stop training run `partition` for good; one StopAction per run acted on (none: there
-    was nothing to stop). Raises ConfigError for a malformed name.
+    was nothing to stop, e.g. it finished). Raises ConfigError for a malformed name.
 
     `force`: a run whose termination was requested is also marked canceled at once (as the
     UI's "force termination" does), for a run worker that is gone.
     """
     validate_partition_key(partition)
     tags = {TAG_NO_RESUME: "true", **({TAG_STOP_REASON: reason[:400]} if reason else {})}
-    # First the newest ended run, then the active ones: a resume launched in between is
-    # active by the time they are listed.
-    actions = _withdraw_pending_resume(instance, partition, tags, reason)
-    for run in active_runs(instance, partition):
-        instance.add_run_tags(run.run_id, tags)  # before terminating: the sensors read it
-        actions.append(StopAction(run.run_id, run.status.value, _end(instance, run, force)))
-    if actions:
-        report_state(instance, partition)
-    return actions
+
+    def stop(w: Writes) -> list[StopAction]:
+        # First the newest ended run, then the active ones: a resume launched in between is
+        # active by the time they are listed.
+        actions = _withdraw_pending_resume(w, partition, tags)
+        for run in active_runs(instance, partition):
+            w.tag(run.run_id, tags)  # before terminating: the sensors read it
+            actions.append(StopAction(run.run_id, run.status.value, _end(w, run, force)))
+        if not actions:
+            w.unmoved()
+        return actions
+
+    try:
+        return transition(instance, partition, Event.STOP_REQUESTED, stop).result
+    except NotAMove:
+        return []  # not launched, finished or stopped already: nothing to stop
 
 
-def _end(instance: dg.DagsterInstance, run: dg.DagsterRun, force: bool) -> str:
+def _end(w: Writes, run: dg.DagsterRun, force: bool) -> str:
     if run.status == dg.DagsterRunStatus.QUEUED:
         # What QueuedRunCoordinator.cancel_run does for a queued run; done here so that it
         # holds for any run coordinator (a queued run has no process to stop).
-        instance.report_run_canceling(run, message="Stopping the training run for good.")
-        instance.report_run_canceled(run, message="Stopped for good; it will not be resumed.")
+        w.cancel_queued(run, "Stopping the training run for good.",
+                        "Stopped for good; it will not be resumed.")
         return CANCELED
     if run.status == dg.DagsterRunStatus.CANCELING:
         action = ALREADY_CANCELING
     else:
-        action = TERMINATING if _terminate(instance, run) else NOT_REACHED
+        action = TERMINATING if _terminate(w, run) else NOT_REACHED
     if force:
-        current = instance.get_run_by_id(run.run_id)
+        current = w.instance.get_run_by_id(run.run_id)
         if current is not None and not current.is_finished:
-            instance.report_run_canceled(
-                current, message="Stopped for good and forcibly marked canceled; the run "
-                                 "worker's resources may not have been cleaned up.")
+            w.mark_canceled(current, "Stopped for good and forcibly marked canceled; the run "
+                                     "worker's resources may not have been cleaned up.")
             return MARKED_CANCELED
     return action
 
 
-def _terminate(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+def _terminate(w: Writes, run: dg.DagsterRun) -> bool:
     try:
-        return bool(instance.run_launcher.terminate(run.run_id))
+        return w.terminate_run(run.run_id)
     except Exception as e:  # a launcher that cannot terminate: the tag still stops resumes
-        instance.report_engine_event(f"Could not request termination: {e}", dagster_run=run)
+        w.instance.report_engine_event(f"Could not request termination: {e}", dagster_run=run)
         return False
 
 
-def _withdraw_pending_resume(instance: dg.DagsterInstance, partition: str,
-                             tags: dict[str, str], reason: str | None) -> list[StopAction]:
-    newest = newest_training_run(instance, partition)
+def _withdraw_pending_resume(w: Writes, partition: str,
+                             tags: dict[str, str]) -> list[StopAction]:
+    newest = newest_training_run(w.instance, partition)
     if newest is None or newest.status not in ENDED_UNSUCCESSFULLY:
         return []
     decision = newest.tags.get(TAG_DECISION)
@@ -126,7 +133,7 @@ def _withdraw_pending_resume(instance: dg.DagsterInstance, partition: str,
     # launched (only the newest run of a partition is ever resumed): the decision stands as
     # it was made (it is a record, never rewritten); ckpt/no_resume withdraws its resume,
     # and every reader (the launcher, the state, lineage) reads the stop first.
-    instance.add_run_tags(newest.run_id, dict(tags))
+    w.tag(newest.run_id, dict(tags))
     return [StopAction(newest.run_id, newest.status.value, RESUME_WITHDRAWN)]
 
 

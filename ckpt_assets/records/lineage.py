@@ -21,8 +21,7 @@ from ckpt_assets.base.tags import (
     TAG_STOP_REASON,
 )
 from ckpt_assets.lifecycle.decision_record import read_decision
-from ckpt_assets.lifecycle.ended import stop_reason_text
-from ckpt_assets.lifecycle.lost_worker import lost_worker
+from ckpt_assets.lifecycle.ended import lost_worker, stop_reason_text
 from ckpt_assets.records.asset_versions import VersionedRepo
 from trainer.base.errors import CheckpointError, StorageError
 from trainer.base.outcomes import Outcome

@@ -25,6 +25,7 @@ from ckpt_assets.base.metadata import checkpoint_metadata
 from ckpt_assets.base.tags import PARTITION_TAG, TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUMED_BY
 from ckpt_assets.lifecycle.decision import record as record_decision
 from ckpt_assets.lifecycle.policy import Budget, Decision
+from ckpt_assets.lifecycle.transition import Writes
 from ckpt_assets.records.history import (
     BARS,
     NO_LOSS,
@@ -281,8 +282,8 @@ def test_a_resume_run_links_itself_and_the_failed_run_both_ways_once(instance):
     resume = create_run_for_test(instance, job_name="train_job", tags={
         PARTITION_TAG: KEY, TAG_PARENT_RUN_ID: failed.run_id, TAG_ATTEMPT: "2"})
     log = Log()
-    assert link_resume(instance, resume, log) == failed.run_id
-    assert link_resume(instance, resume, log) == failed.run_id  # a step run again: no repeat
+    assert link_resume(Writes(instance), resume, log) == failed.run_id
+    assert link_resume(Writes(instance), resume, log) == failed.run_id  # a step run again: no repeat
     assert instance.get_run_by_id(failed.run_id).tags[TAG_RESUMED_BY] == resume.run_id
     # Each side names the other, and its metadata is a link the UI opens.
     (event,) = _engine_events(instance, failed)
@@ -299,4 +300,4 @@ def test_a_resume_run_links_itself_and_the_failed_run_both_ways_once(instance):
 def test_a_run_that_resumes_nothing_links_nothing(instance):
     run = create_run_for_test(instance, job_name="train_job", tags={PARTITION_TAG: KEY})
     log = Log()
-    assert link_resume(instance, run, log) is None and log.entries == []
+    assert link_resume(Writes(instance), run, log) is None and log.entries == []

@@ -214,18 +214,23 @@ def test_a_queued_run_without_a_daemon_says_it_stays_queued_until_one_dequeues_i
     assert "no daemon" not in _listed(instance, tmp_path)["detail"]
 
 
-def test_a_state_that_could_not_be_recorded_is_logged_and_fails_nothing(monkeypatch, caplog):
+def test_a_state_that_could_not_be_recorded_is_logged_and_fails_nothing(
+        instance, monkeypatch, caplog):
     # Best-effort for people, never what a decision rests on; but a lost state event must
-    # not pass unseen.
-    from ckpt_assets.lifecycle import state
+    # not pass unseen. The move's own writes are made all the same.
+    from ckpt_assets.lifecycle import transition as moves
 
     def locked(*_a, **_k):
         raise RuntimeError("database is locked")
 
-    monkeypatch.setattr(state, "run_state", locked)
-    assert state.report_state(None, "r1") is None
+    run = run_with(instance, S.STARTED)
+    monkeypatch.setattr(moves, "state_observation", locked)
+    moved = moves.transition(instance, KEY, moves.Event.STOP_REQUESTED,
+                             lambda w: w.tag(run.run_id, {TAG_NO_RESUME: "true"}))
+    assert moved.row.next is State.STOPPING
+    assert instance.get_run_by_id(run.run_id).tags[TAG_NO_RESUME] == "true"
     (record,) = [r for r in caplog.records if "could not record the state" in r.message]
-    assert "r1" in record.message and record.exc_info[1].args == ("database is locked",)
+    assert KEY in record.message and record.exc_info[1].args == ("database is locked",)
 
 
 def test_a_run_terminated_from_dagster_is_terminating_and_one_stopped_for_good_is_stopping(
