@@ -14,7 +14,7 @@ import logging
 
 import dagster as dg
 
-from ckpt_assets.base.process_group import AttemptProcesses
+from ckpt_assets.base.attempt_processes import AttemptProcesses
 from ckpt_assets.base.tags import TAG_WORKER_LOST
 
 
