@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from trainer.base.process_id import ProcessId, this_machine
+from trainer.base.process_id import ProcessId, boot_id, this_machine
+from trainer.checkpoints.records import Beat
 
 NO_SUCH_PID = 2**22 + 1  # above Linux's pid_max
 
@@ -51,3 +52,13 @@ def test_an_identity_reads_back_as_written_and_a_malformed_one_is_refused():
     for bad in ({}, {"pid": "x"}, {"pid": 7, "start_ticks": "12"}, {"pid": 7, "machine": 3}):
         with pytest.raises((KeyError, TypeError, ValueError)):
             ProcessId.from_dict(bad)
+
+
+def test_a_heartbeat_names_its_writer_and_an_older_trainers_beat_one_never_judged_here():
+    me = ProcessId.of()
+    beat = Beat.from_dict({"time": 1.0, "host": "h", **me.to_dict()})
+    assert beat.process == me and beat.process.running()
+    # Written before beats named a machine: host and boot id only.
+    old = Beat.from_dict({"time": 1.0, "pid": me.pid, "host": "h", "boot_id": boot_id(),
+                          "pgid": me.pgid, "start_ticks": me.start_ticks})
+    assert not old.process.here() and not old.process.gone()
