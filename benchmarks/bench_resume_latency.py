@@ -47,9 +47,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED  # noqa: E402
+from ckpt_assets.base.attempt_processes import AttemptProcesses  # noqa: E402
 from ckpt_assets.base.clock import parse_time  # noqa: E402
 from ckpt_assets.base.events import STATE, partition_events  # noqa: E402
-from ckpt_assets.base.process_group import AttemptProcesses  # noqa: E402
 from ckpt_assets.base.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_RESUME_FROM  # noqa: E402
 from ckpt_assets.defs.sensors import DAEMON_LOOP_S, RECONCILE_EVERY_S  # noqa: E402
 from ckpt_assets.lifecycle.policy import PolicyConfig  # noqa: E402

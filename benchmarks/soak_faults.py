@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from ckpt_assets.lifecycle.liveness import judge  # noqa: E402
 from ckpt_assets.lifecycle.settings import ResumeSettings  # noqa: E402
-from tests.polling import WaitTimeout, wait_for  # noqa: E402
+from tests.polling import WaitTimeout, pid_alive, wait_for  # noqa: E402
 from tests.trainer_proc import STEP_RE, assert_bitwise_equal, write_config  # noqa: E402
 from trainer.api.state_files import load_verified_state  # noqa: E402
 from trainer.base.errors import CheckpointError  # noqa: E402
@@ -180,18 +180,10 @@ def fork_and_exit(work: Path, store: str, env: dict) -> str:
     m = repo.read_manifest(repo.read_pointer().checkpoint)
     outcome = exit_outcome(done.returncode, None, final=m.meta.get("final") is True,
                            committed=True, left_running=len(done.left_running))
-    stray = [p for p in json.loads(pids.read_text()).values() if alive(p)]
+    stray = [p for p in json.loads(pids.read_text()).values() if pid_alive(p)]
     if not done.left_running:
         return f"{outcome.value}, but the launcher left nothing running (no fault happened)"
     return outcome.value + (f", {len(stray)} process(es) still running" if stray else "")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def env_override(work: Path, store: str, env: dict) -> str:

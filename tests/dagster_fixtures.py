@@ -23,6 +23,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from ckpt_assets.base.process_group import group_members
 from tests.polling import WaitTimeout, wait_for
 from trainer.storage.file_lock import exclusive_lock
 
@@ -309,19 +310,6 @@ def dagster_cli(*args: str, env: dict | None = None, timeout: float = 300) -> su
                           timeout=timeout)
 
 
-def process_group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group `pgid`."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
-
-
 def stop_process_group(proc: subprocess.Popen, grace: float = 30) -> None:
     """SIGTERM a process started with start_new_session=True and its children, and wait for
     all of them (`dagster dev`'s webserver, daemon and code servers outlive its main
@@ -333,7 +321,7 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 30) -> None:
 
     def all_gone() -> bool:
         proc.poll()  # reap the main process once it exits
-        return not process_group_members(proc.pid)
+        return not group_members(proc.pid)
 
     with contextlib.suppress(WaitTimeout):  # then SIGKILL
         wait_for(all_gone, grace, 0.2, f"process group {proc.pid} to exit")

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from trainer.base.process_id import EXITED, process_state
+
 T = TypeVar("T")
 
 
@@ -41,8 +43,4 @@ def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.1,
 def pid_alive(pid: int) -> bool:
     """False once the process is gone or a zombie (a process that is not our child is
     reaped by its own parent, or by init)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
+    return process_state(pid) not in (None, *EXITED)

@@ -40,17 +40,11 @@ from ckpt_assets.attempt.errors import TrainerStartError
 from ckpt_assets.attempt.file_tail import whole_lines
 from ckpt_assets.attempt.output_log import log_output
 from ckpt_assets.attempt.transport import PipesChannels
-from ckpt_assets.base.process_group import (
-    POLL_S,
-    AttemptProcesses,
-    ProcessRef,
-    die_with_parent,
-    signal_group,
-    stop_group,
-    stops_held,
-    this_machine,
-)
+from ckpt_assets.base.attempt_processes import AttemptProcesses
+from ckpt_assets.base.child_start import die_with_parent, stops_held
+from ckpt_assets.base.process_group import POLL_S, signal_group, stop_group
 from ckpt_assets.base.tags import TAG_PROCESSES
+from trainer.base.process_id import ProcessId
 
 if TYPE_CHECKING:  # the standby that may become the attempt's process
     from ckpt_assets.attempt.warm_start import WarmTrainer
@@ -86,7 +80,7 @@ def leftover_output(procs: AttemptProcesses, run_id: str) -> Path | None:
     """The output file `procs` name, if it is one a run worker of `run_id` on this machine
     made: a tag is anyone's to write, and no other file is ever removed for it."""
     path = Path(procs.output)
-    if (procs.here and path.parent == Path(tempfile.gettempdir())
+    if (procs.worker.here() and path.parent == Path(tempfile.gettempdir())
             and path.name.startswith(output_prefix(run_id)) and path.suffix == OUTPUT_SUFFIX):
         return path
     return None
@@ -121,13 +115,14 @@ def run_to_end(argv: list[str], env: dict[str, str], cwd: str, output: str, grac
     """Run `argv` as an attempt's process without Dagster (benchmarks, tools): in a group
     of its own, its output in the file `output`, until it and all it started are gone."""
     proc = start_process(argv, env, cwd, output)
-    group = ProcessRef.known(proc.pid)
+    group = ProcessId.of(proc.pid)
     try:
         rc = proc.wait()
     except BaseException:  # interrupted: nothing of the attempt may outlive it
         signal_group(proc.pid, signal.SIGKILL)
         raise
-    return ProcessOutcome(rc, None, stop_group(proc.pid, grace_s, log, group.start, reap=proc))
+    return ProcessOutcome(rc, None, stop_group(proc.pid, grace_s, log, group.start_ticks,
+                                               reap=proc))
 
 
 @dataclass(frozen=True)
@@ -188,8 +183,7 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
         proc = warm.take(argv, env, cwd, output) if warm is not None else None
         warmed = proc is not None
         proc = proc or start_process(argv, env, cwd, output)
-        group = ProcessRef.known(proc.pid)
-        procs = AttemptProcesses(this_machine(), ProcessRef.known(os.getpid()), group, output)
+        procs = AttemptProcesses(ProcessId.of(), ProcessId.of(proc.pid), output)
         _record(context, procs)
         context.log.info(f"{PROCESS_STARTED} (pid {proc.pid}, its own process group"
                          f"{', ' + WARM_STARTED if warmed else ''}; "
@@ -212,7 +206,7 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
             rc = stop(context, proc, grace_s)
         # Whatever outlived the main process (a command that forked and exited) is stopped
         # now: the attempt ends when its whole group is gone.
-        left = stop_group(proc.pid, grace_s, context.log, group.start, reap=proc)
+        left = stop_group(proc.pid, grace_s, context.log, procs.group.start_ticks, reap=proc)
     finally:
         done.set()
         reader.join(10)

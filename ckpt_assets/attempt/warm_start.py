@@ -38,8 +38,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ckpt_assets.base.process_group import die_with_parent, stops_held
+from ckpt_assets.base.child_start import die_with_parent, stops_held
 from ckpt_assets.lifecycle.settings import ResumeSettings
+from trainer.base.process_id import EXITED, STOPPED, process_state
 from trainer.process.standby import MODULE, PING, PONG, Handoff, entry, own_trainer, standing_env
 
 STANDBY_STARTED = "standby trainer started"  # the run's log line
@@ -103,27 +104,14 @@ class _Standby:
                 return f"it did not answer within {time.monotonic() - asked:.1f}s"
 
     def _gone(self) -> str | None:
-        """Why the kernel says this standby will never read a line, or None."""
+        """Why the kernel says this standby will never read a line, or None (where there is
+        no /proc, only the ping's deadline tells a stopped standby)."""
         state = process_state(self.proc.pid)
         # A zombie (Z) is not yet reapable while its other threads (torch's) still exit.
         if self.proc.poll() is not None or state in EXITED:
             return "it has exited"
         if state in STOPPED:
             return f"it is stopped (state {state}: SIGSTOP or a debugger)"
-        return None
-
-
-STOPPED = ("T", "t")  # /proc/PID/stat states of a process that will not run until continued
-EXITED = ("Z", "X")  # ... and of one that exited
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of `pid` in /proc (R, S, D, T, t, Z, ...), or None where there is no
-    /proc (then only the ping's deadline tells a stopped standby)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
         return None
 
 

@@ -45,8 +45,8 @@ TAG_HEARTBEAT_LOST = "ckpt/heartbeat_lost"  # the heartbeat's age when it gave u
 # Set by whoever finds a STARTED run whose run worker died, before it fails the run:
 TAG_WORKER_LOST = "ckpt/worker_lost"  # what was found, in words
 
-# On a training run while its step runs (`ckpt_assets.attempt.process.AttemptProcesses`):
-TAG_PROCESSES = "ckpt/processes"  # its machine, run worker, process group and output file
+# On a training run while its step runs (`ckpt_assets.base.attempt_processes.AttemptProcesses`):
+TAG_PROCESSES = "ckpt/processes"  # its run worker, process group (each a ProcessId), output
 # ... or one whose trainer heartbeats but completed no step within the stall limit:
 TAG_STALLED = "ckpt/stalled"  # the step's age when it gave up, in words
 

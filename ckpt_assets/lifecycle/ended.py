@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import dagster as dg
 
+from ckpt_assets.base.attempt_processes import AttemptProcesses
 from ckpt_assets.base.end import AttemptEnd
-from ckpt_assets.base.process_group import AttemptProcesses
 from ckpt_assets.base.registration import read_registration
 from ckpt_assets.base.store import StoreSource
 from ckpt_assets.base.tags import TAG_HEARTBEAT_LOST, TAG_STALLED

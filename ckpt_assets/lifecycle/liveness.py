@@ -20,10 +20,10 @@ resume), its trainer is retired, in this order:
 2. the run is fenced (`CheckpointRepo.fence`): the pointer is rewritten by the reconciler
    and refuses the attempt's claim, so the old trainer never commits again (its next commit
    and its next step exit 6) wherever it runs;
-3. a trainer on this machine (its beat names this host and boot, and its pid still has the
-   start time the beat recorded) is stopped: SIGTERM and SIGCONT to its process group (a
-   frozen process acts on SIGTERM only once continued), a grace, SIGKILL, and it is seen
-   gone; a trainer the fence could not reach (whatever the store's error; a frozen one
+3. a trainer on this machine (its beat names this machine, and its pid still has the
+   start time the beat recorded: `trainer.base.process_id`) is stopped: SIGTERM and
+   SIGCONT to its process group (a frozen process acts on SIGTERM only once continued), a
+   grace, SIGKILL, and it is seen gone; a trainer the fence could not reach (whatever the store's error; a frozen one
    holding the local store's pointer lock is one) gets no grace, in which it could commit:
    SIGKILL at once, then the fence again. A trainer elsewhere, or one that cannot be
    identified, is asked to stop through the attempt's launcher (Dagster run termination);
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 
@@ -165,17 +166,17 @@ def fence(store: StoreSource, partition: str, attempt: int) -> tuple[bool, str]:
                   f"(pointer generation {ptr.generation})")
 
 
-def stop_trainer(proc: ProcessId | None, grace_s: float | None) -> str | None:
+def stop_trainer(proc: ProcessId, grace_s: float | None) -> str | None:
     """Stop the trainer process `proc` and its process group if it runs on this machine:
     SIGTERM and `grace_s` seconds, then SIGKILL (at once when `grace_s` is None); what
     happened, in words, or None when it is not ours to signal (another machine, or it
     cannot be told apart from a process that reuses its pid)."""
-    if proc is None or not proc.on_this_machine():
+    if not proc.here():
         return None
-    who = f"trainer pid {proc.pid} on {proc.host}"
+    who = f"trainer pid {proc.pid} on {socket.gethostname()}"
     if not proc.running():
         return f"{who} already gone"
-    group = proc.current_group()
+    group = proc.group_now()
     # Its whole process group (the launcher gave it one), never the reconciler's own.
     targets = ([("group", group)] if group == proc.pgid and group not in (None, 0, 1)
                and group != os.getpgrp() else [("pid", proc.pid)])

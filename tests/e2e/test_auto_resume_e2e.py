@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_assets.base.process_group import AttemptProcesses
+from ckpt_assets.base.attempt_processes import AttemptProcesses
 from ckpt_assets.lifecycle.settings import Setting
 from tests.daemon_harness import (
     ROOT,

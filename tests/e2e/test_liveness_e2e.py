@@ -4,14 +4,16 @@ stopped before its resume starts.
 
 The daemon runs with CKPT_HEARTBEAT_TIMEOUT_S shortened (and the grace for the run worker's
 own work before and after its trainer generous: start-up on a busy machine says nothing
-about how often a live trainer beats); a sampler reads, every 0.2 s, which
-processes of each attempt are alive (by the attempt in their environment, as the
-orchestrator launched them) and the run's heartbeat.
+about how often a live trainer beats), and the shipped defaults otherwise (the warm standby
+on); a sampler reads, every 0.2 s, which processes of each attempt are alive and the run's
+heartbeat. It finds an attempt's processes as the orchestrator records them, by the run's
+`ckpt/processes` tag (the leader of the attempt's process group, by pid and start time),
+not by their environment: a trainer that began as a warm standby shows in /proc the
+environment it started with, without the attempt's names it took on at its handoff.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -19,14 +21,17 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
+from ckpt_assets.base.attempt_processes import AttemptProcesses
 from ckpt_assets.base.tags import TAG_FAILURE_KIND, TAG_HEARTBEAT_LOST, TAG_STALLED
+from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.settings import Setting
 from tests.daemon_harness import Daemon, baseline_config, kill, training_config
 from tests.polling import pid_alive
 from tests.trainer_proc import assert_bitwise_equal, final_state, training_state
+from trainer.base.process_id import ProcessId
 from trainer.checkpoints.records import Beat
 from trainer.checkpoints.repo import CheckpointRepo
-from trainer.process.contract import Env
 from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow
@@ -38,48 +43,37 @@ TIMEOUT_S = 10
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     work = tmp_path_factory.mktemp("liveness")
-    # The sampler finds an attempt's processes by the environment they were started with
-    # (/proc/PID/environ); a warm standby was started without the per-attempt names and
-    # takes them on only at its handoff, which /proc does not show. Cold starts here.
     d = Daemon.start(work, str(work / "store"), {
         Setting.HEARTBEAT_TIMEOUT_S.value: str(TIMEOUT_S),
-        Setting.WORKER_GRACE_S.value: "180",
-        Setting.WARM_TRAINER.value: "0"})
+        Setting.WORKER_GRACE_S.value: "180"})
     yield d
     d.stop()
 
 
-def attempts_alive(run: str) -> dict[int, int]:
-    """{pid: attempt} of the live processes launched for training run `run`."""
-    want = f"{Env.RUN.value}={run}".encode()
-    alive = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if want in env and pid_alive(int(name)):
-            attempt = next((v for v in env if v.startswith(f"{Env.ATTEMPT.value}=".encode())),
-                           b"=0")
-            alive[int(name)] = int(attempt.split(b"=", 1)[1])
-    return alive
-
-
 class Sampler(threading.Thread):
-    """Samples the run's live trainer processes and its heartbeat until stopped."""
+    """Samples the live processes of the run's attempts and its heartbeat until stopped."""
 
     def __init__(self, daemon: Daemon, run: str):
         super().__init__(daemon=True)
         self.daemon_, self.run_ = daemon, run
         self.samples: list[dict[int, int]] = []  # {pid: attempt}, oldest first
         self.beats: list[Beat] = []
+        # Every attempt's process group seen on the run's tag, and the attempt it was (a
+        # relaunch in the run records its own over it, and the run's attempt moves on).
+        self.groups: dict[ProcessId, tuple[AttemptProcesses, int]] = {}
         self._halt = threading.Event()
+
+    def attempts_alive(self) -> dict[int, int]:
+        """{pid: attempt} of the live processes of the run's attempts."""
+        for run in self.daemon_.runs(self.run_):
+            procs = AttemptProcesses.of_run(run)
+            if procs is not None and procs.group not in self.groups:
+                self.groups[procs.group] = (procs, RunView.of(run).attempt)
+        return {pid: attempt for procs, attempt in self.groups.values() for pid in procs.left()}
 
     def run(self) -> None:
         while not self._halt.is_set():
-            self.samples.append(attempts_alive(self.run_))
+            self.samples.append(self.attempts_alive())
             beat = Beat.from_dict(self.daemon_.heartbeat(self.run_))
             if beat is not None and (not self.beats or beat != self.beats[-1]):
                 self.beats.append(beat)
@@ -99,6 +93,12 @@ class Sampler(threading.Thread):
 
 def _beat(daemon: Daemon, run: str) -> Beat | None:
     return Beat.from_dict(daemon.heartbeat(run))
+
+
+def _warm_starts(daemon: Daemon, run_id: str) -> list[bool]:
+    """For each attempt's start in Dagster run `run_id`: did its standby become it?"""
+    return [WARM_STARTED in r.user_message for r in daemon.instance.all_logs(run_id)
+            if r.user_message.startswith(PROCESS_STARTED)]
 
 
 def test_a_healthy_step_three_times_the_heartbeat_timeout_is_never_declared_dead(
@@ -130,6 +130,7 @@ def test_a_healthy_step_three_times_the_heartbeat_timeout_is_never_declared_dead
     assert first_step.step_time - claimed.step_time > 3 * TIMEOUT_S
     assert {b.attempt for b in sampler.beats if b.attempt} == {1}
     assert sampler.most_attempts_at_once() == 1
+    assert _warm_starts(daemon, only.run_id) == [True]  # the sampler saw a warm-started one
     assert daemon.max_active[name] == 1
 
 
@@ -163,6 +164,7 @@ def test_a_frozen_trainer_declared_dead_is_gone_before_its_resume_starts(
     old, new = sampler.seen(lambda p, a: p == pid), sampler.seen(lambda p, a: a == 2)
     assert old and new and max(old) < min(new), (old[-3:], new[:3])
     assert sampler.most_attempts_at_once() == 1
+    assert _warm_starts(daemon, failed.run_id) == [True]
     assert not pid_alive(pid)
     # Nothing it wrote after it froze entered the run's history (it was fenced).
     after = repo.read_pointer().timeline

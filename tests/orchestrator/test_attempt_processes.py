@@ -22,6 +22,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import dagster as dg
@@ -36,16 +37,10 @@ from ckpt_assets.attempt.process import (
     output_prefix,
     start_process,
 )
+from ckpt_assets.base.attempt_processes import AttemptProcesses
+from ckpt_assets.base.child_start import stoppable, stops_held
 from ckpt_assets.base.end import AttemptEnd
-from ckpt_assets.base.process_group import (
-    AttemptProcesses,
-    ProcessRef,
-    group_members,
-    stop_group,
-    stoppable,
-    stops_held,
-    this_machine,
-)
+from ckpt_assets.base.process_group import group_members, stop_group
 from ckpt_assets.base.tags import TAG_PROCESSES, TAG_WORKER_LOST
 from ckpt_assets.lifecycle.ended import failure_of
 from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
@@ -61,13 +56,13 @@ from tests.dagster_fixtures import (
     materializations,
     materialize_run,
     pointer_step,
-    process_group_members,
     step_failure_metadata,
 )
 from tests.polling import pid_alive
 from tests.subreaper import read_status
 from trainer.api.session import CheckpointSession
 from trainer.base.outcomes import Kind, Outcome
+from trainer.base.process_id import ProcessId, this_machine
 from trainer.checkpoints.records import CheckpointRecord
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.process.contract import Finished, Started
@@ -351,16 +346,10 @@ def test_only_the_output_file_a_dead_worker_of_that_run_made_here_is_removed_for
     import tempfile
 
     run_id = "1234abcd-0000"
-    me = ProcessRef(1, 1)
+    me = ProcessId(1, 1, this_machine() if machine == "here" else "other-boot/pid:[1]")
     path = output.format(tmp=tempfile.gettempdir(), prefix=output_prefix(run_id))
-    procs = AttemptProcesses(this_machine() if machine == "here" else "other-host", me, me, path)
+    procs = AttemptProcesses(me, me, path)
     assert (leftover_output(procs, run_id) == Path(path)) is removed
-
-
-def test_a_process_is_known_by_pid_and_start_time_so_a_reused_pid_is_not_it():
-    me = ProcessRef.of(os.getpid())
-    assert me is not None and me.alive()
-    assert not ProcessRef(me.pid, me.start + 1).alive()
 
 
 # -- a stdout whose reader died ------------------------------------------------------------------
@@ -389,22 +378,22 @@ def test_a_stdout_pipe_nobody_reads_any_more_is_pointed_at_devnull():
 
 # -- an attempt whose run worker died ---------------------------------------------------------------
 
-def _dead_process() -> ProcessRef:
+def _dead_process() -> ProcessId:
     proc = subprocess.Popen(["sleep", "60"])
-    ref = ProcessRef.of(proc.pid)
+    ref = ProcessId.of(proc.pid)
     proc.kill()
     proc.wait()
     return ref
 
 
-def _started_with(instance, worker: ProcessRef, machine: str | None):
-    procs = AttemptProcesses(machine, worker, worker, "/tmp/ckpt-output.log")
+def _started_with(instance, worker: ProcessId):
+    procs = AttemptProcesses(worker, worker, "/tmp/ckpt-output.log")
     return dagster_runs.started_run(instance, "lost", tags={TAG_PROCESSES: procs.to_tag()})
 
 
 @pytest.mark.slow
 def test_a_run_whose_worker_died_here_is_seen_by_a_read_and_ended_only_by_its_owner(instance):
-    run = _started_with(instance, _dead_process(), this_machine())
+    run = _started_with(instance, _dead_process())
     state = run_state(instance, "lost")
     assert state.state == State.TRAINING and "run worker" in state.detail
     # A read never writes: `list` and `lineage` leave the run as they found it.
@@ -419,9 +408,9 @@ def test_a_run_whose_worker_died_here_is_seen_by_a_read_and_ended_only_by_its_ow
 @pytest.mark.parametrize("where", ["alive", "elsewhere"])
 def test_a_run_whose_worker_lives_or_ran_elsewhere_is_left_training(instance, where):
     if where == "alive":
-        run = _started_with(instance, ProcessRef.of(os.getpid()), this_machine())
+        run = _started_with(instance, ProcessId.of())
     else:
-        run = _started_with(instance, _dead_process(), "another-boot/pid:[1]")
+        run = _started_with(instance, replace(_dead_process(), machine="another-boot/pid:[1]"))
     assert run_state(instance, "lost").state == State.TRAINING
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
 
@@ -455,7 +444,7 @@ def test_a_command_that_forks_and_exits_0_fails_unfinished_and_leaves_no_process
     # Nothing of the attempt is left: not the launcher, its child, nor the command.
     pids = json.loads(pids_file.read_text())
     assert not [p for p in pids.values() if pid_alive(p)], pids
-    assert process_group_members(pids["launcher"]) == []
+    assert group_members(pids["launcher"]) == []
     # The command was stopped, not killed: it committed on the group's SIGTERM.
     repo = CheckpointRepo(open_store(str(store)), "default", "forks")
     m = repo.read_manifest(repo.read_pointer().checkpoint)

@@ -18,9 +18,9 @@ from ckpt_assets.attempt.in_run import (
 )
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
 from ckpt_assets.attempt.warm_start import STANDBY_STARTED
+from ckpt_assets.base.attempt_processes import AttemptProcesses
 from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
-from ckpt_assets.base.process_group import AttemptProcesses
 from ckpt_assets.base.tags import (
     TAG_ATTEMPT,
     TAG_BUDGET,

@@ -11,8 +11,8 @@ import time
 import dagster as dg
 import pytest
 
+from ckpt_assets.base.attempt_processes import AttemptProcesses
 from ckpt_assets.base.end import AttemptEnd
-from ckpt_assets.base.process_group import AttemptProcesses, ProcessRef, this_machine
 from ckpt_assets.base.tags import (
     TAG_ATTEMPT,
     TAG_DECISION,
@@ -34,6 +34,7 @@ from ckpt_assets.lifecycle.state import State, run_state, state_of, without_daem
 from ckpt_assets.lifecycle.stop import stop_training_run
 from tests import dagster_runs
 from trainer.base.outcomes import Outcome
+from trainer.base.process_id import ProcessId
 from trainer.checkpoints.records import Beat
 
 KEY = "seams"
@@ -45,9 +46,9 @@ def instance():
         yield inst
 
 
-def _dead_worker() -> ProcessRef:
+def _dead_worker() -> ProcessId:
     proc = subprocess.Popen(["sleep", "60"])
-    ref = ProcessRef.of(proc.pid)
+    ref = ProcessId.of(proc.pid)
     proc.kill()
     proc.wait()
     return ref
@@ -57,7 +58,7 @@ def _killed_cli_run(instance) -> dg.DagsterRun:
     """What a SIGKILLed `ckpt-assets run` leaves: a STARTED run whose worker (the CLI's own
     process) is gone."""
     worker = _dead_worker()
-    procs = AttemptProcesses(this_machine(), worker, worker, "/tmp/ckpt-seams.log")
+    procs = AttemptProcesses(worker, worker, "/tmp/ckpt-seams.log")
     return dagster_runs.started_run(instance, KEY, tags={TAG_PROCESSES: procs.to_tag()})
 
 

@@ -569,9 +569,9 @@ def write_beat(store: CheckpointStore, run: dg.DagsterRun | None = None, *, age_
     by process `proc` (None: a process nobody can signal from here); `ended`: its session's
     last beat."""
     now = time.time()
-    where = {} if proc is None else {"host": proc.host, "boot_id": proc.boot_id,
-                                     "pgid": proc.pgid, "start_ticks": proc.start_ticks}
-    body = Beat(time=now - age_s, pid=proc.pid if proc else 1, step=20,
+    where = {} if proc is None else {**proc.to_dict(), "host": socket.gethostname()}
+    where.setdefault("pid", 1)
+    body = Beat(time=now - age_s, step=20,
                 step_time=now - step_age_s, attempt=1, resumed_step=0,
                 dagster_run_id=run.run_id if run else None,
                 ended=now - age_s if ended else None, **where)
@@ -757,7 +757,7 @@ def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("elsewhere,said", [
-    pytest.param(lambda p: dataclasses.replace(p, host="another-machine"),
+    pytest.param(lambda p: dataclasses.replace(p, machine="another-boot/pid:[4026531836]"),
                  "its launcher could not", id="a trainer on another machine"),
     pytest.param(lambda p: dataclasses.replace(p, start_ticks=p.start_ticks - 1),
                  "already gone", id="a trainer whose pid another process reuses"),

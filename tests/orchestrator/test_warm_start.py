@@ -30,7 +30,7 @@ from ckpt_assets.attempt.command import (
     task_launch,
 )
 from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
-from ckpt_assets.attempt.warm_start import IMPORT_S, WarmTrainer, _Standby, process_state
+from ckpt_assets.attempt.warm_start import IMPORT_S, WarmTrainer, _Standby
 from ckpt_assets.base.datasets import DatasetRecord
 from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
 from ckpt_assets.base.registration import Registration
@@ -40,6 +40,7 @@ from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import materialize_run, training_config
 from tests.polling import pid_alive
+from trainer.base.process_id import process_state
 from trainer.checkpoints.repo import CheckpointRepo
 from trainer.config import config_from_dict
 from trainer.process.contract import Env

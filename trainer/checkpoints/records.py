@@ -116,8 +116,10 @@ class Beat:
     owner: str | None = None  # the claim's owner token, as in latest.json
     dagster_run_id: str | None = None  # the Dagster run that launched it, if any
     ended: float | None = None  # when the session ended (its last beat)
-    host: str | None = None
-    boot_id: str | None = None
+    host: str | None = None  # the writer's host name, for people
+    # The writer (`ProcessId`); a beat of an older trainer names no machine, and its
+    # writer is never signalled (its launcher is asked to stop it).
+    machine: str | None = None
     pgid: int | None = None
     start_ticks: int | None = None
 
@@ -136,7 +138,6 @@ class Beat:
             return None
 
     @property
-    def process(self) -> ProcessId | None:
-        if self.host is None or self.pgid is None:
-            return None
-        return ProcessId(self.host, self.boot_id, self.pid, self.pgid, self.start_ticks)
+    def process(self) -> ProcessId:
+        """The process that wrote it."""
+        return ProcessId(self.pid, self.start_ticks, self.machine, self.pgid)

@@ -16,9 +16,10 @@ trainer is gone or frozen; a fresh heartbeat whose step has not moved for
 CKPT_STALL_TIMEOUT_S means it is alive but stuck. Both end the attempt, each with its own
 outcome (`heartbeat_lost`, `stalled`).
 
-A beat also says which process wrote it (host, boot id, pid, process group, and the
-process's start time in clock ticks since boot), so that a reconciler on the same machine
-stops exactly that trainer, never a later process that reuses its pid.
+A beat also says which process wrote it (`ProcessId`: its machine, that is the boot and
+the PID namespace, its pid, process group and start time in clock ticks since boot; and the
+host's name, for people), so that a reconciler on the same machine stops exactly that
+trainer, never a later process that reuses its pid.
 
 The thread never writes once the session ended (the ending beat is written by the session's
 end itself, and not at all by a superseded attempt or one whose beats were failing), nor
@@ -34,6 +35,7 @@ Standalone (`trainer/` never imports dagster); the orchestrator reads `Beat`
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -61,9 +63,7 @@ class Heartbeat:
         self.every_step = every_s <= 0
         self.interval = EVERY_STEP_IDLE_S if self.every_step else every_s
         self.fenced = False  # the run's pointer names another owner: this attempt is over
-        me = ProcessId.of()
-        self._fixed = {"pid": me.pid, "host": me.host, "boot_id": me.boot_id,
-                       "pgid": me.pgid, "start_ticks": me.start_ticks,
+        self._fixed = {**ProcessId.of().to_dict(), "host": socket.gethostname(),
                        "dagster_run_id": dagster_run_id}
         self._progress: dict[str, Any] = {}
         # (last completed step, when it was reached): one attribute, replaced whole by every

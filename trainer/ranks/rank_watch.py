@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..base.process_id import stat_fields
+from ..base.process_id import EXITED, stat_fields
 from ..process.contract import Env
 from ..process.signals import on_a_helper_thread
 
@@ -94,7 +94,7 @@ def child_exists(pid: int, parent: int) -> bool:
     """Is `pid` a child of `parent` that has not exited (stopped counts: it still exists)?
     A pid reused by another process is not our child."""
     fields = stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X") and int(fields[1]) == parent
+    return fields is not None and fields[0] not in EXITED and int(fields[1]) == parent
 
 
 class RankWatch:

@@ -22,12 +22,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..base.errors import LockHeldError
+from ..base.process_id import STOPPED, process_state
 
 # Longer than any fsync of a few hundred bytes on a busy disk; shorter than a sensor tick's
 # time limit, so a fence that gives up still leaves the reconciler time to stop the holder.
 LOCK_WAIT_S = 20.0
-# Process states (/proc/PID/stat) in which a process runs no code until it is continued.
-_STOPPED_STATES = frozenset("Tt")
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # The lock files this process has open; the guard keeps a fork from falling between an
@@ -82,7 +81,7 @@ def lock_exclusive(fd: int, what: str, wait_s: float | None = None) -> None:
         # Only a holder matched on device and inode is judged stopped: acting on another
         # filesystem's file of the same inode number would fail a healthy write.
         exact, named = lock_holders(fd)
-        stopped = exact is not None and process_state(exact) in _STOPPED_STATES
+        stopped = exact is not None and process_state(exact) in STOPPED
         if stopped or time.monotonic() >= deadline:
             holder = exact or named
             who = f"process {holder}" if holder else "another process"
@@ -120,12 +119,3 @@ def lock_holders(fd: int) -> tuple[int | None, int | None]:
     exact = next((pid for dev, pid in held if dev == ours), None)
     pids = {pid for _, pid in held}
     return exact, exact or (pids.pop() if len(pids) == 1 else None)
-
-
-def process_state(pid: int) -> str | None:
-    """The one-letter state of process `pid` (R, S, D, T, t, Z…), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
