@@ -23,6 +23,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from ckpt_assets.defs.resources import MLflowResource
 from tests.polling import WaitTimeout, wait_for
 from trainer.storage.file_lock import exclusive_lock
 
@@ -164,6 +165,9 @@ def instance() -> dg.DagsterInstance:
 
 # Step output is not what the fast tests read, and capturing it would start a `tail` process
 # per run: no compute logs.
+# The sensors' MLflow resource, off: a test that builds a sensor's context by hand and
+# reads no MLflow (the decider records a lost attempt's end there).
+NO_MLFLOW = {"mlflow_tracking": MLflowResource(enabled=False)}
 NO_COMPUTE_LOGS = {"compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
                                     "class": "NoOpComputeLogManager"}}
 

@@ -57,7 +57,13 @@ from ckpt_assets.base.dagster_private import (
     pop_captured_interrupt,
 )
 from ckpt_assets.base.end import AttemptEnd
-from ckpt_assets.base.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
+from ckpt_assets.base.tags import (
+    TAG_ATTEMPT,
+    TAG_ATTEMPT_STARTED_AT,
+    TAG_BUDGET,
+    TAG_INTERRUPTED,
+    interrupted_tag,
+)
 from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.ended import liveness_outcome
 from ckpt_assets.lifecycle.model import Event, move
@@ -151,16 +157,21 @@ def relaunch_words(ended: AttemptEnd, decision: Decision) -> str:
 def record_relaunch(context, ended: AttemptEnd, decision: Decision) -> None:
     """Carry the used budget on the run (a later sensor resume continues the count) and
     say what happens, in the run's log and as the partition's state."""
-    # The new attempt's start: liveness judges its trainer from it, not from the run's.
+    # The new attempt's start: liveness judges its trainer from it, not from the run's. The
+    # ended attempt joins the chain's interrupted ones, by the name its attempt_ended has.
+    run = context.instance.get_run_by_id(context.run.run_id) or context.run
     context.instance.add_run_tags(context.run.run_id, {
         TAG_BUDGET: decision.budget.to_tag(), TAG_ATTEMPT: str(ended.attempt + 1),
-        TAG_ATTEMPT_STARTED_AT: iso(time.time() + decision.delay_s)})
+        TAG_ATTEMPT_STARTED_AT: iso(time.time() + decision.delay_s),
+        TAG_INTERRUPTED: interrupted_tag(RunView.of(run).interrupted,
+                                         (ended.attempt, ended.outcome.value))})
     words = relaunch_words(ended, decision)
     context.log.warning(words)
     context.log_event(state_observation(
         RunState(ended.training_run, move(State.TRAINING, Event.RELAUNCHED_IN_RUN).next, words,
                  context.run.run_id, ended.attempt + 1),
-        {"relaunched_in_run": True, "failure_class": ended.outcome.value,
+        {"relaunched_in_run": True, "ended_attempt": ended.attempt,
+         "failure_class": ended.outcome.value,
          "failure_kind": decision.kind.value, "reason": decision.reason,
          "delay_s": float(decision.delay_s), "budget": decision.budget.to_tag()}))
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import dagster as dg
 
 from ckpt_assets.base.dagster_private import report_engine_event
 from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.events import ATTEMPT_ENDED, MODEL_CHECKPOINT_KEY
 from ckpt_assets.base.metadata import to_metadata
 from ckpt_assets.base.names import TRAIN_JOB
 from ckpt_assets.base.queries import is_training_run, newest_training_run
@@ -43,13 +44,22 @@ from ckpt_assets.lifecycle.decision_record import (
     mirror_tags,
     read_decision,
 )
-from ckpt_assets.lifecycle.ended import failure_of, run_repo, stop_reason_text
+from ckpt_assets.lifecycle.ended import (
+    end_observed,
+    failure_from,
+    recorded_end,
+    run_repo,
+    stop_reason_text,
+)
+from ckpt_assets.lifecycle.lost_worker import died
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings
 from ckpt_assets.lifecycle.state import report_state
+from ckpt_assets.mlflow.run import MlflowRun
 from trainer.base.outcomes import Kind
 
 RESUME_KEY_PREFIX = "resume-"
+_LOG = logging.getLogger(__name__)
 
 
 def decision_words(decision: Decision, run_key: str) -> str:
@@ -69,10 +79,13 @@ def decision_of(run: dg.DagsterRun, store: StoreSource) -> DecisionRecord | None
 
 
 def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
-           decision: Decision, store: StoreSource) -> tuple[DecisionRecord, bool]:
+           decision: Decision, store: StoreSource, lost: bool = False,
+           tracking=None) -> tuple[DecisionRecord, bool]:
     """Create the decision once (`decision_record.create_once`), and, if this call made it,
     say it where people look: the failed run's tags, its own log in words, the partition's
-    new state. Returns (the decision that holds, whether this call made it)."""
+    new state; `lost`: the attempt recorded no end of its own, recorded first
+    (`record_lost_end`, with `tracking`), so that a reader who sees the decision sees it.
+    Returns (the decision that holds, whether this call made it)."""
     # Rounded down: a decision time in the future would look not yet due.
     decided = math.floor(time.time() * 1000) / 1000
     rec = DecisionRecord(
@@ -81,6 +94,8 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
         decided + decision.delay_s if decision.resume and decision.delay_s > 0 else None,
         decision.budget.to_tag(), failure.attempt, failure.last_committed_step)
     rec, created = create_once(store.open(), rec)
+    if created and lost:
+        record_lost_end(instance, failure, rec, store, tracking)
     if created:
         mirror = mirror_tags(rec)
         instance.add_run_tags(run.run_id, mirror)
@@ -104,8 +119,8 @@ def _say(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
     try:
         report_engine_event(instance, run, decision_words(decision, run_key), facts)
     except Exception:  # the record is what the sensors act on; this is for people
-        logging.getLogger(__name__).warning("could not log the resume decision on run %s",
-                                            run.run_id, exc_info=True)
+        _LOG.warning("could not log the resume decision on run %s", run.run_id,
+                     exc_info=True)
     # The state from `run` as decided, not read back: Dagster may drop tags written while it
     # rewrites an ended run's record (docs/lifecycle.md), and the mirror is put back later.
     report_state(instance, failure.training_run, facts, decided=run)
@@ -126,38 +141,77 @@ def resume_request(run: dg.DagsterRun, rec: DecisionRecord,
         run_key=f"{RESUME_KEY_PREFIX}{run.run_id}",
         partition_key=rec.training_run,
         job_name=TRAIN_JOB,
-        tags={**view.next_attempt_tags(rec.attempt + 1),
+        # The chain's interrupted attempts, this one named as its decision names it.
+        tags={**view.next_attempt_tags(rec.attempt + 1, (rec.attempt, rec.failure_class)
+                                       if rec.failure_class else None),
               TAG_RESUME_FROM: resume_from or "latest", TAG_BUDGET: rec.next_budget},
     )
 
 
 def _decide(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
-            settings: ResumeSettings,
-            ended_as: dg.DagsterRunStatus | None) -> tuple[DecisionRecord, bool]:
-    failure = failure_of(instance, run, store, ended_as)
+            settings: ResumeSettings, ended_as: dg.DagsterRunStatus | None,
+            tracking=None) -> tuple[DecisionRecord, bool]:
+    reported = recorded_end(instance, run)
+    failure = failure_from(run, reported, store, ended_as)
     view = RunView.of(run)
     if view.stop_requested:
         decision = Decision(False, Kind.STOPPED_BY_USER, stop_reason_text(view.stop_reason))
     else:
         own = settings.of_run(store.open(), failure.training_run)
         decision = decide(failure, Budget.from_tag(view.budget), own.policy)
-    return record(instance, run, failure, decision, store)
+    # A worker alive (a run the reconciler failed) records the end itself, moments later;
+    # one elsewhere cannot be told dead from here, and records it if it lives.
+    lost = reported is None and died(run) is not None \
+        and not end_observed(instance, run, failure.attempt)
+    return record(instance, run, failure, decision, store, lost, tracking)
+
+
+def record_lost_end(instance: dg.DagsterInstance, failure: AttemptEnd, rec: DecisionRecord,
+                    store: StoreSource, tracking=None) -> None:
+    """An attempt whose run worker died (known dead on this machine) recorded no end of its
+    own: its decider records it where the attempt's step would have (an `attempt_ended`
+    observation; MLflow's `attempt_<n>.failure_class`, `last_failure_class`, when
+    `tracking`, the MLflow resource, is given), under the name it decided, so that every
+    view names it as the decision does. Best-effort, as those records are: the decision is
+    made and holds."""
+    # Its last step is left unsaid: an orphaned trainer may commit after this look; the
+    # lineage counts the attempt's checkpoints.
+    ended = replace(failure, last_committed_step=None)
+    try:
+        instance.report_runless_asset_event(dg.AssetObservation(
+            asset_key=MODEL_CHECKPOINT_KEY, partition=rec.training_run,
+            metadata=to_metadata({"event": ATTEMPT_ENDED, **ended.to_dict(),
+                                  "recorded_by": "decision"}),
+            description=f"attempt {ended.attempt} ended: {ended.outcome.value} (its run "
+                        "worker was lost before it recorded the end; recorded by its decision)"))
+        repo = run_repo(store, rec.training_run) if tracking is not None else None
+        if repo is not None:
+            mlrun = MlflowRun(tracking, repo.experiment, rec.training_run, _LOG)
+            if mlrun.attach():
+                mlrun.on_failure(ended.attempt, rec.failure_class, rec.reason)
+                mlrun.finish("KILLED" if rec.kind == Kind.STOPPED_BY_USER.value else "FAILED")
+    except Exception:
+        _LOG.warning("could not record the end of lost attempt %s of %s", ended.attempt,
+                     rec.training_run, exc_info=True)
 
 
 def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
              settings: ResumeSettings | None = None,
-             ended_as: dg.DagsterRunStatus | None = None) -> DecisionRecord | None:
+             ended_as: dg.DagsterRunStatus | None = None, tracking=None
+             ) -> DecisionRecord | None:
     """Decide about one ended training run once, and return the decision that holds (None:
     not a training run, or a newer run of its partition exists and the decision is moot).
-    `ended_as`: how the run ended, from its end event, when its record may not say so yet."""
+    `ended_as`: how the run ended, from its end event, when its record may not say so yet;
+    `tracking`: the MLflow resource, for a lost attempt's end (`record_lost_end`)."""
     if not is_training_run(run):
         return None
     newest = newest_training_run(instance, run.tags[PARTITION_TAG])
     if newest is None or newest.run_id != run.run_id:
         return None  # a newer run of this partition exists (e.g. the resume): moot
     rec = decision_of(newest, store)
-    if rec is None:
-        rec, _ = _decide(instance, run, store, settings or ResumeSettings.from_env(), ended_as)
+    if rec is None:  # decided over the run as read now: a stop tags it before it ends it
+        rec, _ = _decide(instance, newest, store, settings or ResumeSettings.from_env(),
+                         ended_as, tracking)
     elif TAG_DECISION not in newest.tags:  # the mirror was dropped by a concurrent rewrite
         instance.add_run_tags(run.run_id, mirror_tags(rec))
     return rec
@@ -165,20 +219,20 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSourc
 
 def due_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
                settings: ResumeSettings | None = None,
-               now: float | None = None) -> dg.RunRequest | None:
+               now: float | None = None, tracking=None) -> dg.RunRequest | None:
     """The resume of one ended training run, decided once (`consider`), if it is due now:
     at once, or once its back-off ended; never once a stop withdrew it. Asked by the one
     sensor that launches resumes, so its run_key is launched once."""
-    out = resume_or_wait(instance, run, store, settings, now)
+    out = resume_or_wait(instance, run, store, settings, now, tracking)
     return out if isinstance(out, dg.RunRequest) else None
 
 
 def resume_or_wait(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
                    settings: ResumeSettings | None = None,
-                   now: float | None = None) -> dg.RunRequest | float | None:
+                   now: float | None = None, tracking=None) -> dg.RunRequest | float | None:
     """`due_resume`'s request; or, for a resume whose back-off has not ended, the time it
     ends (the reconciler waits for it by run id); or None: nothing to launch, ever."""
-    rec = consider(instance, run, store, settings)
+    rec = consider(instance, run, store, settings, tracking=tracking)
     if rec is None or not rec.resume:
         return None
     current = instance.get_run_by_id(run.run_id) or run

@@ -16,6 +16,7 @@ from dataclasses import replace
 import dagster as dg
 
 from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.events import ATTEMPT_ENDED
 from ckpt_assets.base.registration import read_registration
 from ckpt_assets.base.store import StoreSource
 from ckpt_assets.base.tags import TAG_HEARTBEAT_LOST, TAG_STALLED
@@ -81,7 +82,12 @@ def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSou
     """How `run` ended (`named_end`): its own record if it has one, else what Dagster and
     the store saw of it; `ended_as`: its end status from its end event, when its record may
     not say so yet."""
-    reported = recorded_end(instance, run)
+    return failure_from(run, recorded_end(instance, run), store, ended_as)
+
+
+def failure_from(run: dg.DagsterRun, reported: AttemptEnd | None, store: StoreSource | None,
+                 ended_as: dg.DagsterRunStatus | None = None) -> AttemptEnd:
+    """`failure_of` with the attempt's own record (`recorded_end`) read already."""
     if reported is not None:
         return named_end(run, replace(reported, dagster_run_id=run.run_id,
                                       attempt=reported.attempt or RunView.of(run).attempt),
@@ -91,6 +97,18 @@ def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSou
         Outcome.WORKER_LOST, partition, attempt=RunView.of(run).attempt,
         last_committed_step=committed_step(store, partition) if store else None,
         dagster_run_id=run.run_id), ended_as)
+
+
+def end_observed(instance: dg.DagsterInstance, run: dg.DagsterRun, attempt: int) -> bool:
+    """Whether attempt `attempt` of `run` recorded its `attempt_ended` observation (a run
+    interrupted by Dagster records it, though its step failure carries no record)."""
+    for rec in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION):
+        obs = rec.dagster_event.asset_observation_data.asset_observation
+        md = obs.metadata
+        if "event" in md and md["event"].value == ATTEMPT_ENDED and \
+                "attempt" in md and md["attempt"].value == attempt:
+            return True
+    return False
 
 
 def run_repo(store: StoreSource, partition: str) -> CheckpointRepo | None:

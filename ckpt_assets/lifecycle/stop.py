@@ -33,6 +33,7 @@ from ckpt_assets.base.tags import (
     TAG_STOP_REASON,
 )
 from ckpt_assets.lifecycle.ended import stop_reason_text
+from ckpt_assets.lifecycle.lost_worker import end_lost_attempt, lost_worker
 from ckpt_assets.lifecycle.state import report_state
 
 # What happened to one run (StopAction.action):
@@ -43,6 +44,8 @@ NOT_REACHED = ("termination requested, but its run worker could not be reached; 
                "monitoring marks it canceled (or stop again with force)")
 MARKED_CANCELED = "marked canceled (forced)"
 RESUME_WITHDRAWN = "ended already: its pending resume is withdrawn"
+WORKER_GONE = ("its run worker is gone: canceled at once, what its attempt left running "
+               "asked to stop")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ def _end(instance: dg.DagsterInstance, run: dg.DagsterRun, force: bool) -> str:
         instance.report_run_canceling(run, message="Stopping the training run for good.")
         instance.report_run_canceled(run, message="Stopped for good; it will not be resumed.")
         return CANCELED
+    if lost_worker(run) is not None:
+        return _end_lost(instance, run)
     if run.status == dg.DagsterRunStatus.CANCELING:
         action = ALREADY_CANCELING
     else:
@@ -104,6 +109,19 @@ def _end(instance: dg.DagsterInstance, run: dg.DagsterRun, force: bool) -> str:
                                  "worker's resources may not have been cleaned up.")
             return MARKED_CANCELED
     return action
+
+
+def _end_lost(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str:
+    """A run whose worker is known dead is ended here, as its lost worker's owner ends it:
+    nothing would answer a termination request (the code server's wait for the dead worker
+    held the stop for a minute, then failed), and run monitoring would cancel it only after
+    its cancel timeout."""
+    if run.status != dg.DagsterRunStatus.CANCELING:
+        instance.report_run_canceling(run, message="Stopping the training run for good; its "
+                                                   "run worker is gone.")
+        run = instance.get_run_by_id(run.run_id) or run
+    end_lost_attempt(instance, run)
+    return WORKER_GONE
 
 
 def _terminate(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:

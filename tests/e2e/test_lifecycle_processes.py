@@ -23,6 +23,7 @@ from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     DAGSTER,
+    NO_MLFLOW,
     PYTHON,
     ROOT,
     cli,
@@ -239,7 +240,7 @@ def test_a_trainer_relaunched_in_its_run_is_not_declared_dead_before_its_first_b
         store = CheckpointStore(uri=store_uri)
         for _ in range(2):
             out = reconcile_training_runs(dg.build_sensor_context(
-                instance=instance, resources={"checkpoint_store": store}))
+                instance=instance, resources={"checkpoint_store": store, **NO_MLFLOW}))
             assert isinstance(out, dg.SkipReason) or not list(out)
             view = RunView.of(instance.get_run_by_id(run.run_id))
             assert (view.status, view.heartbeat_lost) == (dg.DagsterRunStatus.STARTED, None)
