@@ -192,33 +192,12 @@ class Daemon:
                               capture_output=True, text=True, timeout=300)
 
     # -- observation ----------------------------------------------------------------------
-    def outcome_names(self, partition: str, run_id: str, attempt: int) -> dict[str, str]:
-        """How attempt `attempt` of Dagster run `run_id` ended, in each place a user reads it:
-        its attempt event, its decision (the store's record and the run's tags), lineage and
-        MLflow. One outcome has one name: every value should be the same."""
-        from mlflow.tracking import MlflowClient
+    def outcome_names(self, partition: str, run_id: str, attempt: int) -> dict[str, str | None]:
+        """`tests.outcome_views.outcome_names` on this daemon's instance, store and MLflow."""
+        from tests.outcome_views import outcome_names
 
-        from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
-        from ckpt_assets.lifecycle.decision_record import read_decision
-        from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
-        from ckpt_assets.records.lineage import lineage_report
-        from trainer.storage import open_store
-
-        store = open_store(self.store)
-        (event,) = [md["failure_class"] for md, rec in
-                    partition_events(self.instance, partition, ATTEMPT_ENDED)
-                    if rec.run_id == run_id and md.get("attempt") == attempt]
-        row = [a for a in lineage_report(self.instance, store, partition)["attempts"]
-               if a["dagster_run_id"] == run_id][-1]
-        client = MlflowClient(tracking_uri=self.env["MLFLOW_TRACKING_URI"])
-        (mlrun,) = client.search_runs(
-            [e.experiment_id for e in client.search_experiments()],
-            filter_string=f"tags.`{TRAINING_RUN_TAG}` = '{partition}'")
-        return {"event": event,
-                "decision": read_decision(store, partition, run_id).failure_class,
-                "tags": self.instance.get_run_by_id(run_id).tags.get("ckpt/failure_class"),
-                "lineage": row["end"],
-                "mlflow": mlrun.data.tags.get(f"attempt_{attempt}.failure_class")}
+        return outcome_names(self.instance, self.store, self.env["MLFLOW_TRACKING_URI"],
+                             partition, run_id, attempt)
 
     def runs(self, partition: str) -> list:
         """The partition's training runs, oldest first (its check runs left out)."""

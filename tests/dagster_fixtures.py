@@ -24,6 +24,7 @@ import dagster as dg
 import pytest
 
 from ckpt_assets.base.process_group import group_members
+from ckpt_assets.defs.resources import MLflowResource
 from tests.polling import WaitTimeout, wait_for
 from trainer.storage.file_lock import exclusive_lock
 
@@ -165,6 +166,9 @@ def instance() -> dg.DagsterInstance:
 
 # Step output is not what the fast tests read, and capturing it would start a `tail` process
 # per run: no compute logs.
+# The sensors' MLflow resource, off: a test that builds a sensor's context by hand and
+# reads no MLflow (the decider records a lost attempt's end there).
+NO_MLFLOW = {"mlflow_tracking": MLflowResource(enabled=False)}
 NO_COMPUTE_LOGS = {"compute_logs": {"module": "dagster._core.storage.noop_compute_log_manager",
                                     "class": "NoOpComputeLogManager"}}
 

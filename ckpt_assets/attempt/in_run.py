@@ -57,7 +57,13 @@ from ckpt_assets.base.dagster_private import (
     pop_captured_interrupt,
 )
 from ckpt_assets.base.end import AttemptEnd
-from ckpt_assets.base.tags import TAG_ATTEMPT, TAG_ATTEMPT_STARTED_AT, TAG_BUDGET
+from ckpt_assets.base.tags import (
+    TAG_ATTEMPT,
+    TAG_ATTEMPT_STARTED_AT,
+    TAG_BUDGET,
+    TAG_INTERRUPTED,
+    interrupted_tag,
+)
 from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.ended import liveness_outcome
 from ckpt_assets.lifecycle.model import Event
@@ -153,13 +159,18 @@ def record_relaunch(context, ended: AttemptEnd, decision: Decision) -> None:
     resume continues the count) and say what happens, in the run's log and as the
     partition's state."""
     words = relaunch_words(ended, decision)
-    # The new attempt's start: liveness judges its trainer from it, not from the run's.
+    run = context.instance.get_run_by_id(context.run.run_id) or context.run
+    # The new attempt's start: liveness judges its trainer from it, not from the run's. The
+    # ended attempt joins the chain's interrupted ones, by the name its attempt_ended has.
     transition(context.instance, ended.training_run, Event.RELAUNCHED_IN_RUN,
                lambda w: w.tag(context.run.run_id, {
                    TAG_BUDGET: decision.budget.to_tag(), TAG_ATTEMPT: str(ended.attempt + 1),
-                   TAG_ATTEMPT_STARTED_AT: iso(time.time() + decision.delay_s)}),
-               context=context, detail=words,
-               extra={"relaunched_in_run": True, "failure_class": ended.outcome.value,
+                   TAG_ATTEMPT_STARTED_AT: iso(time.time() + decision.delay_s),
+                   TAG_INTERRUPTED: interrupted_tag(RunView.of(run).interrupted,
+                                                    (ended.attempt, ended.outcome.value))}),
+               run=run, context=context, detail=words,
+               extra={"relaunched_in_run": True, "ended_attempt": ended.attempt,
+                      "failure_class": ended.outcome.value,
                       "failure_kind": decision.kind.value, "reason": decision.reason,
                       "delay_s": float(decision.delay_s), "budget": decision.budget.to_tag()})
     context.log.warning(words)

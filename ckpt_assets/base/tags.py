@@ -13,6 +13,28 @@ TAG_ATTEMPT = "ckpt/attempt"  # the attempt number it asks for
 TAG_RESUME_FROM = "ckpt/resume_from"  # the checkpoint URI, or "latest"
 TAG_ATTEMPT_STARTED_AT = "ckpt/attempt_started_at"  # ISO 8601: an in-run relaunch's start
 TAG_BUDGET = "ckpt/budget"  # what the chain used so far (`policy.Budget.to_tag`)
+# The chain's attempts before this run's current one, each by its outcome's one name
+# ("1:terminated,2:killed_by_signal"): set on a resume (from the decision's record), on a
+# launch by hand after a failure, and by an in-run relaunch. `list` and the state check
+# name an interrupted attempt from it once a later attempt is the run's latest.
+TAG_INTERRUPTED = "ckpt/interrupted"
+INTERRUPTED_KEPT = 50  # the newest entries kept: a long chain's tag stays short
+
+
+def interrupted_of(text: str | None) -> dict[int, str]:
+    """{attempt: outcome} of an interrupted tag, oldest first; malformed entries left out."""
+    out = {}
+    for item in (text or "").split(","):
+        number, _, name = item.partition(":")
+        if number.strip().isdigit() and name.strip():
+            out[int(number)] = name.strip()
+    return out
+
+
+def interrupted_tag(before: dict[int, str], ended: tuple[int, str] | None = None) -> str:
+    """The interrupted tag of `before`, with `ended` ((attempt, outcome)) added."""
+    items = sorted({**before, **dict([ended] if ended else [])}.items())[-INTERRUPTED_KEPT:]
+    return ",".join(f"{n}:{name}" for n, name in items)
 
 # On any training run, set by a launch that asks for another world size than the registered
 # config's (`ckpt-assets launch --nproc-per-node/--nnodes`), and carried by its resumes:

@@ -22,6 +22,7 @@ from ckpt_assets.base.tags import (
     TAG_FAILURE_CLASS,
     TAG_FAILURE_KIND,
     TAG_HEARTBEAT_LOST,
+    TAG_INTERRUPTED,
     TAG_NEXT_BUDGET,
     TAG_NO_RESUME,
     TAG_PARENT_RUN_ID,
@@ -32,6 +33,8 @@ from ckpt_assets.base.tags import (
     TAG_STALLED,
     TAG_STOP_REASON,
     TAG_WORKER_LOST,
+    interrupted_of,
+    interrupted_tag,
     world_of,
     world_tags,
 )
@@ -69,6 +72,7 @@ class RunView:
     stalled: str | None
     worker_lost: str | None
     world: dict[str, str]  # `distributed` keys this run's launch set (WORLD_TAGS), as given
+    interrupted: dict[int, str]  # the chain's earlier attempts -> their outcomes' names
 
     @classmethod
     def of(cls, run: dg.DagsterRun) -> RunView:
@@ -85,19 +89,23 @@ class RunView:
             t.get(TAG_NO_RESUME) == "true", t.get(TAG_STOP_REASON) or None,
             t.get(TAG_HEARTBEAT_LOST) or None, t.get(TAG_STALLED) or None,
             t.get(TAG_WORKER_LOST) or None,
-            world_of(t))
+            world_of(t), interrupted_of(t.get(TAG_INTERRUPTED)))
 
     @property
     def world_tags(self) -> dict[str, str]:
         """The tags that ask for this run's world size: a resume of it carries them."""
         return world_tags(self.world)
 
-    def next_attempt_tags(self, attempt: int) -> dict[str, str]:
+    def next_attempt_tags(self, attempt: int, ended: tuple[int, str] | None = None
+                          ) -> dict[str, str]:
         """What the run of the chain's next attempt carries, whoever launches it (the
         sensors' resume, a launch by hand): this run as its parent, the chain's root, the
-        attempt's number, and the world size this run was asked to train at."""
+        attempt's number, the world size this run was asked to train at, and the chain's
+        interrupted attempts, with `ended` ((attempt, outcome): this run's) added."""
+        before = interrupted_tag(self.interrupted, ended)
         return {TAG_PARENT_RUN_ID: self.run_id, TAG_ROOT_RUN_ID: self.root_run_id,
-                TAG_ATTEMPT: str(attempt), **self.world_tags}
+                TAG_ATTEMPT: str(attempt), **self.world_tags,
+                **({TAG_INTERRUPTED: before} if before else {})}
 
     @property
     def ended_unsuccessfully(self) -> bool:

@@ -30,9 +30,9 @@ from ckpt_assets.base.queries import is_training_run
 from ckpt_assets.base.tags import PARTITION_TAG, TAG_PARENT_RUN_ID
 from ckpt_assets.base.view import RunView
 from ckpt_assets.defs.jobs import train_job
-from ckpt_assets.defs.resources import CheckpointStore
+from ckpt_assets.defs.resources import CheckpointStore, MLflowResource
 from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.lifecycle.ended import lost_worker
+from ckpt_assets.lifecycle.ended import LIVE, lost_worker
 from ckpt_assets.lifecycle.liveness import judge, read_beat, retire
 from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
 from ckpt_assets.lifecycle.pending import Cursor, due_resumes, sweep_ended
@@ -61,9 +61,10 @@ def _ended_as(event: dg.DagsterEvent) -> dg.DagsterRunStatus:
     return END_EVENTS[dg.DagsterEventType(event.event_type_value)]
 
 
-def _on_ended(context, store: CheckpointStore) -> dg.SkipReason:
+def _on_ended(context, store: CheckpointStore, tracking: MLflowResource) -> dg.SkipReason:
     run = context.dagster_run
-    rec = consider(context.instance, run, store, ended_as=_ended_as(context.dagster_event))
+    rec = consider(context.instance, run, store, ended_as=_ended_as(context.dagster_event),
+                   tracking=tracking)
     if rec is None:
         why = ("not a training run" if not is_training_run(run)
                else "a newer run of the same training run exists")
@@ -83,8 +84,9 @@ def _on_ended(context, store: CheckpointStore) -> dg.SkipReason:
     description="Decides, once, whether each failed training run is resumed "
                 "(reconcile_training_runs launches the resume).",
 )
-def resume_failed_training(context: dg.RunFailureSensorContext, checkpoint_store: CheckpointStore):
-    return _on_ended(context, checkpoint_store)
+def resume_failed_training(context: dg.RunFailureSensorContext, checkpoint_store: CheckpointStore,
+                           mlflow_tracking: MLflowResource):
+    return _on_ended(context, checkpoint_store, mlflow_tracking)
 
 
 @dg.run_status_sensor(
@@ -97,24 +99,29 @@ def resume_failed_training(context: dg.RunFailureSensorContext, checkpoint_store
                 "notice: resumed unless stopped with `ckpt-assets stop`).",
 )
 def resume_terminated_training(context: dg.RunStatusSensorContext,
-                               checkpoint_store: CheckpointStore):
-    return _on_ended(context, checkpoint_store)
+                               checkpoint_store: CheckpointStore,
+                               mlflow_tracking: MLflowResource):
+    return _on_ended(context, checkpoint_store, mlflow_tracking)
 
 
 def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
                      settings: ResumeSettings, now: float) -> list[str]:
     """Retire the trainer of each STARTED training run judged dead (no heartbeat within the
     timeout) or stalled (heartbeating, but no step within the stall limit), and mark the run
-    failed; the failure sensor, or the next sweep, resumes it by the same policy."""
+    failed; the failure sensor, or the next sweep, resumes it by the same policy. A STARTED
+    or CANCELING run whose run worker is known dead is ended (`end_lost_attempt`)."""
     notes = []
-    # Every STARTED run, however many: they are what runs now, not the instance's history.
-    for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
+    # Every STARTED or CANCELING run, however many: they are what runs now, not the
+    # instance's history.
+    for run in instance.get_runs(filters=dg.RunsFilter(statuses=list(LIVE))):
         if not is_training_run(run):
             continue
         if lost_worker(run) is not None:  # its worker is known dead: no heartbeat to wait for
             end_lost_attempt(instance, run)
-            notes.append(f"{run.run_id[:8]}: its run worker is gone; the run is failed")
+            notes.append(f"{run.run_id[:8]}: its run worker is gone; the run is ended")
             continue
+        if run.status != dg.DagsterRunStatus.STARTED:
+            continue  # being terminated: its worker stops the trainer
         view = RunView.of(run)
         started = max(instance.get_run_record_by_id(run.run_id).start_time or now,
                       view.attempt_started_at or 0.0)
@@ -142,7 +149,7 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
                 "failures, errored ticks, and runs whose trainer stopped heartbeating.",
 )
 def reconcile_training_runs(context: dg.SensorEvaluationContext,
-                            checkpoint_store: CheckpointStore):
+                            checkpoint_store: CheckpointStore, mlflow_tracking: MLflowResource):
     instance, now = context.instance, time.time()
     settings = ResumeSettings.from_env()
     cursor = Cursor.parse(context.cursor)
@@ -156,13 +163,13 @@ def reconcile_training_runs(context: dg.SensorEvaluationContext,
         context.log.info("; ".join(f"launching resume of {r.partition_key}"
                                    for r in found.requests))
         return found.requests
-    return _sweep(context, instance, checkpoint_store, settings, now, cursor)
+    return _sweep(context, instance, checkpoint_store, settings, now, cursor, mlflow_tracking)
 
 
 def _sweep(context, instance: dg.DagsterInstance, store: CheckpointStore,
-           settings: ResumeSettings, now: float, cursor: Cursor):
+           settings: ResumeSettings, now: float, cursor: Cursor, tracking: MLflowResource):
     notes = fail_silent_runs(instance, store, settings, now)
-    found, cursor = sweep_ended(instance, store, settings, now, cursor)
+    found, cursor = sweep_ended(instance, store, settings, now, cursor, tracking)
     context.update_cursor(cursor.dump())
     notes += [f"{r.tags.get(TAG_PARENT_RUN_ID, '')[:8]}: launching resume of {r.partition_key}"
               for r in found.requests]

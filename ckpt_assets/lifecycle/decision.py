@@ -39,7 +39,15 @@ from ckpt_assets.base.tags import (
 )
 from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.decision_record import DecisionRecord, mirror_tags, read_decision
-from ckpt_assets.lifecycle.ended import failure_of, run_repo, stop_reason_text
+from ckpt_assets.lifecycle.ended import (
+    died,
+    end_observed,
+    failure_from,
+    recorded_end,
+    run_repo,
+    stop_reason_text,
+)
+from ckpt_assets.lifecycle.lost_worker import record_lost_end
 from ckpt_assets.lifecycle.model import Event
 from ckpt_assets.lifecycle.policy import Budget, Decision, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings
@@ -47,6 +55,7 @@ from ckpt_assets.lifecycle.transition import Writes, put_back, transition
 from trainer.base.outcomes import Kind
 
 RESUME_KEY_PREFIX = "resume-"
+_LOG = logging.getLogger(__name__)
 
 
 def decision_words(decision: Decision, run_key: str) -> str:
@@ -66,11 +75,14 @@ def decision_of(run: dg.DagsterRun, store: StoreSource) -> DecisionRecord | None
 
 
 def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
-           decision: Decision, store: StoreSource) -> tuple[DecisionRecord, bool]:
+           decision: Decision, store: StoreSource, lost: bool = False,
+           tracking=None) -> tuple[DecisionRecord, bool]:
     """Create the decision once (`decision_record.create_once`): the move `decided: ...` of
     the run as it ended (`run`); if this call made it, say it where people look: the failed
-    run's tags, its own log in words, the partition's new state. Returns (the decision that
-    holds, whether this call made it)."""
+    run's tags, its own log in words, the partition's new state. `lost`: the attempt
+    recorded no end of its own, recorded first (`record_lost_end`, with `tracking`), so that
+    a reader who sees the decision sees it. Returns (the decision that holds, whether this
+    call made it)."""
     # Rounded down: a decision time in the future would look not yet due.
     decided = math.floor(time.time() * 1000) / 1000
     rec = DecisionRecord(
@@ -84,6 +96,8 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
         if not created:
             w.unmoved()  # another decider was first: its move is the one recorded
             return made, created
+        if lost:
+            record_lost_end(w, failure, made, store, tracking)
         mirror = mirror_tags(made)
         w.tag(run.run_id, mirror)
         _say(instance, run.with_tags({**run.tags, **mirror}), failure, decision)
@@ -115,8 +129,8 @@ def _say(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
                             decision_words(decision, f"{RESUME_KEY_PREFIX}{run.run_id}"),
                             _facts(run, failure, decision))
     except Exception:  # the record is what the sensors act on; this is for people
-        logging.getLogger(__name__).warning("could not log the resume decision on run %s",
-                                            run.run_id, exc_info=True)
+        _LOG.warning("could not log the resume decision on run %s", run.run_id,
+                     exc_info=True)
 
 
 def resume_request(run: dg.DagsterRun, rec: DecisionRecord,
@@ -134,15 +148,18 @@ def resume_request(run: dg.DagsterRun, rec: DecisionRecord,
         run_key=f"{RESUME_KEY_PREFIX}{run.run_id}",
         partition_key=rec.training_run,
         job_name=TRAIN_JOB,
-        tags={**view.next_attempt_tags(rec.attempt + 1),
+        # The chain's interrupted attempts, this one named as its decision names it.
+        tags={**view.next_attempt_tags(rec.attempt + 1, (rec.attempt, rec.failure_class)
+                                       if rec.failure_class else None),
               TAG_RESUME_FROM: resume_from or "latest", TAG_BUDGET: rec.next_budget},
     )
 
 
 def _decide(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
-            settings: ResumeSettings,
-            ended_as: dg.DagsterRunStatus | None) -> tuple[DecisionRecord, bool]:
-    failure = failure_of(instance, run, store, ended_as)
+            settings: ResumeSettings, ended_as: dg.DagsterRunStatus | None,
+            tracking=None) -> tuple[DecisionRecord, bool]:
+    reported = recorded_end(instance, run)
+    failure = failure_from(run, reported, store, ended_as)
     # The run as it ended: its record may not say so yet (`consider`).
     run = run.with_status(ended_as) if ended_as is not None else run
     view = RunView.of(run)
@@ -151,23 +168,30 @@ def _decide(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource
     else:
         own = settings.of_run(store.open(), failure.training_run)
         decision = decide(failure, Budget.from_tag(view.budget), own.policy)
-    return record(instance, run, failure, decision, store)
+    # A worker alive (a run the reconciler failed) records the end itself, moments later;
+    # one elsewhere cannot be told dead from here, and records it if it lives.
+    lost = reported is None and died(run) is not None \
+        and not end_observed(instance, run, failure.attempt)
+    return record(instance, run, failure, decision, store, lost, tracking)
 
 
 def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
              settings: ResumeSettings | None = None,
-             ended_as: dg.DagsterRunStatus | None = None) -> DecisionRecord | None:
+             ended_as: dg.DagsterRunStatus | None = None, tracking=None
+             ) -> DecisionRecord | None:
     """Decide about one ended training run once, and return the decision that holds (None:
     not a training run, or a newer run of its partition exists and the decision is moot).
-    `ended_as`: how the run ended, from its end event, when its record may not say so yet."""
+    `ended_as`: how the run ended, from its end event, when its record may not say so yet;
+    `tracking`: the MLflow resource, for a lost attempt's end (`record_lost_end`)."""
     if not is_training_run(run):
         return None
     newest = newest_training_run(instance, run.tags[PARTITION_TAG])
     if newest is None or newest.run_id != run.run_id:
         return None  # a newer run of this partition exists (e.g. the resume): moot
     rec = decision_of(newest, store)
-    if rec is None:
-        rec, _ = _decide(instance, run, store, settings or ResumeSettings.from_env(), ended_as)
+    if rec is None:  # decided over the run as read now: a stop tags it before it ends it
+        rec, _ = _decide(instance, newest, store, settings or ResumeSettings.from_env(),
+                         ended_as, tracking)
     elif TAG_DECISION not in newest.tags:  # the mirror was dropped by a concurrent rewrite
         put_back(instance, run.run_id, mirror_tags(rec))
     return rec
@@ -175,20 +199,20 @@ def consider(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSourc
 
 def due_resume(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
                settings: ResumeSettings | None = None,
-               now: float | None = None) -> dg.RunRequest | None:
+               now: float | None = None, tracking=None) -> dg.RunRequest | None:
     """The resume of one ended training run, decided once (`consider`), if it is due now:
     at once, or once its back-off ended; never once a stop withdrew it. Asked by the one
     sensor that launches resumes, so its run_key is launched once."""
-    out = resume_or_wait(instance, run, store, settings, now)
+    out = resume_or_wait(instance, run, store, settings, now, tracking)
     return out if isinstance(out, dg.RunRequest) else None
 
 
 def resume_or_wait(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSource,
                    settings: ResumeSettings | None = None,
-                   now: float | None = None) -> dg.RunRequest | float | None:
+                   now: float | None = None, tracking=None) -> dg.RunRequest | float | None:
     """`due_resume`'s request; or, for a resume whose back-off has not ended, the time it
     ends (the reconciler waits for it by run id); or None: nothing to launch, ever."""
-    rec = consider(instance, run, store, settings)
+    rec = consider(instance, run, store, settings, tracking=tracking)
     if rec is None or not rec.resume:
         return None
     current = instance.get_run_by_id(run.run_id) or run

@@ -17,6 +17,7 @@ import dagster as dg
 
 from ckpt_assets.base.attempt_processes import AttemptProcesses
 from ckpt_assets.base.end import AttemptEnd
+from ckpt_assets.base.events import ATTEMPT_ENDED
 from ckpt_assets.base.registration import read_registration
 from ckpt_assets.base.store import StoreSource
 from ckpt_assets.base.tags import TAG_HEARTBEAT_LOST, TAG_STALLED
@@ -82,7 +83,12 @@ def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSou
     """How `run` ended (`named_end`): its own record if it has one, else what Dagster and
     the store saw of it; `ended_as`: its end status from its end event, when its record may
     not say so yet."""
-    reported = recorded_end(instance, run)
+    return failure_from(run, recorded_end(instance, run), store, ended_as)
+
+
+def failure_from(run: dg.DagsterRun, reported: AttemptEnd | None, store: StoreSource | None,
+                 ended_as: dg.DagsterRunStatus | None = None) -> AttemptEnd:
+    """`failure_of` with the attempt's own record (`recorded_end`) read already."""
     if reported is not None:
         return named_end(run, replace(reported, dagster_run_id=run.run_id,
                                       attempt=reported.attempt or RunView.of(run).attempt),
@@ -92,6 +98,18 @@ def failure_of(instance: dg.DagsterInstance, run: dg.DagsterRun, store: StoreSou
         Outcome.WORKER_LOST, partition, attempt=RunView.of(run).attempt,
         last_committed_step=committed_step(store, partition) if store else None,
         dagster_run_id=run.run_id), ended_as)
+
+
+def end_observed(instance: dg.DagsterInstance, run: dg.DagsterRun, attempt: int) -> bool:
+    """Whether attempt `attempt` of `run` recorded its `attempt_ended` observation (a run
+    interrupted by Dagster records it, though its step failure carries no record)."""
+    for rec in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION):
+        obs = rec.dagster_event.asset_observation_data.asset_observation
+        md = obs.metadata
+        if "event" in md and md["event"].value == ATTEMPT_ENDED and \
+                "attempt" in md and md["attempt"].value == attempt:
+            return True
+    return False
 
 
 def run_repo(store: StoreSource, partition: str) -> CheckpointRepo | None:
@@ -109,12 +127,24 @@ def committed_step(store: StoreSource, partition: str) -> int | None:
     return ptr.step if ptr and ptr.checkpoint else None
 
 
+# A run whose worker can die unseen: one that runs, and one that is being terminated (a stop
+# or a terminate after its worker died waits on a worker that will never answer).
+LIVE = (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING)
+
+
 def lost_worker(run: dg.DagsterRun) -> AttemptProcesses | None:
-    """`run`'s processes if it is STARTED and its run worker is known dead (it ran on this
-    machine and its process is gone); None otherwise (a worker elsewhere is the heartbeat's
-    to judge). Seeing it is a read, done by anyone; ending it is `lifecycle.lost_worker`'s."""
-    if run.status != dg.DagsterRunStatus.STARTED:
+    """`run`'s processes if it is STARTED or CANCELING and its run worker is known dead (it
+    ran on this machine and its process is gone); None otherwise (a worker elsewhere is the
+    heartbeat's to judge, or run monitoring's cancel timeout's). Seeing it is a read, done
+    by anyone; ending it is `lifecycle.lost_worker`'s."""
+    if run.status not in LIVE:
         return None
+    return died(run)
+
+
+def died(run: dg.DagsterRun) -> AttemptProcesses | None:
+    """`run`'s processes if its run worker is known to have died before it ended its attempt
+    (whatever the run's status now), else None."""
     procs = AttemptProcesses.of_run(run)
     if procs is None or procs.ended or not procs.worker_gone():
         return None

@@ -64,7 +64,8 @@ _LAUNCH = ("runs.submit", "a train_job run of the partition; a re-run by hand is
 _DECIDE = "lifecycle.decision"
 _DECIDED = ("the decision, created once in the store (DECISIONS/<run>/<dagster run>.json); "
             "its mirror on the ended run (ckpt/decision, reason, outcome, budget), in its log "
-            "and as the partition's state")
+            "and as the partition's state; for an attempt lost with its worker, its end "
+            "(attempt_ended, MLflow) by the decision's name")
 _STOP = ("lifecycle.stop", "ckpt/no_resume on every active run before it is ended, and a "
          "pending resume withdrawn")
 
@@ -97,13 +98,17 @@ TABLE: tuple[Transition, ...] = (
     Transition(S.RESUMING, E.STOP_REQUESTED, S.STOPPED_BY_USER, *_STOP),
     Transition(S.STOPPING, E.ATTEMPT_ENDED, S.STOPPED_BY_USER, "defs.assets",
                "attempt_ended as stopped_by_user"),
+    Transition(S.STOPPING, E.WORKER_LOST, S.STOPPED_BY_USER, "lifecycle.lost_worker",
+               "ckpt/worker_lost; the run canceled at once; the decision names it "
+               "stopped_by_user"),
     Transition(S.TRAINING, E.TERMINATED, S.TERMINATING, "defs.assets",
                "nothing yet: the run's step hears Dagster's interrupt and stops its trainer "
                "(SIGTERM: it commits and exits 143)"),
     Transition(S.TERMINATING, E.ATTEMPT_ENDED, S.DECIDING, "defs.assets",
                "attempt_ended as terminated (not the SIGTERM exit the terminate caused)"),
     Transition(S.TERMINATING, E.WORKER_LOST, S.DECIDING, "lifecycle.lost_worker",
-               "ckpt/worker_lost; the run failed; the decision names it terminated"),
+               "ckpt/worker_lost; the run canceled at once; the decision names it "
+               "terminated"),
     Transition(S.TERMINATING, E.STOP_REQUESTED, S.STOPPING, *_STOP),
     Transition(S.STOPPING, E.STOP_REQUESTED, S.STOPPING, *_STOP),
     Transition(S.DECIDING, E.DECIDED_RESUME, S.RESUMING, _DECIDE, _DECIDED),

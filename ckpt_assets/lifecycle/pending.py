@@ -24,6 +24,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from typing import Any
 
 import dagster as dg
 
@@ -99,6 +100,7 @@ class Found:
 
     requests: list[dg.RunRequest] = field(default_factory=list)
     waiting: set[str] = field(default_factory=set)
+    tracking: Any = None  # the MLflow resource: a lost attempt's end (record_lost_end)
 
     def act_on(self, instance: dg.DagsterInstance, runs: Iterator[dg.DagsterRun],
                store: StoreSource, settings: ResumeSettings, now: float) -> None:
@@ -109,7 +111,7 @@ class Found:
             if due is not None and now < due:  # by its tag, without reading the store
                 self.waiting.add(run.run_id)
                 continue
-            out = resume_or_wait(instance, run, store, settings, now)
+            out = resume_or_wait(instance, run, store, settings, now, self.tracking)
             if isinstance(out, dg.RunRequest):
                 self.requests.append(out)
                 self.waiting.discard(run.run_id)
@@ -118,14 +120,14 @@ class Found:
 
 
 def _look(instance: dg.DagsterInstance, window: Iterator[dg.DagsterRun], cursor: Cursor,
-          store: StoreSource, settings: ResumeSettings, now: float) -> Found:
+          store: StoreSource, settings: ResumeSettings, now: float, tracking=None) -> Found:
     """Act on the runs of a window and on the back-offs the cursor waits for."""
     runs = {r.run_id: r for r in window}
     others = [i for i in cursor.waiting if i not in runs]
     if others:
         runs.update((r.run_id, r) for r in instance.get_runs(
             filters=dg.RunsFilter(run_ids=others)))
-    found = Found()
+    found = Found(tracking=tracking)
     found.act_on(instance, iter(runs.values()), store, settings, now)
     return found
 
@@ -143,12 +145,12 @@ def due_resumes(instance: dg.DagsterInstance, store: StoreSource, settings: Resu
 
 
 def sweep_ended(instance: dg.DagsterInstance, store: StoreSource, settings: ResumeSettings,
-                now: float, cursor: Cursor) -> tuple[Found, Cursor]:
+                now: float, cursor: Cursor, tracking=None) -> tuple[Found, Cursor]:
     """The full sweep's share of ended runs: every ended run updated since the last sweep
     (how the failure sensors' misses are found, whatever the run's age), decided if it is
     not, and resumed once due; and the back-offs it waits for. The sweep's window holds the
     tick's (it starts earlier), so it is the one query for both."""
     found = _look(instance, ended_since(instance, cursor.ended_after), cursor, store,
-                  settings, now)
+                  settings, now, tracking)
     return found, replace(cursor, swept_at=now, ended_after=now, decided_after=now,
                           waiting=tuple(sorted(found.waiting)))

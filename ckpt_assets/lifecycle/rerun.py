@@ -13,7 +13,7 @@ import dagster as dg
 from ckpt_assets.base.queries import ENDED_UNSUCCESSFULLY, newest_training_run, training_runs_of
 from ckpt_assets.base.registration import Registration
 from ckpt_assets.base.view import RunView
-from ckpt_assets.lifecycle.ended import recorded_end
+from ckpt_assets.lifecycle.ended import failure_from, recorded_end
 from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
 from ckpt_assets.lifecycle.model import State
 from ckpt_assets.lifecycle.state import run_state
@@ -35,7 +35,9 @@ def rerun_tags(instance: dg.DagsterInstance, name: str) -> dict[str, str]:
     ended, view = recorded_end(instance, failed), RunView.of(failed)
     attempt = (ended.attempt if ended and ended.attempt else None) or (
         view.attempt if view.attempt_tagged else len(training_runs_of(instance, name)))
-    return view.next_attempt_tags(attempt + 1)
+    # Named as its decision names it: the decision's mirror, else what it will decide from.
+    named = view.failure_class or failure_from(failed, ended, None).outcome.value
+    return view.next_attempt_tags(attempt + 1, (attempt, named))
 
 
 def already_finished(instance: dg.DagsterInstance, reg: Registration) -> str | None:

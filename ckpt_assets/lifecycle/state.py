@@ -29,7 +29,7 @@ promises what nobody will do, and says what to run instead.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import dagster as dg
@@ -56,6 +56,9 @@ class RunState:
     resume_at: str | None = None  # ISO 8601 UTC, while waiting for a back-off
     ended: bool = False  # the newest training run ended unsuccessfully (failed or canceled)
     outcome: str | None = None  # how its last attempt ended (`trainer.base.outcomes`), once known
+    # How each of the chain's earlier attempts ended (the newest run's `ckpt/interrupted`): a
+    # row and the check name an attempt's outcome after a later attempt became the latest.
+    interrupted: dict[int, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return f"{self.state.value}: {self.detail}" if self.detail else self.state.value
@@ -63,7 +66,9 @@ class RunState:
     def to_dict(self) -> dict:
         return {"state": self.state.value, "detail": self.detail,
                 "dagster_run_id": self.dagster_run_id, "attempt": self.attempt,
-                "resume_at": self.resume_at, "outcome": self.outcome}
+                "resume_at": self.resume_at, "outcome": self.outcome,
+                "interrupted": [{"attempt": n, "outcome": name}
+                                for n, name in self.interrupted.items()]}
 
 
 def run_state(instance: dg.DagsterInstance, partition: str, now: float | None = None,
@@ -95,7 +100,7 @@ def state_of(run: dg.DagsterRun, now: float, outcome: Outcome | None = None) -> 
              outcome: Outcome | None = None) -> RunState:
         return RunState(partition, state, detail, run.run_id, attempt, resume_at,
                         view.ended_unsuccessfully,
-                        outcome.value if outcome else view.failure_class)
+                        outcome.value if outcome else view.failure_class, view.interrupted)
 
     from_where = view.resume_from or "the latest checkpoint"
 
@@ -123,8 +128,10 @@ def state_of(run: dg.DagsterRun, now: float, outcome: Outcome | None = None) -> 
         # An attempt relaunched inside its run was interrupted as much as one resumed in a
         # new run: the count is the attempt's number, whichever way it came.
         interrupted = (f", after {attempt - 1} interrupted attempt(s)" if attempt > 1 else "") \
-            + (f": it resumed from {from_where}" if view.parent_run_id and attempt > 1 else "")
-        return made(State.FINISHED, f"attempt {attempt} finished the run{interrupted}")
+            + (f": it resumed from {from_where}" if view.parent_run_id and attempt > 1 else "") \
+            + "".join(f"; attempt {n} ended {name}" for n, name in view.interrupted.items())
+        return made(State.FINISHED, f"attempt {attempt} finished the run{interrupted}",
+                    outcome=Outcome.SUCCESS)
     return _ended_unsuccessfully(view, now, made, outcome)
 
 
@@ -242,6 +249,11 @@ def state_check_evaluation(state: RunState) -> dg.AssetCheckEvaluation:
 def _state_metadata(state: RunState) -> dict[str, Any]:
     return {"state": state.state.value, "detail": state.detail,
             **({"attempt": state.attempt} if state.attempt else {}),
+            # Each outcome by its one name: the latest attempt's, and the chain's earlier ones.
+            **({"outcome": state.outcome} if state.outcome else {}),
+            **({"interrupted": dg.MetadataValue.json(
+                {str(n): name for n, name in state.interrupted.items()})}
+               if state.interrupted else {}),
             # A link to the run the state is about.
             **({"dagster_run": dg.MetadataValue.dagster_run(state.dagster_run_id)}
                if state.dagster_run_id else {})}

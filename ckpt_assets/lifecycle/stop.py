@@ -32,7 +32,8 @@ from ckpt_assets.base.tags import (
     TAG_NO_RESUME,
     TAG_STOP_REASON,
 )
-from ckpt_assets.lifecycle.ended import stop_reason_text
+from ckpt_assets.lifecycle.ended import lost_worker, stop_reason_text
+from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
 from ckpt_assets.lifecycle.model import Event, NotAMove
 from ckpt_assets.lifecycle.transition import Writes, transition
 
@@ -44,6 +45,8 @@ NOT_REACHED = ("termination requested, but its run worker could not be reached; 
                "monitoring marks it canceled (or stop again with force)")
 MARKED_CANCELED = "marked canceled (forced)"
 RESUME_WITHDRAWN = "ended already: its pending resume is withdrawn"
+WORKER_GONE = ("its run worker is gone: canceled at once, what its attempt left running "
+               "asked to stop")
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ def _end(w: Writes, run: dg.DagsterRun, force: bool) -> str:
         w.cancel_queued(run, "Stopping the training run for good.",
                         "Stopped for good; it will not be resumed.")
         return CANCELED
+    if lost_worker(run) is not None:
+        return _end_lost(w, run)
     if run.status == dg.DagsterRunStatus.CANCELING:
         action = ALREADY_CANCELING
     else:
@@ -111,6 +116,18 @@ def _end(w: Writes, run: dg.DagsterRun, force: bool) -> str:
                                      "worker's resources may not have been cleaned up.")
             return MARKED_CANCELED
     return action
+
+
+def _end_lost(w: Writes, run: dg.DagsterRun) -> str:
+    """A run whose worker is known dead is ended here, by the lost worker's own move:
+    nothing would answer a termination request (the code server's wait for the dead worker
+    held the stop for a minute, then failed), and run monitoring would cancel it only after
+    its cancel timeout."""
+    if run.status != dg.DagsterRunStatus.CANCELING:
+        w.canceling(run, "Stopping the training run for good; its run worker is gone.")
+        run = w.instance.get_run_by_id(run.run_id) or run
+    end_lost_attempt(w.instance, run)
+    return WORKER_GONE
 
 
 def _terminate(w: Writes, run: dg.DagsterRun) -> bool:

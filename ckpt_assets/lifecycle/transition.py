@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
@@ -31,6 +32,9 @@ from ckpt_assets.lifecycle.state import (
 )
 
 T = TypeVar("T")
+# The move being made in this thread: a move made inside it (a stop that ends a run whose
+# worker is gone by the lost worker's own move) records the newer state, and the outer none.
+_MOVING: ContextVar[Writes | None] = ContextVar("moving", default=None)
 
 
 class Writes:
@@ -42,6 +46,7 @@ class Writes:
         self.instance = instance
         self.tagged: dict[str, dict[str, str]] = {}
         self.moved = True
+        self.outrun = False  # a move made inside this one recorded a newer state
 
     def tag(self, run_id: str, tags: dict[str, str]) -> None:
         self.instance.add_run_tags(run_id, tags)
@@ -50,8 +55,11 @@ class Writes:
     def fail(self, run: dg.DagsterRun, message: str) -> None:
         self.instance.report_run_failed(run, message)
 
+    def canceling(self, run: dg.DagsterRun, message: str) -> None:
+        self.instance.report_run_canceling(run, message=message)
+
     def cancel_queued(self, run: dg.DagsterRun, canceling: str, canceled: str) -> None:
-        self.instance.report_run_canceling(run, message=canceling)
+        self.canceling(run, canceling)
         self.instance.report_run_canceled(run, message=canceled)
 
     def mark_canceled(self, run: dg.DagsterRun, message: str) -> None:
@@ -59,6 +67,11 @@ class Writes:
 
     def terminate_run(self, run_id: str) -> bool:
         return bool(self.instance.run_launcher.terminate(run_id))
+
+    def observe(self, observation: dg.AssetObservation) -> None:
+        """An event on the partition from outside its run (a lost attempt's end, recorded
+        by its decider where its step would have)."""
+        self.instance.report_runless_asset_event(observation)
 
     def decide(self, store: ObjectStore, rec: DecisionRecord) -> tuple[DecisionRecord, bool]:
         return create_once(store, rec)
@@ -89,8 +102,15 @@ def transition(instance: dg.DagsterInstance, partition: str, event: Event,
     before = run_state(instance, partition, newest=run)
     row = move(before.state, event)
     writes = Writes(instance)
-    result = act(writes) if act is not None else None
-    if writes.moved:
+    outer = _MOVING.get()
+    if outer is not None:
+        outer.outrun = True
+    token = _MOVING.set(writes)
+    try:
+        result = act(writes) if act is not None else None
+    finally:
+        _MOVING.reset(token)
+    if writes.moved and not writes.outrun:
         _record(instance, partition, row, (run, writes), context, detail, extra)
     return Moved(row, before, result)
 

@@ -103,6 +103,21 @@ class MlflowRun:
                 self.client.set_tag(self.run_id, k, str(v))
         return self.run_id
 
+    def attach(self) -> bool:
+        """Find (or create) the MLflow run without marking it RUNNING, for a record about an
+        attempt that has ended (its decider's); False, with a warning, if MLflow is off or
+        cannot be reached."""
+        if not getattr(self.resource, "enabled", True):
+            return False
+        try:
+            self.client = self.resource.client()
+            self.run_id = find_or_create_run(self.client, self.resource, self.experiment,
+                                             self.training_run)
+        except Exception as e:
+            self.warn("finding the run", e)
+            self.run_id = None
+        return self.run_id is not None
+
     @property
     def run_url(self) -> str | None:
         """The MLflow UI page of the run (only for an http(s) tracking server)."""

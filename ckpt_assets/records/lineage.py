@@ -64,8 +64,10 @@ def lineage_report(instance: dg.DagsterInstance, store: ObjectStore, run_key: st
     # One Dagster run holds several attempts when its trainer was relaunched in it
     # (`ckpt_assets.attempt.in_run`): one row per attempt_ended, in order.
     ends: dict[str, list[dict[str, Any]]] = {}
+    # By the Dagster run the attempt belongs to: the decider records a lost attempt's end
+    # outside any run (`lifecycle.decision`).
     for md, rec in partition_events(instance, run_key, ATTEMPT_ENDED):
-        ends.setdefault(rec.run_id, []).append(md)
+        ends.setdefault(md.get("dagster_run_id") or rec.run_id, []).append(md)
     reasons = {md["failed_run_id"]: md.get("reason") for md in decisions(instance, run_key)}
     decided = _decided_classes(store, run_key, attempts)
     repo = CheckpointRepo(store, reg.experiment, run_key)

@@ -23,12 +23,16 @@ import random
 import signal
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from ckpt_assets.base.attempt_processes import AttemptProcesses
+from ckpt_assets.base.tags import TAG_DECISION
 from ckpt_assets.lifecycle.settings import Setting
+from ckpt_assets.lifecycle.stop import stop_training_run
 from tests.daemon_harness import (
     ROOT,
     Daemon,
@@ -39,6 +43,8 @@ from tests.daemon_harness import (
 )
 from tests.postgres_server import team_instance
 from tests.trainer_proc import assert_bitwise_equal, final_state, training_state
+from trainer.checkpoints.repo import CheckpointRepo
+from trainer.storage import open_store
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +186,9 @@ def test_sigkill_of_the_run_worker_stops_its_trainer_and_is_resumed_once(
     assert (lost["attempt"], lost["end"]) == (1, "worker_lost"), lost
     assert lost["last_committed_step"] == late[-1]["step"]
     assert "attempt ?" not in format_lineage(rep)
+    # No step recorded the lost attempt's end: its decider did, by the decision's name.
+    names = daemon.outcome_names("kill-worker", lost["dagster_run_id"], attempt=1)
+    assert set(names.values()) == {"worker_lost"}, names
 
 
 @on_the_embedded_instance
@@ -226,3 +235,67 @@ def test_a_sigkilled_command_run_is_resumed_once_with_its_checkpoint_and_ends_bi
     assert final.tags["ckpt/resume_from"].startswith(Path(daemon.store).as_uri())
     assert daemon.max_active["digits-cmd"] == 1
     assert_bitwise_equal(want, final_state(Path(daemon.store), "default", "digits-cmd"))
+
+
+# -- a stop for good under races: one name in every view ----------------------------------
+
+def _stopped_in_every_view(daemon: Daemon, name: str, run_id: str) -> None:
+    """The run's only attempt reads `stopped_by_user` in all six views once its stop was
+    decided, and nothing resumed it."""
+    daemon.wait_until(lambda: daemon.instance.get_run_by_id(run_id).tags.get(TAG_DECISION),
+                      f"the sensors to decide the stop of {name}", run=name)
+    names = daemon.outcome_names(name, run_id, attempt=1)
+    assert set(names.values()) == {"stopped_by_user"}, names
+    assert [r.run_id for r in daemon.runs(name)] == [run_id]
+
+
+@on_the_embedded_instance
+def test_two_stops_racing_name_the_attempt_stopped_by_user_in_every_view(daemon, tmp_path):
+    from dagster import DagsterInstance
+    from dagster._core.instance.ref import InstanceRef
+
+    name = "two-stops"
+    daemon.launch(name, held(name, after_step=2), tmp_path)
+    daemon.wait_for_step(name, 2, attempt=1)
+    (run,) = daemon.runs(name)
+    both = threading.Barrier(2)
+
+    def stop(reason: str):  # each as its own client of the instance, released together
+        instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(daemon.home)))
+        both.wait(30)
+        return stop_training_run(instance, name, reason)
+
+    with ThreadPoolExecutor(2) as pool:
+        acted = [f.result() for f in [pool.submit(stop, w) for w in ("first", "second")]]
+    assert all(acted), acted  # each found the run to stop
+    _stopped_in_every_view(daemon, name, run.run_id)
+
+
+@on_the_embedded_instance
+def test_a_stop_as_the_trainer_reaches_its_last_step_names_it_stopped_by_user_in_every_view(
+        daemon, tmp_path):
+    # The trainer holds after step 9 of 10 until the stop's SIGTERM, which it takes up as it
+    # trains step 10: the stop arrives as its last step is committed.
+    name = "last-step"
+    daemon.launch(name, {**held(name, after_step=9), "max_steps": 10}, tmp_path)
+    daemon.wait_for_step(name, 9, attempt=1)
+    (run,) = daemon.runs(name)
+    stop_training_run(daemon.instance, name, "at the end")
+    _stopped_in_every_view(daemon, name, run.run_id)
+    # Its last step was committed, by the stop, and is not the run's end: stopped, not done.
+    pointer = CheckpointRepo(open_store(daemon.store), "default", name).read_pointer()
+    assert pointer.step == 10
+    assert daemon.instance.get_run_by_id(run.run_id).status.value == "CANCELED"
+
+
+@on_the_embedded_instance
+def test_a_stop_after_the_run_worker_was_sigkilled_names_it_stopped_by_user_in_every_view(
+        daemon, tmp_path):
+    # No step is left to record the attempt's end: its decider records it (the event, MLflow).
+    name = "stop-lost"
+    daemon.launch(name, held(name, after_step=2), tmp_path)
+    hb = daemon.wait_for_step(name, 2, attempt=1)
+    (run,) = daemon.runs(name)
+    kill(trainer_parent(hb["pid"]), signal.SIGKILL)
+    stop_training_run(daemon.instance, name, "after its worker died")
+    _stopped_in_every_view(daemon, name, run.run_id)

@@ -13,16 +13,15 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from mlflow.tracking import MlflowClient
 
 from ckpt_assets.base.view import RunView
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.lifecycle.decision import due_resume
 from ckpt_assets.lifecycle.stop import stop_training_run
-from ckpt_assets.mlflow.tracking import TRAINING_RUN_TAG
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
     DAGSTER,
+    NO_MLFLOW,
     PYTHON,
     ROOT,
     cli,
@@ -30,6 +29,7 @@ from tests.dagster_fixtures import (
     read_heartbeat_pid,
     training_config,
 )
+from tests.outcome_views import outcome_names
 from tests.polling import pid_alive, wait_for
 from trainer.base.outcomes import Outcome
 
@@ -48,7 +48,7 @@ def _wait_committed(store_uri: str, name: str, step: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_stop_for_good_reads_stopped_by_user_in_the_event_decision_lineage_list_and_mlflow(
+def test_a_stop_for_good_reads_stopped_by_user_in_all_six_views(
         tmp_path, dagster_home, store_uri, mlflow_uri):
     from ckpt_assets.cli.main import main as cli_main
 
@@ -78,21 +78,14 @@ def test_a_stop_for_good_reads_stopped_by_user_in_the_event_decision_lineage_lis
     ended = [e.dagster_event.asset_observation_data.asset_observation.metadata for e in
              instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION)]
     ended = [md for md in ended if md["event"].value == "attempt_ended"]
-    assert [md["failure_class"].value for md in ended] == ["stopped_by_user"]
     assert [md["exit_code"].value for md in ended] == [143]  # it exits as on a preemption
     assert due_resume(instance, run, CheckpointStore(uri=store_uri)) is None  # never resumed
     view = RunView.of(instance.get_run_by_id(run.run_id))
-    assert (view.decision, view.failure_kind, view.failure_class) == (
-        "stop", "stopped_by_user", "stopped_by_user")
-    (attempt,) = json.loads(cli("lineage", name, "--json").stdout)["attempts"]
-    assert attempt["end"] == "stopped_by_user"
+    assert (view.decision, view.failure_kind) == ("stop", "stopped_by_user")
+    names = outcome_names(instance, store_uri, mlflow_uri, name, run.run_id, attempt=1)
+    assert set(names.values()) == {"stopped_by_user"}, names
     (row,) = json.loads(cli("list", "--json").stdout)
     assert (row["state"], row["outcome"]) == ("stopped by user", "stopped_by_user")
-    client = MlflowClient(tracking_uri=mlflow_uri)
-    (mlrun,) = client.search_runs(
-        [client.get_experiment_by_name("default").experiment_id],
-        filter_string=f"tags.`{TRAINING_RUN_TAG}` = '{name}'")
-    assert mlrun.data.tags["last_failure_class"] == "stopped_by_user"
 
 
 def _ci_run(tmp_path: Path, name: str, config: Path) -> subprocess.Popen:
@@ -239,7 +232,7 @@ def test_a_trainer_relaunched_in_its_run_is_not_declared_dead_before_its_first_b
         store = CheckpointStore(uri=store_uri)
         for _ in range(2):
             out = reconcile_training_runs(dg.build_sensor_context(
-                instance=instance, resources={"checkpoint_store": store}))
+                instance=instance, resources={"checkpoint_store": store, **NO_MLFLOW}))
             assert isinstance(out, dg.SkipReason) or not list(out)
             view = RunView.of(instance.get_run_by_id(run.run_id))
             assert (view.status, view.heartbeat_lost) == (dg.DagsterRunStatus.STARTED, None)

@@ -12,6 +12,7 @@ import dagster as dg
 from ckpt_assets.base.clock import iso
 from ckpt_assets.base.tags import TAG_BUDGET, TAG_DECISION
 from ckpt_assets.defs.sensors import RECONCILE_EVERY_S, reconcile_training_runs
+from tests.dagster_fixtures import NO_MLFLOW
 from tests.orchestrator import test_sensors
 from tests.orchestrator.test_sensors import (
     backdate_decision,
@@ -28,7 +29,7 @@ instance, store, timeouts = test_sensors.instance, test_sensors.store, test_sens
 
 def tick(instance, store, cursor: str | None) -> list[dg.RunRequest]:
     out = reconcile_training_runs(dg.build_sensor_context(
-        instance=instance, resources={"checkpoint_store": store}, cursor=cursor))
+        instance=instance, resources={"checkpoint_store": store, **NO_MLFLOW}, cursor=cursor))
     return [] if isinstance(out, dg.SkipReason) else list(out)
 
 

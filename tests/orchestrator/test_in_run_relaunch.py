@@ -350,6 +350,28 @@ def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
 
 
 @pytest.mark.slow
+def test_an_attempt_relaunched_in_its_run_reads_one_name_in_every_view_and_counts_as_interrupted(
+        tmp_path, shipped_daemon):
+    """Attempt 1, SIGKILLed and relaunched in its run, is `killed_by_signal` in all six
+    views; `list` and the check, showing the run finished by attempt 2, name and count it."""
+    from ckpt_assets.records.listing import run_summary
+
+    daemon, name = shipped_daemon, "in-run-named"
+    cfg = training_config_e2e(name, max_steps=20)  # attempt 1 commits step 10, holds at 12
+    cfg["task_args"] = {**cfg["task_args"], "step_delay": 0, "pause_after_step": 12}
+    daemon.launch(name, cfg, tmp_path)
+    kill(daemon.wait_for_step(name, 12, attempt=1)["pid"], signal.SIGKILL)
+    final = daemon.wait_done(name)
+    assert [r.run_id for r in daemon.runs(name)] == [final.run_id]
+    names = daemon.outcome_names(name, final.run_id, attempt=1)
+    assert set(names.values()) == {"killed_by_signal"}, names
+    detail = run_state(daemon.instance, name).detail
+    assert detail == ("attempt 2 finished the run, after 1 interrupted attempt(s); attempt 1 "
+                      "ended killed_by_signal"), detail
+    assert run_summary(daemon.instance, open_store(daemon.store), name)["detail"] == detail
+
+
+@pytest.mark.slow
 def test_a_trainer_whose_run_worker_is_sigtermed_too_is_left_to_the_sensors(tmp_path,
                                                                             shipped_daemon):
     """The whole pod or node is going: the trainer is signalled, and its run worker moments

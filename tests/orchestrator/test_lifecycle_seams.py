@@ -18,6 +18,7 @@ from ckpt_assets.base.tags import (
     TAG_DECISION,
     TAG_FAILURE_CLASS,
     TAG_HEARTBEAT_LOST,
+    TAG_INTERRUPTED,
     TAG_NO_RESUME,
     TAG_PARENT_RUN_ID,
     TAG_PROCESSES,
@@ -89,7 +90,7 @@ def test_a_rerun_after_a_killed_cli_run_is_linked_as_the_killed_runs_child(insta
     killed = _killed_cli_run(instance)
     tags = rerun_tags(instance, KEY)
     assert tags == {TAG_PARENT_RUN_ID: killed.run_id, TAG_ROOT_RUN_ID: killed.run_id,
-                    TAG_ATTEMPT: "2"}
+                    TAG_ATTEMPT: "2", TAG_INTERRUPTED: "1:worker_lost"}
     ended = instance.get_run_by_id(killed.run_id)
     assert ended.status == dg.DagsterRunStatus.FAILURE
     assert failure_of(instance, ended, None).outcome is Outcome.WORKER_LOST
@@ -233,3 +234,39 @@ def test_an_action_on_the_run_names_the_attempts_end_over_the_exit_it_caused_as_
     if status is dg.DagsterRunStatus.CANCELED and exit_outcome.failed:
         # The decider, reading the same run without the step's record, names it the same.
         assert failure_of(instance, run, store).outcome is named
+
+
+@pytest.mark.slow  # a process stands in for the dead run worker; MLflow's client starts one
+def test_a_stop_of_a_run_whose_worker_died_ends_it_at_once_and_its_decider_records_its_end(
+        instance, tmp_path):
+    """No launcher is asked (nothing would answer): the run is canceled at once. No step
+    lived to record the attempt's end: its decider records it where the step would have
+    (the attempt_ended event, MLflow) by the name it decided, `stopped_by_user`, which
+    lineage and the state read too."""
+    from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
+    from ckpt_assets.defs.resources import MLflowResource
+    from ckpt_assets.lifecycle.stop import WORKER_GONE
+    from ckpt_assets.records.lineage import lineage_report
+    from tests.dagster_fixtures import made_mlflow_db
+
+    store = dagster_runs.store_with_a_checkpoint(tmp_path, KEY, max_steps=100)
+    tracking = MLflowResource(tracking_uri=made_mlflow_db(tmp_path / "mlflow.db"))
+    run = _killed_cli_run(instance)
+    (action,) = stop_training_run(instance, KEY, "its worker died")
+    assert action.action == WORKER_GONE
+    ended = instance.get_run_by_id(run.run_id)
+    assert ended.status == dg.DagsterRunStatus.CANCELED and TAG_NO_RESUME in ended.tags
+    for _ in range(2):  # decided twice (two sensors): recorded once
+        assert due_resume(instance, ended, store, tracking=tracking) is None
+    assert read_decision(store.open(), KEY, run.run_id).failure_class == "stopped_by_user"
+    (end, _), = partition_events(instance, KEY, ATTEMPT_ENDED)
+    assert (end["failure_class"], end["attempt"], end["dagster_run_id"]) == (
+        "stopped_by_user", 1, run.run_id)
+    (row,) = lineage_report(instance, store.open(), KEY)["attempts"]
+    assert row["end"] == "stopped_by_user"
+    assert run_state(instance, KEY).outcome == "stopped_by_user"
+    client = tracking.client()
+    (ml,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert ml.info.status == "KILLED"
+    assert (ml.data.tags["attempt_1.failure_class"], ml.data.tags["last_failure_class"]) == (
+        "stopped_by_user", "stopped_by_user")

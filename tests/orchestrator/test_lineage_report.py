@@ -131,15 +131,21 @@ def test_lineage_of_a_standalone_run_lists_its_checkpoints_and_attempts(
 
 def test_a_cli_launch_after_a_failure_is_the_next_attempt_linked_to_the_failed_run(
         instance, store):
-    from ckpt_assets.base.tags import TAG_ATTEMPT, TAG_PARENT_RUN_ID, TAG_ROOT_RUN_ID
+    from ckpt_assets.base.tags import (
+        TAG_ATTEMPT,
+        TAG_INTERRUPTED,
+        TAG_PARENT_RUN_ID,
+        TAG_ROOT_RUN_ID,
+    )
     from ckpt_assets.lifecycle.rerun import rerun_tags
     from ckpt_assets.records.listing import run_summary
 
     assert rerun_tags(instance, KEY) == {}  # nothing to continue
     failed = lost_worker_run(instance, KEY)
     tags = rerun_tags(instance, KEY)
+    # The failed attempt joins the chain's interrupted ones by the name its decision gives.
     assert tags == {TAG_PARENT_RUN_ID: failed.run_id, TAG_ROOT_RUN_ID: failed.run_id,
-                    TAG_ATTEMPT: "2"}
+                    TAG_ATTEMPT: "2", TAG_INTERRUPTED: "1:worker_lost"}
     rerun = create_run_for_test(instance, job_name="train_job",
                                 tags={PARTITION_TAG: KEY, **tags},
                                 status=dg.DagsterRunStatus.STARTED)

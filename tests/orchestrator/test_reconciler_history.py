@@ -28,6 +28,7 @@ from ckpt_assets.base.tags import (
 )
 from ckpt_assets.defs import sensors
 from ckpt_assets.defs.sensors import RECONCILE_EVERY_S, reconcile_training_runs
+from tests.dagster_fixtures import NO_MLFLOW
 from tests.orchestrator import test_sensors
 from tests.orchestrator.test_sensors import (
     KEY,
@@ -75,7 +76,7 @@ def reconcile(instance, store, cursor: str | None,
     """One evaluation of the reconciler `ahead_s` seconds from now: its run requests, and
     the cursor it leaves for the next evaluation."""
     ctx = dg.build_sensor_context(instance=instance, cursor=cursor,
-                                  resources={"checkpoint_store": store})
+                                  resources={"checkpoint_store": store, **NO_MLFLOW})
     clock = SimpleNamespace(time=lambda: time.time() + ahead_s)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sensors, "time", clock)

@@ -60,6 +60,7 @@ from ckpt_assets.lifecycle.decision_record import decision_key, read_decision
 from ckpt_assets.lifecycle.policy import Budget
 from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
 from tests import dagster_runs
+from tests.dagster_fixtures import NO_MLFLOW
 from trainer.base.errors import PointerConflictError, StorageError
 from trainer.base.outcomes import Kind, Outcome
 from trainer.base.process_id import ProcessId
@@ -154,7 +155,7 @@ def _evaluate(sensor, instance, run: dg.DagsterRun, store: CheckpointStore):
     ctx = dg.build_run_status_sensor_context(
         sensor_name=sensor.name, dagster_event=_end_event(instance, run),
         dagster_instance=instance, dagster_run=instance.get_run_by_id(run.run_id),
-        resources={"checkpoint_store": store})
+        resources={"checkpoint_store": store, **NO_MLFLOW})
     return sensor(ctx)
 
 
@@ -178,7 +179,7 @@ def on_cancel(instance, run: dg.DagsterRun, store: CheckpointStore):
 
 def _reconcile(instance, store: CheckpointStore, cursor: str | None) -> list[dg.RunRequest]:
     out = reconcile_training_runs(dg.build_sensor_context(
-        instance=instance, cursor=cursor, resources={"checkpoint_store": store}))
+        instance=instance, cursor=cursor, resources={"checkpoint_store": store, **NO_MLFLOW}))
     return [] if isinstance(out, dg.SkipReason) else list(out)
 
 
@@ -545,7 +546,7 @@ def test_a_run_whose_heartbeat_cannot_be_read_is_not_judged_dead(instance, store
     run = started_run(instance, started_ago=3600)
     monkeypatch.setattr(CheckpointRepo, "read_beat", store_down)
     skipped = reconcile_training_runs(dg.build_sensor_context(
-        instance=instance, resources={"checkpoint_store": store}))
+        instance=instance, resources={"checkpoint_store": store, **NO_MLFLOW}))
     assert isinstance(skipped, dg.SkipReason)
     assert f"{run.run_id[:8]}: not judged, its heartbeat could not be read from the store " \
            "(StorageError: s3://bucket/e/run-a/heartbeat.json: endpoint did not answer)" \
