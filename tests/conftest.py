@@ -203,15 +203,37 @@ def s3_env(moto_server, aws_env, monkeypatch):
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
     """`uninterrupted(cfg)`: the final training state of `cfg` trained without a fault
-    (`tests.trainer_proc.uninterrupted_state`), trained once per config and test process."""
-    from tests.trainer_proc import uninterrupted_state
+    (`tests.trainer_proc.uninterrupted_state`), trained once per config and test session:
+    the first worker that needs it trains it, the others wait for it and load it (never
+    across sessions: the code under test may have changed)."""
+    import hashlib
+    import os
 
+    import torch
+
+    from tests.trainer_proc import uninterrupted_state
+    from trainer.storage.file_lock import exclusive_lock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if base.name.startswith("popen-gw") else base  # xdist's workers
+    cache = shared / "uninterrupted-states"
+    cache.mkdir(exist_ok=True)
     done: dict[str, dict] = {}
 
     def get(cfg: dict) -> dict:
-        key = json.dumps(cfg, sort_keys=True)
+        key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
         if key not in done:
-            done[key] = uninterrupted_state(tmp_path_factory.mktemp("uninterrupted"), cfg)
+            path = cache / f"{key}.pt"
+            dir_fd = os.open(cache, os.O_RDONLY)
+            try:
+                with exclusive_lock(dir_fd, f"{key}.lock", "an uninterrupted state", wait_s=900):
+                    if not path.exists():
+                        state = uninterrupted_state(tmp_path_factory.mktemp("uninterrupted"), cfg)
+                        torch.save(state, cache / f"{key}.part")
+                        os.replace(cache / f"{key}.part", path)
+            finally:
+                os.close(dir_fd)
+            done[key] = torch.load(path, weights_only=False)
         return done[key]
 
     return get

@@ -177,8 +177,8 @@ def test_a_run_with_a_longer_heartbeat_timeout_of_its_own_outlives_a_silence_tha
         daemon, tmp_path):
     # One daemon, whose deployment timeout is TIMEOUT_S; "patient" registered its own.
     own = {"heartbeat_timeout_seconds": 600.0}
-    runs = {"hasty": training_config("hasty", max_steps=120, checkpoint={"heartbeat_seconds": 1}),
-            "patient": training_config("patient", max_steps=120,
+    runs = {"hasty": training_config("hasty", max_steps=60, checkpoint={"heartbeat_seconds": 1}),
+            "patient": training_config("patient", max_steps=60,
                                        checkpoint={"heartbeat_seconds": 1}, resume=own)}
     pids, silent_since = {}, {}
     for name, cfg in runs.items():  # each frozen at step 15: alive, silent from then on

@@ -68,8 +68,12 @@ def test_two_ranks_then_one_then_two_through_dagster_keep_every_checkpoint_at_it
     log = tmp_path / "runs.log"
     assert _run(tmp_path, "--config", str(config), until=12, store=store_uri) == 143, \
         log.read_text()[-3000:]
-    assert _run(tmp_path, "--nproc-per-node", "1", until=24, store=store_uri) == 143, \
-        log.read_text()[-3000:]
+    # A loaded machine may see the first run commit well past step 12 before its SIGTERM
+    # lands: the second is stopped only once it has committed steps of its own.
+    first = pointer_step(Path(store_uri), "default", NAME)
+    assert first < STEPS - 8, first
+    assert _run(tmp_path, "--nproc-per-node", "1", until=max(24, first + 4),
+                store=store_uri) == 143, log.read_text()[-3000:]
     assert _run(tmp_path, "--nproc-per-node", "2") == 0, log.read_text()[-3000:]
 
     checkpoints = _checkpoints(store_uri)
