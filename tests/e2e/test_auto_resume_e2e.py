@@ -49,7 +49,9 @@ from trainer.storage import open_store
 pytestmark = pytest.mark.slow
 
 INSTANCE_KINDS = ("sqlite", "postgres")
-on_every_instance = pytest.mark.parametrize("daemon", INSTANCE_KINDS, indirect=True)
+# On the embedded instance a killed trainer's sensor resume is proven by the command run's
+# below; PostgreSQL proves the same path once on a team's instance.
+on_the_team_instance = pytest.mark.parametrize("daemon", INSTANCE_KINDS[1:], indirect=True)
 on_the_embedded_instance = pytest.mark.parametrize("daemon", INSTANCE_KINDS[:1], indirect=True)
 SLOW_STEPS = ["python", "tests/slow_steps.py"]  # STEP_DELAY seconds per step: room to signal
 RNG = random.Random(20261129)
@@ -146,7 +148,7 @@ def _checkpoint_events(daemon, name) -> list[dict]:
     return [md for md, _ in partition_events(daemon.instance, name, CHECKPOINT)]
 
 
-@on_every_instance
+@on_the_team_instance
 def test_sigkill_of_the_trainer_is_resumed_once_and_ends_bitwise_identical(
         daemon, tmp_path, uninterrupted):
     daemon.launch("kill-trainer", held("kill-trainer"), tmp_path)
