@@ -29,6 +29,8 @@ from ckpt_assets.lifecycle.transition import Writes, transition
 from ckpt_assets.mlflow.run import MlflowRun
 from trainer.base.outcomes import Kind
 
+_LOG = logging.getLogger(__name__)
+
 
 def end_lost_attempt(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dg.DagsterRun:
     """`run` ended if its worker is known dead (what its attempt left running asked to stop),
@@ -45,7 +47,7 @@ def end_lost_attempt(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dg.Dag
             w.mark_canceled(run, msg)
         else:
             w.fail(run, msg)
-        procs.stop(0.0, logging.getLogger(__name__), wait=False)
+        procs.stop(0.0, _LOG, wait=False)
 
     with suppress(NotAMove):  # e.g. stopped for good meanwhile: the stop ends it
         transition(instance, run.tags[PARTITION_TAG], Event.WORKER_LOST, end, run=run)
@@ -72,11 +74,10 @@ def record_lost_end(w: Writes, failure: AttemptEnd, rec: DecisionRecord,
                         "worker was lost before it recorded the end; recorded by its decision)"))
         repo = run_repo(store, rec.training_run) if tracking is not None else None
         if repo is not None:
-            mlrun = MlflowRun(tracking, repo.experiment, rec.training_run,
-                              logging.getLogger(__name__))
+            mlrun = MlflowRun(tracking, repo.experiment, rec.training_run, _LOG)
             if mlrun.attach():
                 mlrun.on_failure(ended.attempt, rec.failure_class, rec.reason)
                 mlrun.finish("KILLED" if rec.kind == Kind.STOPPED_BY_USER.value else "FAILED")
     except Exception:
-        logging.getLogger(__name__).warning("could not record the end of lost attempt %s of %s", ended.attempt,
+        _LOG.warning("could not record the end of lost attempt %s of %s", ended.attempt,
                      rec.training_run, exc_info=True)
