@@ -90,6 +90,7 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
         failure.outcome.value, decision.reason, decided,
         decided + decision.delay_s if decision.resume and decision.delay_s > 0 else None,
         decision.budget.to_tag(), failure.attempt, failure.last_committed_step)
+    facts = _facts(run, failure, decision)
 
     def create(w: Writes) -> tuple[DecisionRecord, bool]:
         made, created = w.decide(store.open(), rec)
@@ -100,13 +101,13 @@ def record(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd
             record_lost_end(w, failure, made, store, tracking)
         mirror = mirror_tags(made)
         w.tag(run.run_id, mirror)
-        _say(instance, run.with_tags({**run.tags, **mirror}), failure, decision)
+        _say(instance, run.with_tags({**run.tags, **mirror}), decision, facts)
         return made, created
 
     event = (Event.DECIDED_STOP if not decision.resume else
              Event.DECIDED_BACKOFF if decision.delay_s > 0 else Event.DECIDED_RESUME)
     return transition(instance, failure.training_run, event, create, run=run,
-                      extra=_facts(run, failure, decision)).result
+                      extra=facts).result
 
 
 def _facts(run: dg.DagsterRun, failure: AttemptEnd, decision: Decision) -> dict[str, Any]:
@@ -119,15 +120,15 @@ def _facts(run: dg.DagsterRun, failure: AttemptEnd, decision: Decision) -> dict[
         "resume_run_key": f"{RESUME_KEY_PREFIX}{run.run_id}" if decision.resume else None})
 
 
-def _say(instance: dg.DagsterInstance, run: dg.DagsterRun, failure: AttemptEnd,
-         decision: Decision) -> None:
+def _say(instance: dg.DagsterInstance, run: dg.DagsterRun, decision: Decision,
+         facts: dict[str, Any]) -> None:
     # In words, in the failed run's own log, where whoever opens that run looks first. The
     # resume's run id does not exist yet (the daemon assigns it at launch): the resume links
     # back to this run, and tags it `ckpt/resumed_by`, once it starts.
     try:
         report_engine_event(instance, run,
                             decision_words(decision, f"{RESUME_KEY_PREFIX}{run.run_id}"),
-                            _facts(run, failure, decision))
+                            facts)
     except Exception:  # the record is what the sensors act on; this is for people
         _LOG.warning("could not log the resume decision on run %s", run.run_id,
                      exc_info=True)
