@@ -83,6 +83,17 @@ class AttemptReport:
     stopped: Stopped | None = None
     finished: Finished | None = None
     checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    step: int = 0  # the newest step it reported
+
+    def near_its_end(self) -> bool:
+        """Whether the trainer reported a step in the last tenth of its `max_steps` (or
+        spoke without saying how many it trains): what the run's last steps need may load
+        now (`ckpt_assets.attempt.prefetch`). Sooner would load it for every attempt that is
+        interrupted, which is most of a long job's."""
+        if self.started is None:
+            return False
+        end = self.started.max_steps
+        return end is None or self.step >= end - end // 10
 
     def handle(self, context, tracker: MlflowTracker, msgs: list[Any]) -> None:
         parsed = [m for m in map(parse_message, msgs) if m is not None]
@@ -90,6 +101,8 @@ class AttemptReport:
             self._one(context, tracker, msg)
 
     def _one(self, context, tracker: MlflowTracker, msg: Message) -> None:
+        self.step = max(self.step, getattr(msg, "step", None) or 0,
+                        getattr(msg, "resumed_from_step", None) or 0)
         match msg:
             case CheckpointRecord():
                 self._checkpoint(context, tracker, msg)

@@ -6,7 +6,9 @@ evaluates the task's model (the trainer's task and loop). In a fresh run worker 
 imports alone take about 2.5 s (several on a busy machine), all of it between the last step
 and the run's success. The run worker has nothing to do while `model_checkpoint` waits on
 its trainer, so one background thread imports them then, in the order they are used, once
-the trainer has spoken (never against its start-up).
+the trainer has reported a step in the last tenth of its steps (never against its start-up,
+and not for an attempt interrupted earlier: most of a long job's attempts are; a trainer
+that does not say how many steps it trains, once it has spoken).
 
 Best effort: an import that fails here fails again, with its traceback, where it is used.
 Not a daemon thread: the interpreter waits for it at exit. A run interrupted moments after

@@ -238,9 +238,9 @@ def _one_attempt(step: _Step, ids: AttemptIds):
 
 def _on_messages(report: AttemptReport, context, tracker: MlflowTracker, evaluates: bool,
                  msgs: list) -> None:
-    if msgs:  # the trainer is past its start-up: the run's last imports may load now
-        prefetch_end_of_run_imports(evaluates)
     report.handle(context, tracker, msgs)
+    if msgs and report.near_its_end():  # past its start-up, and near the run's end
+        prefetch_end_of_run_imports(evaluates)
 
 
 def _next_attempt(repo: CheckpointRepo, ended: int) -> int:

@@ -5,6 +5,7 @@ end-to-end tests here set nothing."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -241,11 +242,12 @@ def test_a_bug_in_the_training_code_is_never_relaunched(instance, tmp_path, mlfl
 @pytest.mark.warm_standby
 def test_a_runs_first_attempt_is_relaunched_from_its_standby_though_the_worker_set_torch_variables(
         instance, tmp_path, mlflow_uri, monkeypatch):
-    """In a fresh run worker, the end-of-run imports that start once attempt 1 has spoken
-    may change the worker's environment (torch._dynamo, imported where a task's `build`
-    builds its optimizer, sets TORCHINDUCTOR_CACHE_DIR, a variable torch reads at start).
-    Attempt 2 inherits the worker's environment as the run began, as attempt 1 and its
-    standby did: the standby fits, and the run's first relaunch is warm."""
+    """In a fresh run worker, the end-of-run imports that start once attempt 1 reported a
+    step in the last tenth of its steps (here it crashes at step 39 of 40) may change the
+    worker's environment (torch._dynamo, imported where a task's `build` builds its
+    optimizer, sets TORCHINDUCTOR_CACHE_DIR, a variable torch reads at start). Attempt 2
+    inherits the worker's environment as the run began, as attempt 1 and its standby did:
+    the standby fits, and the run's first relaunch is warm."""
     import ckpt_assets.defs.assets as assets
 
     monkeypatch.delenv(Setting.IN_RUN_RELAUNCH, raising=False)  # the default
@@ -257,9 +259,10 @@ def test_a_runs_first_attempt_is_relaunched_from_its_standby_though_the_worker_s
     res = make_resources(str(tmp_path / "store"), tracking_uri=mlflow_uri)
     out = materialize_run(instance, "warm-first", res, training=training_config(
         task="tests.user_tasks:crash_once",
-        task_args={"crash_once_at": 15, "crash_marker": str(tmp_path / "crashed"),
+        task_args={"crash_once_at": 39, "crash_marker": str(tmp_path / "crashed"),
                    "crash_after_standby": True, "step_delay": 0.1}))
     assert out.success and (tmp_path / "crashed").exists()
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "attempt 1 ended before the prefetch"
     assert [e["attempt"] for e in _ends(instance, "warm-first")] == [1, 2]
     started = _started(instance, out.run_id)
     assert len(started) == 2 and all(WARM_STARTED in line for line in started), started

@@ -165,3 +165,25 @@ def test_the_run_workers_end_of_run_imports_start_once_and_load_in_the_backgroun
     first.join(60)
     assert not first.is_alive()
     assert "colorsys" in sys.modules  # the evaluation's imports, as asked first
+
+
+def test_the_end_of_run_imports_wait_for_a_step_in_the_last_tenth_of_the_trainers_steps():
+    """An attempt interrupted before its last tenth never loads what only a run's end
+    needs; a trainer that does not say how many steps it trains loads it once it spoke."""
+    from types import SimpleNamespace
+
+    from ckpt_assets.attempt.messages import AttemptReport
+
+    context = SimpleNamespace(log=SimpleNamespace(info=print, debug=print, warning=print))
+    tracker = SimpleNamespace(on_started=lambda m: None)
+
+    def report_of(*msgs) -> AttemptReport:
+        report = AttemptReport("r", 1)
+        report.handle(context, tracker, [to_message(m) for m in msgs])
+        return report
+
+    assert not report_of().near_its_end()  # it has not spoken
+    assert not report_of(Started(1, max_steps=100), Progress(89)).near_its_end()
+    assert report_of(Started(1, max_steps=100), Progress(90)).near_its_end()
+    assert report_of(Started(2, resumed_from_step=95, max_steps=100)).near_its_end()
+    assert report_of(Started(1)).near_its_end()  # max_steps unknown: once it spoke
