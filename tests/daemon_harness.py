@@ -170,15 +170,17 @@ class Daemon:
         while not self._stop.is_set():
             try:
                 counts: dict[str, int] = defaultdict(int)
-                # Only the active runs are read: five times a second, a whole history's
-                # records would cost the suite more CPU than the runs it watches.
+                # Only the active runs are read, twice a second: a second writer's run
+                # would be active for seconds (its start alone takes that long), and a whole
+                # history's records read more often would cost the suite more CPU than the
+                # runs it watches.
                 for run in self.instance.get_runs(filters=active):
                     counts[run.tags.get("dagster/partition", "")] += 1
                 for k, n in counts.items():
                     self.max_active[k] = max(self.max_active[k], n)
             except Exception:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.5)
 
     # -- actions --------------------------------------------------------------------------
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -214,7 +216,9 @@ class Daemon:
         from trainer.storage import open_store
 
         try:
-            return CheckpointRepo(open_store(self.store), experiment, run).read_heartbeat()
+            if not hasattr(self, "_store"):  # one client: an S3 client costs milliseconds
+                self._store = open_store(self.store)
+            return CheckpointRepo(self._store, experiment, run).read_heartbeat()
         except Exception:
             return None
 
@@ -224,7 +228,7 @@ class Daemon:
             return hb if hb and hb.get("attempt") == attempt and hb.get("step", 0) >= step \
                 else None
 
-        return wait_for(reached, timeout, 0.05, f"{run}: attempt {attempt} to reach step {step}",
+        return wait_for(reached, timeout, 0.1, f"{run}: attempt {attempt} to reach step {step}",
                         lambda: self.state_of(run))
 
     def state_of(self, run: str) -> str:

@@ -99,7 +99,7 @@ def _ci_run(tmp_path: Path, name: str, config: Path) -> subprocess.Popen:
 def test_a_rerun_after_a_sigkilled_ckpt_assets_run_is_linked_as_the_killed_runs_child(
         tmp_path, dagster_home, store_uri, mlflow_uri):
     name = "killed-ci"
-    config = _config(tmp_path, name, max_steps=200, task_args={"step_delay": 0.02})
+    config = _config(tmp_path, name, max_steps=120, task_args={"step_delay": 0.02})
     proc = _ci_run(tmp_path, name, config)
     try:
         _wait_committed(store_uri, name, 10)
@@ -160,7 +160,7 @@ def test_a_ckpt_assets_run_whose_command_commits_nothing_exits_non_zero_naming_i
 def test_a_preempted_ckpt_assets_run_prints_a_short_summary_and_run_again_resumes_as_its_child(
         tmp_path, dagster_home, store_uri, mlflow_uri):
     name = "told"
-    config = _config(tmp_path, name, max_steps=300, task_args={"step_delay": 0.02})
+    config = _config(tmp_path, name, max_steps=150, task_args={"step_delay": 0.02})
     proc = subprocess.Popen([PYTHON, "-m", "ckpt_assets", "run", name, "--config", str(config)],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -183,7 +183,7 @@ def test_a_preempted_ckpt_assets_run_prints_a_short_summary_and_run_again_resume
     logged = log.read_text()
     assert "DEBUG" in logged and "DagsterExecutionInterruptedError" in logged
     interrupted_at = pointer_step(Path(store_uri), "default", name)
-    assert interrupted_at is not None and 10 <= interrupted_at < 300
+    assert interrupted_at is not None and 10 <= interrupted_at < 150
 
     # Run again, as the summary says: it resumes from that checkpoint as the run's child.
     again = _ci_run(tmp_path, name, config)

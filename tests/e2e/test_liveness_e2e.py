@@ -134,58 +134,27 @@ def test_a_healthy_step_three_times_the_heartbeat_timeout_is_never_declared_dead
     assert daemon.max_active[name] == 1
 
 
-def test_a_frozen_trainer_declared_dead_is_gone_before_its_resume_starts(
+def test_a_frozen_trainer_declared_dead_is_gone_before_its_resume_while_a_run_with_a_longer_timeout_of_its_own_outlives_the_silence(
         daemon, tmp_path, uninterrupted):
-    name = "frozen"
-    sampler = Sampler(daemon, name)
-    sampler.start()
-    daemon.launch(name, training_config(name, checkpoint={"heartbeat_seconds": 1}), tmp_path)
-    hb = daemon.wait_for_step(name, 15, attempt=1)
-    pid = int(hb["pid"])
-    repo = CheckpointRepo(open_store(daemon.store), "default", name)
-    kill(pid, signal.SIGSTOP)  # alive, but silent: its heartbeat thread is frozen with it
-    before = set(repo.read_pointer().timeline)
-    final = daemon.wait_done(name)
-    sampler.stop()
-
-    failed, resume = daemon.runs(name)
-    assert resume.run_id == final.run_id
-    said = daemon.failures_of(name)  # what the reconciler did, in the failed run's own log
-    assert failed.tags[TAG_HEARTBEAT_LOST].startswith("trainer heartbeat lost")
-    assert "fenced: attempts up to 1" in said, said
-    assert f"trainer pid {pid} " in said and ("stopped by SIGTERM" in said or "killed" in said)
-    assert failed.tags[TAG_FAILURE_KIND] == "killed"
-    # Its end is the reconciler's verdict wherever it is read, not the signal's kill that
-    # the verdict caused (`killed_by_signal`).
-    names = daemon.outcome_names(name, failed.run_id, attempt=1)
-    assert set(names.values()) == {"heartbeat_lost"}, names
-    # The frozen trainer was last seen before the resume's trainer was first seen: the two
-    # never ran at once, and it is gone now.
-    old, new = sampler.seen(lambda p, a: p == pid), sampler.seen(lambda p, a: a == 2)
-    assert old and new and max(old) < min(new), (old[-3:], new[:3])
-    assert sampler.most_attempts_at_once() == 1
-    assert _warm_starts(daemon, failed.run_id) == [True]
-    assert not pid_alive(pid)
-    # Nothing it wrote after it froze entered the run's history (it was fenced).
-    after = repo.read_pointer().timeline
-    assert {n for n in after if n.endswith("-a1")} <= before
-    assert daemon.max_active[name] == 1
-    assert_bitwise_equal(uninterrupted(baseline_config()), training_state(final_state(Path(daemon.store), run=name)))
-
-
-def test_a_run_with_a_longer_heartbeat_timeout_of_its_own_outlives_a_silence_that_ends_another(
-        daemon, tmp_path):
-    # One daemon, whose deployment timeout is TIMEOUT_S; "patient" registered its own.
+    """One daemon, whose deployment timeout is TIMEOUT_S: "patient" registered a timeout of
+    its own. Each trainer is frozen (SIGSTOP: alive, its heartbeat thread silent with it) at
+    step 15. "hasty" is declared dead, and its frozen trainer is gone before its resume
+    starts; "patient" outlives the same silence and trains on once woken."""
     own = {"heartbeat_timeout_seconds": 600.0}
     runs = {"hasty": training_config("hasty", max_steps=60, checkpoint={"heartbeat_seconds": 1}),
             "patient": training_config("patient", max_steps=60,
                                        checkpoint={"heartbeat_seconds": 1}, resume=own)}
+    sampler = Sampler(daemon, "hasty")
+    sampler.start()
+    repo = CheckpointRepo(open_store(daemon.store), "default", "hasty")
     pids, silent_since = {}, {}
-    for name, cfg in runs.items():  # each frozen at step 15: alive, silent from then on
+    for name, cfg in runs.items():
         daemon.launch(name, cfg, tmp_path)
         pids[name] = int(daemon.wait_for_step(name, 15, attempt=1)["pid"])
         kill(pids[name], signal.SIGSTOP)
         silent_since[name] = time.time()
+        if name == "hasty":
+            before = set(repo.read_pointer().timeline)
     daemon.wait_until(lambda: TAG_HEARTBEAT_LOST in daemon.runs("hasty")[0].tags,
                       "the hasty run to be declared dead", timeout=300)
     # Past three deployment timeouts of silence, and two more sweeps: the patient run is
@@ -198,4 +167,37 @@ def test_a_run_with_a_longer_heartbeat_timeout_of_its_own_outlives_a_silence_tha
     kill(pids["patient"], signal.SIGCONT)
     final = daemon.wait_done("patient")
     assert final.run_id == patient.run_id and final.status.value == "SUCCESS"
-    assert daemon.wait_done("hasty").status.value == "SUCCESS"  # resumed, by the deployment's
+    _declared_dead_and_gone(daemon, sampler, pids["hasty"], before, uninterrupted)
+
+
+def _declared_dead_and_gone(daemon: Daemon, sampler: Sampler, pid: int, before: set,
+                            uninterrupted) -> None:
+    """The hasty run, resumed by the deployment's timeout: its frozen trainer `pid` was
+    stopped before its resume started, wrote nothing after it froze (`before`: the run's
+    timeline then), and every view names the attempt's end as the reconciler's verdict."""
+    final = daemon.wait_done("hasty")
+    sampler.stop()
+    failed, resume = daemon.runs("hasty")
+    assert resume.run_id == final.run_id
+    said = daemon.failures_of("hasty")  # what the reconciler did, in the failed run's own log
+    assert failed.tags[TAG_HEARTBEAT_LOST].startswith("trainer heartbeat lost")
+    assert "fenced: attempts up to 1" in said, said
+    assert f"trainer pid {pid} " in said and ("stopped by SIGTERM" in said or "killed" in said)
+    assert failed.tags[TAG_FAILURE_KIND] == "killed"
+    # Its end is the reconciler's verdict wherever it is read, not the signal's kill that
+    # the verdict caused (`killed_by_signal`).
+    names = daemon.outcome_names("hasty", failed.run_id, attempt=1)
+    assert set(names.values()) == {"heartbeat_lost"}, names
+    # The frozen trainer was last seen before the resume's trainer was first seen: the two
+    # never ran at once, and it is gone now.
+    old, new = sampler.seen(lambda p, a: p == pid), sampler.seen(lambda p, a: a == 2)
+    assert old and new and max(old) < min(new), (old[-3:], new[:3])
+    assert sampler.most_attempts_at_once() == 1
+    assert _warm_starts(daemon, failed.run_id) == [True]
+    assert not pid_alive(pid)
+    # Nothing it wrote after it froze entered the run's history (it was fenced).
+    after = CheckpointRepo(open_store(daemon.store), "default", "hasty").read_pointer().timeline
+    assert {n for n in after if n.endswith("-a1")} <= before
+    assert daemon.max_active["hasty"] == 1
+    assert_bitwise_equal(uninterrupted(baseline_config()),
+                         training_state(final_state(Path(daemon.store), run="hasty")))

@@ -4,7 +4,6 @@ end-to-end tests here set nothing."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -33,7 +32,7 @@ from ckpt_assets.lifecycle.policy import Budget, PolicyConfig, decide
 from ckpt_assets.lifecycle.settings import ResumeSettings, Setting
 from ckpt_assets.lifecycle.state import State, run_state
 from ckpt_assets.records.lineage import format_lineage, lineage_report
-from tests.daemon_harness import Daemon, kill
+from tests.daemon_harness import Daemon, baseline_config, kill
 from tests.daemon_harness import training_config as training_config_e2e
 from tests.dagster_fixtures import *  # noqa: F403
 from tests.dagster_fixtures import (
@@ -43,7 +42,7 @@ from tests.dagster_fixtures import (
     training_config,
 )
 from tests.polling import pid_alive, wait_for
-from tests.trainer_proc import assert_bitwise_equal, final_state, run_trainer, training_state
+from tests.trainer_proc import assert_bitwise_equal, final_state, training_state
 from trainer.base.outcomes import Outcome
 from trainer.storage import open_store
 
@@ -310,17 +309,11 @@ def shipped_daemon(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.warm_standby
 def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
-        tmp_path, shipped_daemon):
+        tmp_path, shipped_daemon, uninterrupted):
     """The default path for the commonest failure: the trainer's process is SIGKILLed from
     outside while its run worker lives. No failed run, no sensor decision, no second run:
     one run, two attempts in its lineage, one transient failure on its budget, and the
     state of a run that was never interrupted."""
-    base = training_config_e2e("base")
-    base["task_args"].pop("step_delay")
-    (tmp_path / "base.json").write_text(json.dumps(base))
-    res = run_trainer(tmp_path / "base.json", str(tmp_path / "base-store"))
-    assert res.returncode == 0, res.log
-    uninterrupted = training_state(final_state(tmp_path / "base-store", run="base"))
 
     daemon = shipped_daemon
     # Attempt 1 waits after step 15 until it is killed (the toy task's `pause_after_step`): on
@@ -348,7 +341,7 @@ def test_a_trainer_sigkilled_under_the_daemon_trains_on_in_its_run_as_attempt_2(
     assert [(a["attempt"], a["failure_class"]) for a in rep["attempts"]] == [
         (1, "killed_by_signal"), (2, "success")]
     assert daemon.max_active["in-run"] == 1
-    assert_bitwise_equal(uninterrupted, training_state(
+    assert_bitwise_equal(uninterrupted(baseline_config()), training_state(
         final_state(Path(daemon.store), run="in-run")))
 
 
