@@ -32,9 +32,9 @@ from ckpt_assets.base.view import RunView
 from ckpt_assets.defs.jobs import train_job
 from ckpt_assets.defs.resources import CheckpointStore, MLflowResource
 from ckpt_assets.lifecycle.decision import consider
-from ckpt_assets.lifecycle.ended import LIVE, lost_worker
+from ckpt_assets.lifecycle.ended import lost_worker
 from ckpt_assets.lifecycle.liveness import judge, read_beat, retire
-from ckpt_assets.lifecycle.lost_worker import end_lost_attempt
+from ckpt_assets.lifecycle.lost_worker import end_lost_attempts
 from ckpt_assets.lifecycle.pending import Cursor, due_resumes, sweep_ended
 from ckpt_assets.lifecycle.settings import ResumeSettings
 
@@ -108,20 +108,14 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
                      settings: ResumeSettings, now: float) -> list[str]:
     """Retire the trainer of each STARTED training run judged dead (no heartbeat within the
     timeout) or stalled (heartbeating, but no step within the stall limit), and mark the run
-    failed; the failure sensor, or the next sweep, resumes it by the same policy. A STARTED
-    or CANCELING run whose run worker is known dead is ended (`end_lost_attempt`)."""
+    failed; the failure sensor, or the next sweep, resumes it by the same policy."""
     notes = []
-    # Every STARTED or CANCELING run, however many: they are what runs now, not the
-    # instance's history.
-    for run in instance.get_runs(filters=dg.RunsFilter(statuses=list(LIVE))):
-        if not is_training_run(run):
+    # Every STARTED run, however many: they are what runs now, not the instance's history.
+    for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
+        # A run whose worker is known dead has no heartbeat to wait for: every tick ends it
+        # (`end_lost_attempts`); one it could not end is not judged here either.
+        if not is_training_run(run) or lost_worker(run) is not None:
             continue
-        if lost_worker(run) is not None:  # its worker is known dead: no heartbeat to wait for
-            end_lost_attempt(instance, run)
-            notes.append(f"{run.run_id[:8]}: its run worker is gone; the run is ended")
-            continue
-        if run.status != dg.DagsterRunStatus.STARTED:
-            continue  # being terminated: its worker stops the trainer
         view = RunView.of(run)
         started = max(instance.get_run_record_by_id(run.run_id).start_time or now,
                       view.attempt_started_at or 0.0)
@@ -144,31 +138,37 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
     job=train_job,
     minimum_interval_seconds=TICK_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="The one launcher of resumes: launches each decided resume once due (every "
-                "tick), and finds what the failure sensors missed (every 15 s): earlier "
-                "failures, errored ticks, and runs whose trainer stopped heartbeating.",
+    description="The one launcher of resumes: launches each decided resume once due and "
+                "ends each run whose run worker is gone, deciding it at once (every tick), "
+                "and finds what the failure sensors missed (every 15 s): earlier failures, "
+                "errored ticks, and runs whose trainer stopped heartbeating.",
 )
 def reconcile_training_runs(context: dg.SensorEvaluationContext,
                             checkpoint_store: CheckpointStore, mlflow_tracking: MLflowResource):
     instance, now = context.instance, time.time()
     settings = ResumeSettings.from_env()
     cursor = Cursor.parse(context.cursor)
+    ended = end_lost_attempts(instance)
+    notes = [f"{r.run_id[:8]}: its run worker is gone; the run is ended" for r in ended]
     last = cursor.swept_at
     if last is not None and 0 <= now - last < RECONCILE_EVERY_S:
-        found, cursor = due_resumes(instance, checkpoint_store, settings, now, cursor)
+        found, cursor = due_resumes(instance, checkpoint_store, settings, now, cursor, ended,
+                                    mlflow_tracking)
         context.update_cursor(cursor.dump())
+        notes += [f"launching resume of {r.partition_key}" for r in found.requests]
         if not found.requests:
-            return dg.SkipReason("no resume due; the full sweep runs every "
-                                 f"{RECONCILE_EVERY_S:.0f}s")
-        context.log.info("; ".join(f"launching resume of {r.partition_key}"
-                                   for r in found.requests))
+            return dg.SkipReason("; ".join(notes) or "no resume due; the full sweep runs "
+                                 f"every {RECONCILE_EVERY_S:.0f}s")
+        context.log.info("; ".join(notes))
         return found.requests
-    return _sweep(context, instance, checkpoint_store, settings, now, cursor, mlflow_tracking)
+    return _sweep(context, instance, checkpoint_store, settings, now, cursor, mlflow_tracking,
+                  notes)
 
 
 def _sweep(context, instance: dg.DagsterInstance, store: CheckpointStore,
-           settings: ResumeSettings, now: float, cursor: Cursor, tracking: MLflowResource):
-    notes = fail_silent_runs(instance, store, settings, now)
+           settings: ResumeSettings, now: float, cursor: Cursor, tracking: MLflowResource,
+           notes: list[str]):
+    notes += fail_silent_runs(instance, store, settings, now)
     found, cursor = sweep_ended(instance, store, settings, now, cursor, tracking)
     context.update_cursor(cursor.dump())
     notes += [f"{r.tags.get(TAG_PARENT_RUN_ID, '')[:8]}: launching resume of {r.partition_key}"

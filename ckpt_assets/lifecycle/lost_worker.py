@@ -2,8 +2,10 @@
 
 Seeing it is a read (`lifecycle.ended.lost_worker`: the run's recorded processes say its
 worker ran on this machine and is gone), done by anyone: `list`, `lineage`, the state check.
-Ending it is the move `run worker lost`, owned here (`end_lost_attempt`) and asked for by the
-reconciler's sweep and by a launch by hand of the same training run (`ckpt-assets run`,
+Ending it is the move `run worker lost`, owned here (`end_lost_attempt`) and asked for by
+every tick of the reconciler (`end_lost_attempts`: a query of the live runs and a look at
+this machine's processes, no store read, so a lost worker costs its run at most a tick) and
+by a launch by hand of the same training run (`ckpt-assets run`,
 `launch`, the `new_training_run` job), which must chain onto it as its resume would. The run
 is failed (the failure sensors then decide) and what its attempt left running is asked to
 stop (the trainer commits and exits 143).
@@ -20,10 +22,11 @@ import dagster as dg
 from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.base.events import ATTEMPT_ENDED, MODEL_CHECKPOINT_KEY
 from ckpt_assets.base.metadata import to_metadata
+from ckpt_assets.base.queries import is_training_run
 from ckpt_assets.base.store import StoreSource
 from ckpt_assets.base.tags import PARTITION_TAG, TAG_WORKER_LOST
 from ckpt_assets.lifecycle.decision_record import DecisionRecord
-from ckpt_assets.lifecycle.ended import lost_words, lost_worker, run_repo
+from ckpt_assets.lifecycle.ended import LIVE, lost_words, lost_worker, run_repo
 from ckpt_assets.lifecycle.model import Event, NotAMove
 from ckpt_assets.lifecycle.transition import Writes, transition
 from ckpt_assets.mlflow.run import MlflowRun
@@ -52,6 +55,14 @@ def end_lost_attempt(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dg.Dag
     with suppress(NotAMove):  # e.g. stopped for good meanwhile: the stop ends it
         transition(instance, run.tags[PARTITION_TAG], Event.WORKER_LOST, end, run=run)
     return instance.get_run_by_id(run.run_id) or run
+
+
+def end_lost_attempts(instance: dg.DagsterInstance) -> list[dg.DagsterRun]:
+    """Every live training run whose run worker is known dead, ended (`end_lost_attempt`),
+    as it reads now: the runs the reconciler decides and resumes in the same tick."""
+    return [end_lost_attempt(instance, run)
+            for run in instance.get_runs(filters=dg.RunsFilter(statuses=list(LIVE)))
+            if is_training_run(run) and lost_worker(run) is not None]
 
 
 def record_lost_end(w: Writes, failure: AttemptEnd, rec: DecisionRecord,

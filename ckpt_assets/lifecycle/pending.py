@@ -24,6 +24,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from itertools import chain
 from typing import Any
 
 import dagster as dg
@@ -133,14 +134,17 @@ def _look(instance: dg.DagsterInstance, window: Iterator[dg.DagsterRun], cursor:
 
 
 def due_resumes(instance: dg.DagsterInstance, store: StoreSource, settings: ResumeSettings,
-                now: float, cursor: Cursor) -> tuple[Found, Cursor]:
-    """The reconciler's every tick: the runs decided `resume` since its last tick, and the
-    back-offs it waits for; each resume that is due is requested. The window is read by
-    status and update time alone (Dagster indexes both together) and the decision is told
-    by the tags: a query joined on the decision tag reads every run ever decided `resume`."""
+                now: float, cursor: Cursor, ended: list[dg.DagsterRun] = (),
+                tracking=None) -> tuple[Found, Cursor]:
+    """The reconciler's every tick: the runs decided `resume` since its last tick, the
+    back-offs it waits for, and the runs it `ended` this tick (a lost run worker's: decided
+    now, not at the failure sensor's next tick); each resume that is due is requested. The
+    window is read by status and update time alone (Dagster indexes both together) and the
+    decision is told by the tags: a query joined on the decision tag reads every run ever
+    decided `resume`."""
     window = (r for r in ended_since(instance, cursor.decided_after)
               if r.tags.get(TAG_DECISION) == "resume")
-    found = _look(instance, window, cursor, store, settings, now)
+    found = _look(instance, chain(window, ended), cursor, store, settings, now, tracking)
     return found, replace(cursor, decided_after=now, waiting=tuple(sorted(found.waiting)))
 
 

@@ -30,6 +30,7 @@ from dagster._core.events.log import EventLogEntry
 from dagster._core.test_utils import create_run_for_test
 
 from ckpt_assets.base import events
+from ckpt_assets.base.attempt_processes import AttemptProcesses
 from ckpt_assets.base.clock import iso, parse_time
 from ckpt_assets.base.end import AttemptEnd
 from ckpt_assets.base.queries import is_training_run
@@ -45,10 +46,12 @@ from ckpt_assets.base.tags import (
     TAG_HEARTBEAT_LOST,
     TAG_NO_RESUME,
     TAG_PARENT_RUN_ID,
+    TAG_PROCESSES,
     TAG_RESUME_AT,
     TAG_RESUME_FROM,
     TAG_ROOT_RUN_ID,
     TAG_STALLED,
+    TAG_WORKER_LOST,
 )
 from ckpt_assets.defs.resources import CheckpointStore
 from ckpt_assets.defs.sensors import (
@@ -304,6 +307,21 @@ def test_a_lost_run_worker_counts_as_killed_and_resumes_from_the_stores_latest(i
     assert tags_of(instance, run)[TAG_FAILURE_KIND] == "killed"
     assert req.tags[TAG_RESUME_FROM] == _repo(store).uri("step-000000020-a1")
     assert carried_budget(req)["resumed_from_step"] == 20
+
+
+def test_a_run_whose_worker_is_gone_is_ended_decided_and_resumed_in_one_tick(instance, store):
+    """Not at the next full sweep (every 15 s) nor after a failure sensor's tick: a lost run
+    worker costs its run at most one tick of the reconciler."""
+    # A worker on this machine that is gone: a pid above any pid_max (2**22) never runs.
+    worker = dataclasses.replace(ProcessId.of(), pid=2**22 + 1)
+    procs = AttemptProcesses(worker, worker, "/tmp/ckpt-lost.log")
+    run = dagster_runs.started_run(instance, KEY, tags={TAG_PROCESSES: procs.to_tag()})
+    (req,) = tick(instance, store)
+    ended = instance.get_run_by_id(run.run_id)
+    assert ended.status == dg.DagsterRunStatus.FAILURE and TAG_WORKER_LOST in ended.tags
+    assert ended.tags[TAG_DECISION] == "resume"
+    assert req.tags[TAG_PARENT_RUN_ID] == run.run_id
+    assert req.tags[TAG_RESUME_FROM] == _repo(store).uri("step-000000020-a1")
 
 
 def _end_event_stored_before_its_record(instance, run: dg.DagsterRun) -> DagsterEvent:
