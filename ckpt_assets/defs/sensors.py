@@ -138,10 +138,11 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
     job=train_job,
     minimum_interval_seconds=TICK_S,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="The one launcher of resumes: launches each decided resume once due and "
-                "ends each run whose run worker is gone, deciding it at once (every tick), "
-                "and finds what the failure sensors missed (every 15 s): earlier failures, "
-                "errored ticks, and runs whose trainer stopped heartbeating.",
+    description="The one launcher of resumes: every tick, it ends each run whose run "
+                "worker is gone, decides each failure since its last tick (if no failure "
+                "sensor has yet) and launches each decided resume once due; every 15 s, it "
+                "finds what was missed: earlier failures, errored ticks, and runs whose "
+                "trainer stopped heartbeating.",
 )
 def reconcile_training_runs(context: dg.SensorEvaluationContext,
                             checkpoint_store: CheckpointStore, mlflow_tracking: MLflowResource):
@@ -152,7 +153,7 @@ def reconcile_training_runs(context: dg.SensorEvaluationContext,
     notes = [f"{r.run_id[:8]}: its run worker is gone; the run is ended" for r in ended]
     last = cursor.swept_at
     if last is not None and 0 <= now - last < RECONCILE_EVERY_S:
-        found, cursor = due_resumes(instance, checkpoint_store, settings, now, cursor, ended,
+        found, cursor = due_resumes(instance, checkpoint_store, settings, now, cursor,
                                     mlflow_tracking)
         context.update_cursor(cursor.dump())
         notes += [f"launching resume of {r.partition_key}" for r in found.requests]

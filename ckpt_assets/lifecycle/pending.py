@@ -24,7 +24,6 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from itertools import chain
 from typing import Any
 
 import dagster as dg
@@ -32,7 +31,6 @@ import dagster as dg
 from ckpt_assets.base.clock import parse_time
 from ckpt_assets.base.queries import ENDED_UNSUCCESSFULLY, is_training_run
 from ckpt_assets.base.store import StoreSource
-from ckpt_assets.base.tags import TAG_DECISION
 from ckpt_assets.base.view import RunView
 from ckpt_assets.lifecycle.decision import resume_or_wait
 from ckpt_assets.lifecycle.settings import ResumeSettings
@@ -48,7 +46,9 @@ class Cursor:
 
     swept_at: float | None = None  # the last full sweep
     ended_after: float | None = None  # the sweep's window: ended runs updated after this
-    decided_after: float | None = None  # the tick's window: runs decided `resume` after this
+    # The tick's window: runs ended or decided after this (the name from when a tick read
+    # only the runs decided `resume`; kept, as a daemon's stored cursor holds it).
+    decided_after: float | None = None
     waiting: tuple[str, ...] = field(default=())  # failed runs whose back-off has not ended
 
     @classmethod
@@ -134,17 +134,15 @@ def _look(instance: dg.DagsterInstance, window: Iterator[dg.DagsterRun], cursor:
 
 
 def due_resumes(instance: dg.DagsterInstance, store: StoreSource, settings: ResumeSettings,
-                now: float, cursor: Cursor, ended: list[dg.DagsterRun] = (),
-                tracking=None) -> tuple[Found, Cursor]:
-    """The reconciler's every tick: the runs decided `resume` since its last tick, the
-    back-offs it waits for, and the runs it `ended` this tick (a lost run worker's: decided
-    now, not at the failure sensor's next tick); each resume that is due is requested. The
-    window is read by status and update time alone (Dagster indexes both together) and the
-    decision is told by the tags: a query joined on the decision tag reads every run ever
-    decided `resume`."""
-    window = (r for r in ended_since(instance, cursor.decided_after)
-              if r.tags.get(TAG_DECISION) == "resume")
-    found = _look(instance, chain(window, ended), cursor, store, settings, now, tracking)
+                now: float, cursor: Cursor, tracking=None) -> tuple[Found, Cursor]:
+    """The reconciler's every tick: the runs ended or decided since its last tick, and the
+    back-offs it waits for; each one undecided is decided now (the failure sensors, evaluated
+    in the same daemon loop, may decide it first: the decision is created once), and each
+    resume that is due is requested. A failure is so resumed in the loop after it, not a loop
+    later, after a failure sensor's decision. The window is read by status and update time
+    alone (Dagster indexes both together); what needs the reconciler is told by the tags."""
+    found = _look(instance, ended_since(instance, cursor.decided_after), cursor, store,
+                  settings, now, tracking)
     return found, replace(cursor, decided_after=now, waiting=tuple(sorted(found.waiting)))
 
 

@@ -1,6 +1,7 @@
-"""Three failures of one run on an S3 store: two decided by failure-sensor ticks, one by a
-reconciler sweep while the failure sensor is off (as for failures from before it was on);
-each resumed once, by the one launcher of resumes, the reconciler.
+"""Three failures of one run on an S3 store: two seen by the failure sensor and the
+reconciler's tick in the same daemon loop (whoever is first decides), one by the reconciler
+alone while the failure sensor is off (as for failures from before it was on); each resumed
+once, by the one launcher of resumes, the reconciler.
 
 The subject is who resumes each failure, once; that a trainer reached only through S3
 resumes bit for bit is tests/orchestrator/test_remote_trainer.py's."""
@@ -28,7 +29,7 @@ def _sensor(daemon: Daemon, verb: str) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once_each(
+def test_three_failures_of_an_s3_run_one_seen_only_by_the_reconciler_are_each_resumed_once(
         moto_server, tmp_path, monkeypatch):
     bucket = f"e2e-{uuid.uuid4().hex[:8]}"
     aws = {"AWS_ENDPOINT_URL": moto_server, "AWS_ACCESS_KEY_ID": "testing",
@@ -89,7 +90,8 @@ def test_two_sensor_ticks_and_one_reconciler_sweep_resume_an_s3_run_exactly_once
             assert len(resumes) == 1
         assert [r.tags.get("ckpt/failure_kind") for r in runs[:3]] == ["killed", "killed",
                                                                        "preempted"]
-        # Decided by the failure sensor, the sweep, the failure sensor; launched by one sensor.
+        # Decided by whichever sensor was first, the reconciler alone, whichever was first;
+        # launched by one sensor.
         assert [r.tags.get("dagster/sensor_name") for r in runs[1:]] == [
             "reconcile_training_runs"] * 3
         assert final.tags["ckpt/attempt"] == "4"

@@ -324,6 +324,16 @@ def test_a_run_whose_worker_is_gone_is_ended_decided_and_resumed_in_one_tick(ins
     assert req.tags[TAG_RESUME_FROM] == _repo(store).uri("step-000000020-a1")
 
 
+def test_a_failure_no_failure_sensor_decided_yet_is_decided_and_resumed_by_the_next_tick(
+        instance, store):
+    """The failure sensors tick in the same daemon loop as the reconciler: a decision left to
+    them would be launched a loop later."""
+    run = failed_run(instance, exit_code=-9, failure_class="killed_by_signal")
+    (req,) = tick(instance, store)
+    assert tags_of(instance, run)[TAG_DECISION] == "resume"
+    assert req.tags[TAG_PARENT_RUN_ID] == run.run_id
+
+
 def _end_event_stored_before_its_record(instance, run: dg.DagsterRun) -> DagsterEvent:
     """A worker's RUN_FAILURE as the sensor first meets it: in the event log, the run's record
     not yet updated (Dagster stores the event, then rewrites the record)."""
