@@ -4,8 +4,10 @@
 from Dagster, which end CANCELED, not FAILED) see each ended training run once and hand it
 to `ckpt_assets.lifecycle.decision.consider`, which decides once. They launch nothing.
 `reconcile_training_runs` is the one launcher of resumes: on every loop of the daemon
-(every 5 s) it launches each decided resume that is due, at once or once its back-off ended;
-every 15 s it sweeps for what the failure sensors cannot see (failures from before they
+(every 5 s) it ends each run whose run worker is gone from this machine, decides each
+failure since its last tick that no failure sensor has decided yet (they run in the same
+loop: left to them, a decision was launched a loop later), and launches each decided resume
+that is due, at once or once its back-off ended; every 15 s it sweeps for what the failure sensors cannot see (failures from before they
 were enabled or whose tick errored, decided here at once, whatever their age) and for runs
 stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats without completing
 a step (stalled); `ckpt_assets.lifecycle.liveness` judges those and retires their trainer
@@ -16,7 +18,7 @@ the instance's history.
 
 One launcher, no race between sensors: Dagster launches a run_key once per sensor (not once
 across sensors), so a resume requested by two sensors would be launched twice. The failure
-sensors and the sweep may both decide a run; the decision is created once in the store, and
+sensors and the reconciler may both decide a run; the decision is created once in the store, and
 only the reconciler turns it into a run.
 """
 
@@ -108,7 +110,7 @@ def fail_silent_runs(instance: dg.DagsterInstance, store: CheckpointStore,
                      settings: ResumeSettings, now: float) -> list[str]:
     """Retire the trainer of each STARTED training run judged dead (no heartbeat within the
     timeout) or stalled (heartbeating, but no step within the stall limit), and mark the run
-    failed; the failure sensor, or the next sweep, resumes it by the same policy."""
+    failed; the reconciler's next tick (or a failure sensor) decides it by the same policy."""
     notes = []
     # Every STARTED run, however many: they are what runs now, not the instance's history.
     for run in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED])):
