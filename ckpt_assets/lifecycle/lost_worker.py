@@ -7,8 +7,8 @@ every tick of the reconciler (`end_lost_attempts`: a query of the live runs and 
 this machine's processes, no store read, so a lost worker costs its run at most a tick) and
 by a launch by hand of the same training run (`ckpt-assets run`,
 `launch`, the `new_training_run` job), which must chain onto it as its resume would. The run
-is failed (the failure sensors then decide) and what its attempt left running is asked to
-stop (the trainer commits and exits 143).
+is failed (decided by the reconciler, in the same tick when its tick ended it) and what its attempt left running is
+asked to stop (the trainer commits and exits 143).
 """
 
 from __future__ import annotations
