@@ -5,10 +5,10 @@ worker ran on this machine and is gone), done by anyone: `list`, `lineage`, the 
 Ending it is the move `run worker lost`, owned here (`end_lost_attempt`) and asked for by
 every tick of the reconciler (`end_lost_attempts`: a query of the live runs and a look at
 this machine's processes, no store read, so a lost worker costs its run at most a tick) and
-by a launch by hand of the same training run (`ckpt-assets run`,
-`launch`, the `new_training_run` job), which must chain onto it as its resume would. The run
-is failed (decided by the reconciler, in the same tick when its tick ended it) and what its attempt left running is
-asked to stop (the trainer commits and exits 143).
+by a launch by hand of the same training run (`ckpt-assets run`, `launch`, the
+`new_training_run` job), which must chain onto it as its resume would. The run is failed
+(decided by the reconciler, in the same tick when its tick ended it) and what its attempt
+left running is asked to stop (the trainer commits and exits 143).
 """
 
 from __future__ import annotations
