@@ -141,7 +141,7 @@ class Attempt:
     # files on this machine).
     channels: PipesChannels | None = None
     # The step's standby trainer, which becomes this process if it can, and is refilled for
-    # the next attempt once this one has spoken.
+    # the next attempt once this one is past its start-up (`_refill`).
     warm: WarmTrainer | None = None
 
 
@@ -197,7 +197,7 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
     try:
         try:
             held.deliver()
-            opener.wait_while_running(proc)
+            opener.wait_while_running(proc, lambda: _refill(session, attempt, env, warmed))
             while (rc := proc.poll()) is None:
                 seen = hand_on_messages(session, attempt, seen, env)
                 _wait_a_little(proc)
@@ -229,10 +229,19 @@ def hand_on_messages(session, attempt: Attempt, seen: int, env: dict[str, str]) 
     with stops_held() as held:
         msgs = session.get_custom_messages()
         attempt.on_messages(msgs[seen:])
-        if msgs and attempt.warm is not None:  # it has started: the next one may get ready
-            attempt.warm.refill(attempt.argv, env, attempt.cwd)
+        _refill(session, attempt, env, False)
     held.deliver()
     return len(msgs)
+
+
+def _refill(session, attempt: Attempt, env: dict[str, str], warmed: bool) -> None:
+    """Start the next attempt's standby once this attempt is past its start-up, so that the
+    two never compete for the CPU while both import torch: at once when a standby became
+    this attempt (its imports were done), else once it has sent its first message. Not
+    after MLflow's opening, which takes seconds on a run's first attempt: a kill in those
+    seconds found no standby, and its relaunch imported torch afresh."""
+    if attempt.warm is not None and (warmed or session.get_custom_messages()):
+        attempt.warm.refill(attempt.argv, env, attempt.cwd)
 
 
 def _wait_a_little(proc: subprocess.Popen) -> None:
@@ -302,9 +311,12 @@ class TrackingOpener:
 
         threading.Thread(target=run, name="mlflow-open", daemon=True).start()
 
-    def wait_while_running(self, proc: subprocess.Popen) -> None:
-        """Until it is done, or the process has exited (then a little longer)."""
+    def wait_while_running(self, proc: subprocess.Popen, meanwhile: Callable[[], None]) -> None:
+        """Until it is done, or the process has exited (then a little longer); `meanwhile`
+        is called every tenth of a second."""
+        meanwhile()
         while not self._done.wait(0.1):
+            meanwhile()
             if proc.poll() is not None:
                 self.finish(None)
                 return

@@ -29,7 +29,7 @@ from ckpt_assets.attempt.command import (
     standing_launch,
     task_launch,
 )
-from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
+from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED, Attempt, _refill
 from ckpt_assets.attempt.warm_start import IMPORT_S, WarmTrainer, _Standby
 from ckpt_assets.base.datasets import DatasetRecord
 from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
@@ -149,6 +149,34 @@ def test_the_first_attempts_standby_is_off_by_its_setting_and_a_relaunchs_also_w
     assert not off.enabled and not off.refills
     no_relaunch = WarmTrainer(ResumeSettings(in_run_relaunch=False), LOG)
     assert no_relaunch.enabled and not no_relaunch.refills
+
+
+def test_the_next_standby_starts_as_soon_as_a_warm_attempt_runs_and_a_cold_one_once_it_has_spoken():
+    """A cold attempt imports torch itself: a standby beside it would double that. One a
+    standby became has imported already, so its successor need not wait for a message,
+    which on a run's first attempt waits for MLflow's opening."""
+    class Warm:
+        refilled = 0
+
+        def refill(self, argv, env, cwd):
+            self.refilled += 1
+
+    class Session:
+        msgs: list = []
+
+        def get_custom_messages(self):
+            return self.msgs
+
+    warm, session = Warm(), Session()
+    attempt = Attempt(["python", "-m", "trainer"], {}, "/", 1.0, lambda m: None,
+                      lambda: None, warm=warm)
+    _refill(session, attempt, {}, warmed=False)
+    assert warm.refilled == 0
+    _refill(session, attempt, {}, warmed=True)
+    assert warm.refilled == 1
+    session.msgs = [{"method": "started"}]
+    _refill(session, attempt, {}, warmed=False)
+    assert warm.refilled == 2
 
 
 def test_an_attempt_beside_a_trainer_of_its_projects_own_is_never_given_a_standby(
