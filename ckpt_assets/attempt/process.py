@@ -141,7 +141,7 @@ class Attempt:
     # files on this machine).
     channels: PipesChannels | None = None
     # The step's standby trainer, which becomes this process if it can, and is refilled for
-    # the next attempt once this one is past its start-up (`_refill`).
+    # the next attempt once this one has spoken (`_refill`).
     warm: WarmTrainer | None = None
 
 
@@ -197,7 +197,7 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
     try:
         try:
             held.deliver()
-            opener.wait_while_running(proc, lambda: _refill(session, attempt, env, warmed))
+            opener.wait_while_running(proc, lambda: _refill(session, attempt, env))
             while (rc := proc.poll()) is None:
                 seen = hand_on_messages(session, attempt, seen, env)
                 _wait_a_little(proc)
@@ -229,18 +229,18 @@ def hand_on_messages(session, attempt: Attempt, seen: int, env: dict[str, str]) 
     with stops_held() as held:
         msgs = session.get_custom_messages()
         attempt.on_messages(msgs[seen:])
-        _refill(session, attempt, env, False)
+        _refill(session, attempt, env)
     held.deliver()
     return len(msgs)
 
 
-def _refill(session, attempt: Attempt, env: dict[str, str], warmed: bool) -> None:
-    """Start the next attempt's standby once this attempt is past its start-up, so that the
-    two never compete for the CPU while both import torch: at once when a standby became
-    this attempt (its imports were done), else once it has sent its first message. Not
-    after MLflow's opening, which takes seconds on a run's first attempt: a kill in those
-    seconds found no standby, and its relaunch imported torch afresh."""
-    if attempt.warm is not None and (warmed or session.get_custom_messages()):
+def _refill(session, attempt: Attempt, env: dict[str, str]) -> None:
+    """Start the next attempt's standby once this attempt has sent its first message: its
+    checkpoint is restored by then, so the standby's import of torch competes with neither
+    this attempt's imports nor its restore. Looked at while MLflow opens too, which takes
+    seconds on a run's first attempt: a kill in those seconds found no standby, and its
+    relaunch imported torch afresh."""
+    if attempt.warm is not None and session.get_custom_messages():
         attempt.warm.refill(attempt.argv, env, attempt.cwd)
 
 

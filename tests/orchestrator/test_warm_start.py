@@ -151,10 +151,10 @@ def test_the_first_attempts_standby_is_off_by_its_setting_and_a_relaunchs_also_w
     assert no_relaunch.enabled and not no_relaunch.refills
 
 
-def test_the_next_standby_starts_as_soon_as_a_warm_attempt_runs_and_a_cold_one_once_it_has_spoken():
-    """A cold attempt imports torch itself: a standby beside it would double that. One a
-    standby became has imported already, so its successor need not wait for a message,
-    which on a run's first attempt waits for MLflow's opening."""
+def test_the_next_standby_starts_once_the_attempt_has_spoken_even_before_its_messages_are_handled():
+    """Its first message comes after its restore: a standby started then competes with
+    neither. The run worker hands messages on only once MLflow has opened, seconds later on
+    a run's first attempt; the standby does not wait for that."""
     class Warm:
         refilled = 0
 
@@ -170,13 +170,11 @@ def test_the_next_standby_starts_as_soon_as_a_warm_attempt_runs_and_a_cold_one_o
     warm, session = Warm(), Session()
     attempt = Attempt(["python", "-m", "trainer"], {}, "/", 1.0, lambda m: None,
                       lambda: None, warm=warm)
-    _refill(session, attempt, {}, warmed=False)
+    _refill(session, attempt, {})
     assert warm.refilled == 0
-    _refill(session, attempt, {}, warmed=True)
-    assert warm.refilled == 1
     session.msgs = [{"method": "started"}]
-    _refill(session, attempt, {}, warmed=False)
-    assert warm.refilled == 2
+    _refill(session, attempt, {})
+    assert warm.refilled == 1
 
 
 def test_an_attempt_beside_a_trainer_of_its_projects_own_is_never_given_a_standby(
