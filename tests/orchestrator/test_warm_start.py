@@ -29,7 +29,13 @@ from ckpt_assets.attempt.command import (
     standing_launch,
     task_launch,
 )
-from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED, Attempt, _refill
+from ckpt_assets.attempt.process import (
+    PROCESS_STARTED,
+    WARM_STARTED,
+    Attempt,
+    TrackingOpener,
+    _refill,
+)
 from ckpt_assets.attempt.warm_start import IMPORT_S, WarmTrainer, _Standby
 from ckpt_assets.base.datasets import DatasetRecord
 from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
@@ -175,6 +181,29 @@ def test_the_next_standby_starts_once_the_attempt_has_spoken_even_before_its_mes
     session.msgs = [{"method": "started"}]
     _refill(session, attempt, {})
     assert warm.refilled == 1
+
+
+def test_the_wait_for_mlflows_opening_keeps_looking_at_the_attempt_meanwhile():
+    """What `_supervise` passes as `meanwhile` (the standby's refill) runs while MLflow is
+    still opening, not only once it has opened."""
+    looked, opened = threading.Event(), []
+
+    def open_mlflow():  # returns once it has been looked past, or gives up
+        opened.append(looked.wait(10))
+
+    class Running:
+        def poll(self):
+            return None
+
+    calls = []
+
+    def meanwhile():
+        calls.append(1)
+        if len(calls) > 1:  # once in the loop that waits for the opening
+            looked.set()
+
+    TrackingOpener(open_mlflow).wait_while_running(Running(), meanwhile)
+    assert opened == [True] and len(calls) >= 2
 
 
 def test_an_attempt_beside_a_trainer_of_its_projects_own_is_never_given_a_standby(
