@@ -179,11 +179,13 @@ class WarmTrainer:
     def _start(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
         """Start a standby unless there is one or it could not run `argv`. Called from the
         run's own thread (a step's): PR_SET_PDEATHSIG follows the thread that started a
-        process, so a helper thread's exit would stop it."""
+        process, so a helper thread's exit would stop it. A refusal is said once: the run
+        asks for a refill every few tenths of a second, and then stops asking."""
         if self._standby is not None or entry(argv) is None:
             return
         theirs = own_trainer(argv, cwd)
         if theirs is not None:
+            self.refills = False
             self.log.info(f"no standby trainer: the attempt imports {theirs} as `trainer`, "
                           "which a standby's own `trainer` would hide; attempts start cold")
             return
@@ -193,8 +195,9 @@ class WarmTrainer:
                 self.log.info(f"{STANDBY_STARTED} (pid {self._standby.proc.pid}) for the "
                               "next attempt")
             except OSError as e:  # the next attempt starts cold; this one trains on
-                self.log.warning(f"could not start a standby trainer ({e}); a relaunch "
-                                 "starts cold")
+                self.refills = False
+                self.log.warning(f"could not start a standby trainer ({e}); relaunches in "
+                                 "this run start cold")
         held.deliver()
 
     def close(self) -> None:
