@@ -197,7 +197,8 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
     try:
         try:
             held.deliver()
-            opener.wait_while_running(proc, lambda: _refill(session, attempt, env))
+            opener.wait_while_running(
+                proc, lambda: _refill(attempt, env, bool(session.get_custom_messages())))
             while (rc := proc.poll()) is None:
                 seen = hand_on_messages(session, attempt, seen, env)
                 _wait_a_little(proc)
@@ -229,18 +230,18 @@ def hand_on_messages(session, attempt: Attempt, seen: int, env: dict[str, str]) 
     with stops_held() as held:
         msgs = session.get_custom_messages()
         attempt.on_messages(msgs[seen:])
-        _refill(session, attempt, env)
+        _refill(attempt, env, bool(msgs))
     held.deliver()
     return len(msgs)
 
 
-def _refill(session, attempt: Attempt, env: dict[str, str]) -> None:
-    """Start the next attempt's standby once this attempt has sent its first message: its
+def _refill(attempt: Attempt, env: dict[str, str], spoken: bool) -> None:
+    """Start the next attempt's standby once this attempt has `spoken` (sent a message): its
     checkpoint is restored by then, so the standby's import of torch competes with neither
     this attempt's imports nor its restore. Looked at while MLflow opens too, which takes
     seconds on a run's first attempt: a kill in those seconds found no standby, and its
     relaunch imported torch afresh."""
-    if attempt.warm is not None and session.get_custom_messages():
+    if spoken and attempt.warm is not None:
         attempt.warm.refill(attempt.argv, env, attempt.cwd)
 
 

@@ -157,29 +157,21 @@ def test_the_first_attempts_standby_is_off_by_its_setting_and_a_relaunchs_also_w
     assert no_relaunch.enabled and not no_relaunch.refills
 
 
-def test_the_next_standby_starts_once_the_attempt_has_spoken_even_before_its_messages_are_handled():
+def test_the_next_standby_starts_once_the_attempt_has_spoken_and_not_before():
     """Its first message comes after its restore: a standby started then competes with
-    neither. The run worker hands messages on only once MLflow has opened, seconds later on
-    a run's first attempt; the standby does not wait for that."""
+    neither (the wait for MLflow's opening asks too, below)."""
     class Warm:
         refilled = 0
 
         def refill(self, argv, env, cwd):
             self.refilled += 1
 
-    class Session:
-        msgs: list = []
-
-        def get_custom_messages(self):
-            return self.msgs
-
-    warm, session = Warm(), Session()
+    warm = Warm()
     attempt = Attempt(["python", "-m", "trainer"], {}, "/", 1.0, lambda m: None,
                       lambda: None, warm=warm)
-    _refill(session, attempt, {})
+    _refill(attempt, {}, spoken=False)
     assert warm.refilled == 0
-    session.msgs = [{"method": "started"}]
-    _refill(session, attempt, {})
+    _refill(attempt, {}, spoken=True)
     assert warm.refilled == 1
 
 
