@@ -7,19 +7,20 @@ to `ckpt_assets.lifecycle.decision.consider`, which decides once. They launch no
 (every 5 s) it ends each run whose run worker is gone from this machine, decides each
 failure since its last tick that no failure sensor has decided yet (they run in the same
 loop: left to them, a decision was launched a loop later), and launches each decided resume
-that is due, at once or once its back-off ended; every 15 s it sweeps for what the failure sensors cannot see (failures from before they
-were enabled or whose tick errored, decided here at once, whatever their age) and for runs
-stuck in STARTED whose trainer stopped heartbeating (dead) or heartbeats without completing
-a step (stalled); `ckpt_assets.lifecycle.liveness` judges those and retires their trainer
-before the run is marked failed. Both find ended runs by what changed since their last look
+that is due, at once or once its back-off ended. Every 15 s it sweeps for what the failure
+sensors cannot see (failures from before they were enabled or whose tick errored, decided
+here at once, whatever their age) and for runs stuck in STARTED whose trainer stopped
+heartbeating (dead) or heartbeats without completing a step (stalled);
+`ckpt_assets.lifecycle.liveness` judges those and retires their trainer before the run is
+marked failed. Both find ended runs by what changed since their last look
 (`ckpt_assets.lifecycle.pending`, the windows and back-offs kept in the cursor), never among
 the newest N runs: an old run that fails late is found, and a tick costs what changed, not
 the instance's history.
 
 One launcher, no race between sensors: Dagster launches a run_key once per sensor (not once
 across sensors), so a resume requested by two sensors would be launched twice. The failure
-sensors and the reconciler may both decide a run; the decision is created once in the store, and
-only the reconciler turns it into a run.
+sensors and the reconciler may both decide a run; the decision is created once in the
+store, and only the reconciler turns it into a run.
 """
 
 from __future__ import annotations
