@@ -141,7 +141,7 @@ class Attempt:
     # files on this machine).
     channels: PipesChannels | None = None
     # The step's standby trainer, which becomes this process if it can, and is refilled for
-    # the next attempt once this one has spoken (`_refill`).
+    # the next attempt once this one has spoken.
     warm: WarmTrainer | None = None
 
 
@@ -197,8 +197,7 @@ def _supervise(context, session, attempt: Attempt, env: dict[str, str],
     try:
         try:
             held.deliver()
-            opener.wait_while_running(
-                proc, lambda: _refill(attempt, env, bool(session.get_custom_messages())))
+            opener.wait_while_running(proc)
             while (rc := proc.poll()) is None:
                 seen = hand_on_messages(session, attempt, seen, env)
                 _wait_a_little(proc)
@@ -230,19 +229,10 @@ def hand_on_messages(session, attempt: Attempt, seen: int, env: dict[str, str]) 
     with stops_held() as held:
         msgs = session.get_custom_messages()
         attempt.on_messages(msgs[seen:])
-        _refill(attempt, env, bool(msgs))
+        if msgs and attempt.warm is not None:  # it has started: the next one may get ready
+            attempt.warm.refill(attempt.argv, env, attempt.cwd)
     held.deliver()
     return len(msgs)
-
-
-def _refill(attempt: Attempt, env: dict[str, str], spoken: bool) -> None:
-    """Start the next attempt's standby once this attempt has `spoken` (sent a message): its
-    checkpoint is restored by then, so the standby's import of torch competes with neither
-    this attempt's imports nor its restore. Looked at while MLflow opens too, which takes
-    seconds on a run's first attempt: a kill in those seconds found no standby, and its
-    relaunch imported torch afresh."""
-    if spoken and attempt.warm is not None:
-        attempt.warm.refill(attempt.argv, env, attempt.cwd)
 
 
 def _wait_a_little(proc: subprocess.Popen) -> None:
@@ -312,12 +302,9 @@ class TrackingOpener:
 
         threading.Thread(target=run, name="mlflow-open", daemon=True).start()
 
-    def wait_while_running(self, proc: subprocess.Popen, meanwhile: Callable[[], None]) -> None:
-        """Until it is done, or the process has exited (then a little longer); `meanwhile`
-        is called every tenth of a second."""
-        meanwhile()
+    def wait_while_running(self, proc: subprocess.Popen) -> None:
+        """Until it is done, or the process has exited (then a little longer)."""
         while not self._done.wait(0.1):
-            meanwhile()
             if proc.poll() is not None:
                 self.finish(None)
                 return

@@ -7,9 +7,7 @@ directory and environment less the per-attempt names:
 - for the run's first attempt, started by the run's first step (`training_dataset`), so that
   it imports torch while the run worker loads the dataset record and prepares the attempt;
 - for a relaunch in the same run (`ckpt_assets.attempt.in_run`), started once the attempt it stands
-  beside has sent its first message (so it never competes with that attempt's own start-up
-  and restore), whether or not the run worker has handled it yet
-  (`ckpt_assets.attempt.process`).
+  beside has sent its first message (so it never competes with that attempt's own start-up).
 When the attempt is launched, the standby is handed it and becomes it; a new standby is
 started beside the new attempt in turn.
 

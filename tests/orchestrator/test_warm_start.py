@@ -29,13 +29,7 @@ from ckpt_assets.attempt.command import (
     standing_launch,
     task_launch,
 )
-from ckpt_assets.attempt.process import (
-    PROCESS_STARTED,
-    WARM_STARTED,
-    Attempt,
-    TrackingOpener,
-    _refill,
-)
+from ckpt_assets.attempt.process import PROCESS_STARTED, WARM_STARTED
 from ckpt_assets.attempt.warm_start import IMPORT_S, WarmTrainer, _Standby
 from ckpt_assets.base.datasets import DatasetRecord
 from ckpt_assets.base.events import ATTEMPT_ENDED, partition_events
@@ -155,47 +149,6 @@ def test_the_first_attempts_standby_is_off_by_its_setting_and_a_relaunchs_also_w
     assert not off.enabled and not off.refills
     no_relaunch = WarmTrainer(ResumeSettings(in_run_relaunch=False), LOG)
     assert no_relaunch.enabled and not no_relaunch.refills
-
-
-def test_the_next_standby_starts_once_the_attempt_has_spoken_and_not_before():
-    """Its first message comes after its restore: a standby started then competes with
-    neither (the wait for MLflow's opening asks too, below)."""
-    class Warm:
-        refilled = 0
-
-        def refill(self, argv, env, cwd):
-            self.refilled += 1
-
-    warm = Warm()
-    attempt = Attempt(["python", "-m", "trainer"], {}, "/", 1.0, lambda m: None,
-                      lambda: None, warm=warm)
-    _refill(attempt, {}, spoken=False)
-    assert warm.refilled == 0
-    _refill(attempt, {}, spoken=True)
-    assert warm.refilled == 1
-
-
-def test_the_wait_for_mlflows_opening_keeps_looking_at_the_attempt_meanwhile():
-    """What `_supervise` passes as `meanwhile` (the standby's refill) runs while MLflow is
-    still opening, not only once it has opened."""
-    looked, opened = threading.Event(), []
-
-    def open_mlflow():  # returns once it has been looked past, or gives up
-        opened.append(looked.wait(10))
-
-    class Running:
-        def poll(self):
-            return None
-
-    calls = []
-
-    def meanwhile():
-        calls.append(1)
-        if len(calls) > 1:  # once in the loop that waits for the opening
-            looked.set()
-
-    TrackingOpener(open_mlflow).wait_while_running(Running(), meanwhile)
-    assert opened == [True] and len(calls) >= 2
 
 
 def test_an_attempt_beside_a_trainer_of_its_projects_own_is_never_given_a_standby(
